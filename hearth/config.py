@@ -1,0 +1,60 @@
+"""Frozen configuration dataclasses, one per concern.
+
+Each component receives only the part it needs. Facts learned at run time (the number of KV
+blocks, the model's shape) are constructor arguments elsewhere, never written back here.
+CLI flags map onto these in exactly one place: `hearth/cli.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL  # HF folder, GGUF file, or a built-in name
+    dtype: str = "float32"  # float32 (exact reference) | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's own context length
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # override: folder with tokenizer.json
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gb: float = 1.0  # memory budget for the KV pool
+    num_blocks: int | None = None  # explicit override of the budget (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_num_seqs: int = 64  # cap on running requests
+    max_waiting: int = 1024  # bounded waiting queue (server answers 429 past it)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_micro_batches: int = 0  # 0: one per pipeline stage
+    device: str = "cpu"  # cpu | cuda
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The composition the engine is built from (each part goes to its own component)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,129 @@
+"""Sampling as small pure functions over batched tensors.
+
+`sample(logits, batch)` takes `[num_reqs, vocab]` logits and a `SamplingBatch` of per-request
+parameters and returns token ids plus logprobs. Order of operations (as vLLM/HF do it):
+penalties -> temperature -> min_p / top_k / top_p masks -> draw. Greedy rows take the argmax of the
+penalised logits. Seeded rows draw from their own generator, so the same seed gives the same
+tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [B] float; 0 for greedy rows
+    top_p: torch.Tensor  # [B] float
+    top_k: torch.Tensor  # [B] int64; vocab size when disabled
+    min_p: torch.Tensor  # [B] float
+    presence_penalty: torch.Tensor  # [B, 1] float
+    frequency_penalty: torch.Tensor  # [B, 1] float
+    repetition_penalty: torch.Tensor  # [B, 1] float
+    output_counts: torch.Tensor | None  # [B, V] int: occurrences of each token in the output
+    seen_mask: torch.Tensor | None  # [B, V] bool: token occurs in prompt or output
+    generators: list[torch.Generator | None]  # per-row seeded generator (None: shared)
+    num_logprobs: int  # max top-k logprobs asked for in the batch; -1: none
+    all_greedy: bool
+    needs_filters: bool
+
+
+def make_sampling_batch(params: list[SamplingParams], token_histories: list[tuple[list[int],
+                        list[int]]], generators: list[torch.Generator | None],
+                        vocab_size: int) -> SamplingBatch:
+    """`token_histories[i]` is (prompt ids, output ids) of row i; only read when penalties apply."""
+    n = len(params)
+    temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
+    penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    for p in params)
+    counts = seen = None
+    if penalised:
+        counts = torch.zeros(n, vocab_size, dtype=torch.int32)
+        seen = torch.zeros(n, vocab_size, dtype=torch.bool)
+        for i, (prompt, output) in enumerate(token_histories):
+            if output:
+                out = torch.tensor(output, dtype=torch.long).clamp_(0, vocab_size - 1)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+            if params[i].repetition_penalty != 1.0 and prompt:
+                seen[i, torch.tensor(prompt, dtype=torch.long).clamp_(0, vocab_size - 1)] = True
+        seen |= counts > 0
+    return SamplingBatch(
+        temperature=temp,
+        top_p=torch.tensor([p.top_p for p in params]),
+        top_k=top_k,
+        min_p=torch.tensor([p.min_p for p in params]),
+        presence_penalty=torch.tensor([[p.presence_penalty] for p in params]),
+        frequency_penalty=torch.tensor([[p.frequency_penalty] for p in params]),
+        repetition_penalty=torch.tensor([[p.repetition_penalty] for p in params]),
+        output_counts=counts,
+        seen_mask=seen,
+        generators=generators,
+        num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        all_greedy=all(p.greedy for p in params),
+        needs_filters=any(p.top_p < 1.0 or 0 < p.top_k < vocab_size or p.min_p > 0
+                          for p in params),
+    )
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.output_counts is None:
+        return logits
+    rep = b.repetition_penalty.expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(b.seen_mask, penalised, logits)
+    counts = b.output_counts.to(logits.dtype)
+    logits = logits - b.frequency_penalty * counts
+    return logits - b.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_filters(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Mask tokens outside min_p, top_k and top_p (logits already divided by temperature)."""
+    if b.min_p.any():
+        probs = logits.softmax(-1)
+        cutoff = b.min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < cutoff, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1])[None, :]
+    drop = ranks >= b.top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+    drop |= (probs.cumsum(-1) - probs) >= b.top_p[:, None]
+    drop[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+         shared: torch.Generator | None) -> torch.Tensor:
+    """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) is a draw from p."""
+    noise = torch.empty_like(probs)
+    for i, gen in enumerate(generators):
+        noise[i].exponential_(generator=gen if gen is not None else shared)
+    return (probs / noise).argmax(-1)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, shared: torch.Generator | None = None):
+    """Returns (token_ids [B], sampled logprobs [B], top logprobs ([B, k] values, ids) or None)."""
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(-1) if b.num_logprobs >= 0 else None
+    logits = apply_penalties(logits, b)
+    greedy_tokens = logits.argmax(-1)
+    if b.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = b.temperature.clamp(min=1e-5)[:, None]
+        scaled = logits / temp
+        if b.needs_filters:
+            scaled = apply_filters(scaled, b)
+        tokens = draw(scaled.softmax(-1), b.generators, shared)
+        tokens = torch.where(b.temperature == 0, greedy_tokens, tokens)
+    if raw_logprobs is None:
+        return tokens, None, None
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    top = raw_logprobs.topk(b.num_logprobs, dim=-1) if b.num_logprobs > 0 else None
+    return tokens, chosen, top

@@ -1,0 +1,122 @@
+"""The phase-free scheduler.
+
+Every step grants each request up to its remaining uncomputed tokens within one token budget:
+running requests first (decodes get their one token; a chunked prompt gets what is left of the
+budget), then waiting ones while the running set has room. A prefix-cache hit is simply tokens
+that are already computed. When the pool runs out of blocks, the most recently admitted running
+request is preempted (its blocks freed, to be recomputed later; its prefix stays cached).
+
+Contract with the runner: `SchedulerOutput.scheduled` lists (request, num_new_tokens); the runner
+computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of each request and
+samples a token for every request whose computed tokens then reach `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from hearth.config import SchedulerConfig
+from hearth.engine.kv_cache import KVCacheManager
+from hearth.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self.running[-1]  # the newest request gives way
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing more fits this step
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.find_cached_prefix(req)
+            num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+            if not self.kv.allocate(req, num_new, hits):
+                break  # wait for blocks; admission order is kept (no overtaking)
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = len(hits) * self.kv.block_size
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request (finished, aborted or failed) and release its blocks."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def num_prefill_tokens_inflight(self) -> int:
+        """Uncomputed prompt tokens of waiting and running requests (the router's prefill load)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                   for r in list(self.waiting) + self.running)
+
+    def num_decode_tokens_active(self) -> int:
+        """Context tokens of running requests past their prompt (the router's decode load)."""
+        return sum(r.num_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)

@@ -1,0 +1,46 @@
+"""The shape of a Llama-family model, whatever file it came from.
+
+Every loader (HF folder, GGUF) produces one `ModelArch` plus a name -> tensor mapping in Hugging
+Face naming (`model.layers.{i}.self_attn.q_proj.weight`, ...), with Q/K weights in HF's
+rotate-half RoPE layout. The model code only ever sees this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style rope_scaling dict ({"rope_type": "llama3"|"linear"|"dynamic"|"yarn", ...}) or None
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )

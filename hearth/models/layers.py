@@ -1,0 +1,149 @@
+"""Building blocks: RMSNorm, rotary embedding, and tensor-parallel linear layers.
+
+Parallel linears hold only their rank's shard:
+  * ColumnParallelLinear splits the output features (each rank computes a slice; no communication);
+  * RowParallelLinear splits the input features (partial sums, then one all-reduce);
+  * VocabParallelEmbedding splits the vocabulary (masked lookup, then one all-reduce).
+`shard_sizes` lets a merged projection (QKV, gate/up) shard each of its parts separately.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.ops.parallel import ParallelGroup
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup):
+        super().__init__()
+        assert out_features % group.size == 0, (out_features, group.size)
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_features // group.size), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, group: ParallelGroup):
+        super().__init__()
+        assert in_features % group.size == 0, (in_features, group.size)
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, group: ParallelGroup):
+        super().__init__()
+        self.group = group
+        self.shard = math.ceil(vocab_size / group.size)
+        self.start = group.rank * self.shard
+        self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[:, None], 0.0)
+        return self.group.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel output projection; `forward` returns full-vocab logits on every rank."""
+
+    def __init__(self, vocab_size: int, dim: int, group: ParallelGroup):
+        super().__init__()
+        self.group = group
+        self.vocab_size = vocab_size
+        self.shard = math.ceil(vocab_size / group.size)
+        self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.group.all_gather_last_dim(logits)[:, : self.vocab_size]
+
+
+def _rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (and the attention-scale factor yarn asks for) per rope_scaling type."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in ("default", None):
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "llama3":
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(mid, blended, scaled), 1.0
+    if rope_type == "yarn":
+        old_len = scaling.get("original_max_position_embeddings", 4096)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+        def dim_for(rot: float) -> float:
+            return head_dim * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(dim_for(beta_fast)), 0)
+        high = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3))
+        extrapolate = 1 - ramp.clamp(0, 1)
+        inv = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
+        return inv, float(mscale)
+    if rope_type == "dynamic":
+        return inv_freq, 1.0  # NTK scaling applies only past the trained length; not emulated
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (HF layout) from a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq, mscale = _rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", (freqs.cos() * mscale).float(), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * mscale).float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, D], k: [T, KVH, D]; cos/sin: [T, 1, D/2]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,119 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 with QKV bias, Qwen3 with q/k norm).
+
+Models know only math: `forward(input_ids, positions, attn_metadata, kv_caches)`. Tokens of all
+requests in a step are packed into one `[num_tokens]` batch; attention splits them per request.
+A pipeline stage holds layers [layer_start, layer_end): the first stage embeds, the last one norms
+and projects to logits; in between, hidden states and residuals pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth.models.arch import ModelArch
+from hearth.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
+                                  RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from hearth.ops.attention import AttentionMetadata, paged_attention
+from hearth.ops.parallel import SINGLE, ParallelGroup
+
+
+def local_kv_heads(arch: ModelArch, tp: ParallelGroup) -> int:
+    """KV heads per rank: sharded when there are enough, otherwise replicated."""
+    return max(1, arch.num_kv_heads // tp.size)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding):
+        super().__init__()
+        if arch.num_heads % tp.size:
+            raise ValueError(f"tensor parallel size {tp.size} does not divide "
+                             f"num_heads={arch.num_heads}")
+        self.num_heads = arch.num_heads // tp.size
+        self.num_kv_heads = local_kv_heads(arch, tp)
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = ColumnParallelLinear(arch.hidden_size, (self.q_size + 2 * self.kv_size)
+                                             * tp.size, arch.attention_bias, tp)
+        self.o_proj = RowParallelLinear(arch.num_heads * self.head_dim, arch.hidden_size, tp)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup):
+        super().__init__()
+        self.inter = arch.intermediate_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * arch.intermediate_size,
+                                                 False, tp)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, tp, rotary)
+        self.mlp = LlamaMLP(arch, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, residual, positions, meta, kv_cache):
+        # The residual stream is carried separately so a pipeline stage can hand both on.
+        residual = x if residual is None else residual + x
+        h = self.self_attn(self.input_layernorm(residual), positions, meta, kv_cache)
+        residual = residual + h
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup = SINGLE,
+                 layer_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.arch = arch
+        self.tp = tp
+        self.layer_start, self.layer_end = layer_range or (0, arch.num_layers)
+        self.is_first = self.layer_start == 0
+        self.is_last = self.layer_end == arch.num_layers
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                 arch.rope_scaling)
+        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+                             if self.is_first else None)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary)
+                                    for _ in range(self.layer_start, self.layer_end))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
+        self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+                        if self.is_last else None)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        """First stage: from ids. Later stages: from (hidden, residual) of the previous stage.
+        Returns (hidden, residual); the last stage returns the final normed hidden states."""
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, positions, meta, kv_cache)
+        if self.is_last:
+            return self.norm(hidden + residual), None
+        return hidden, residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,85 @@
+"""Copy checkpoint tensors (HF names) into a model's (merged, sharded) parameters.
+
+Each rank asks the checkpoint only for its own shard: `checkpoint.get(name, shard=(dim, rank,
+world_size))`. Merged projections are filled part by part:
+
+    qkv_proj.weight rows = [ q heads of this rank | k heads | v heads ]
+    gate_up_proj.weight rows = [ gate slice | up slice ]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.models.llama import LlamaForCausalLM
+
+
+def _shard_rows(tensor: torch.Tensor, rank: int, size: int, multiple: int = 1) -> torch.Tensor:
+    rows = tensor.shape[0] // size
+    return tensor[rank * rows : (rank + 1) * rows]
+
+
+def _padded_vocab_shard(tensor: torch.Tensor, rank: int, shard: int) -> torch.Tensor:
+    out = torch.zeros(shard, tensor.shape[1], dtype=tensor.dtype)
+    part = tensor[rank * shard : (rank + 1) * shard]
+    out[: part.shape[0]] = part
+    return out
+
+
+def _copy(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(value.shape)}, "
+                         f"model expects {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
+def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
+    arch, tp = model.arch, model.tp
+    rank, size = tp.rank, tp.size
+
+    def get(name: str, shard_dim: int | None = None) -> torch.Tensor:
+        if shard_dim is None or size == 1:
+            return checkpoint.get(name)
+        return checkpoint.get(name, shard=(shard_dim, rank, size))
+
+    def get_kv(name: str) -> torch.Tensor:
+        if arch.num_kv_heads >= size:
+            return get(name, 0)
+        # Fewer KV heads than ranks: rank r uses (replicates) head r * num_kv_heads // size.
+        head = rank * arch.num_kv_heads // size
+        full = checkpoint.get(name)
+        return full[head * arch.head_dim : (head + 1) * arch.head_dim]
+
+    if model.embed_tokens is not None:
+        emb = model.embed_tokens
+        _copy(emb.weight, _padded_vocab_shard(checkpoint.get("model.embed_tokens.weight"), rank,
+                                              emb.shard), "model.embed_tokens.weight")
+    if model.lm_head is not None:
+        names = set(checkpoint.tensor_names())
+        head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
+                     else "model.embed_tokens.weight")
+        _copy(model.lm_head.weight, _padded_vocab_shard(checkpoint.get(head_name), rank,
+                                                        model.lm_head.shard), head_name)
+        _copy(model.norm.weight, checkpoint.get("model.norm.weight"), "model.norm.weight")
+
+    for local, layer in enumerate(model.layers):
+        p = f"model.layers.{model.layer_start + local}."
+        attn = layer.self_attn
+        qkv = [get(p + "self_attn.q_proj.weight", 0), get_kv(p + "self_attn.k_proj.weight"),
+               get_kv(p + "self_attn.v_proj.weight")]
+        _copy(attn.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
+        if arch.attention_bias:
+            bias = [get(p + "self_attn.q_proj.bias", 0), get_kv(p + "self_attn.k_proj.bias"),
+                    get_kv(p + "self_attn.v_proj.bias")]
+            _copy(attn.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")
+        _copy(attn.o_proj.weight, get(p + "self_attn.o_proj.weight", 1), p + "self_attn.o_proj")
+        if arch.qk_norm:
+            _copy(attn.q_norm.weight, checkpoint.get(p + "self_attn.q_norm.weight"), p + "q_norm")
+            _copy(attn.k_norm.weight, checkpoint.get(p + "self_attn.k_norm.weight"), p + "k_norm")
+        gate_up = [get(p + "mlp.gate_proj.weight", 0), get(p + "mlp.up_proj.weight", 0)]
+        _copy(layer.mlp.gate_up_proj.weight, torch.cat(gate_up), p + "mlp.gate_up")
+        _copy(layer.mlp.down_proj.weight, get(p + "mlp.down_proj.weight", 1), p + "mlp.down_proj")
+        _copy(layer.input_layernorm.weight, checkpoint.get(p + "input_layernorm.weight"),
+              p + "input_layernorm")
+        _copy(layer.post_attention_layernorm.weight,
+              checkpoint.get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")

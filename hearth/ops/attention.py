@@ -1,0 +1,139 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Token t of a request lives at slot `block_table[t // block_size] * block_size + t % block_size`.
+
+A step's tokens are packed without padding (`[num_tokens, ...]`); `AttentionMetadata` says
+which rows belong to which request:
+
+    tokens:   | req0 chunk (8) | req1 (1) | req2 (1) | req3 chunk (5) |
+    query:    q_start=0 len=8   8 len=1    9 len=1    10 len=5
+    context:  ctx_len = tokens computed before this step + query len
+
+Backends: requests with one query token (decodes) are batched into one padded SDPA call over
+their gathered blocks with a length mask; longer queries (prefill chunks) run one SDPA call each
+with a causal mask offset by their cached prefix. Both work on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V is written to
+    # Prefill-like requests (query_len > 1), one entry each:
+    prefill_query_starts: list[int]
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]
+    prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_request] int64
+    # Decode requests (query_len == 1), batched:
+    decode_token_index: torch.Tensor  # [num_decodes] int64: row of each decode in the packed tokens
+    decode_block_table: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
+    num_tokens: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_token_index.numel())
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for one step; request i computes its tokens [ctx - q, ctx)."""
+    slots: list[int] = []
+    p_starts, p_lens, p_ctx, p_tables = [], [], [], []
+    d_index, d_tables, d_ctx = [], [], []
+    start = 0
+    for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
+        for pos in range(ctx_len - q_len, ctx_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_blocks = -(-ctx_len // block_size)
+        if q_len == 1:
+            d_index.append(start)
+            d_tables.append(table[:num_blocks])
+            d_ctx.append(ctx_len)
+        else:
+            p_starts.append(start)
+            p_lens.append(q_len)
+            p_ctx.append(ctx_len)
+            p_tables.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=device))
+        start += q_len
+    max_blocks = max((len(t) for t in d_tables), default=0)
+    table = torch.zeros((len(d_tables), max_blocks), dtype=torch.long)
+    for i, t in enumerate(d_tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    ctx = torch.tensor(d_ctx, dtype=torch.long)
+    mask = torch.arange(max_blocks * block_size)[None, :] < ctx[:, None]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        prefill_query_starts=p_starts,
+        prefill_query_lens=p_lens,
+        prefill_context_lens=p_ctx,
+        prefill_block_tables=p_tables,
+        decode_token_index=torch.tensor(d_index, dtype=torch.long, device=device),
+        decode_block_table=table.to(device),
+        decode_mask=mask[:, None, None, :].to(device),
+        num_tokens=start,
+    )
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows ([num_tokens, num_kv_heads, head_dim]) into the cache."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (this step's keys)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
+                                            meta.prefill_context_lens, meta.prefill_block_tables):
+        qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
+        if ctx_len == q_len:  # nothing cached before: attend to this step's own keys
+            ki, vi = k[start : start + q_len], v[start : start + q_len]
+            mask, causal = None, True
+        else:
+            ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len]
+            vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len]
+            offset = ctx_len - q_len
+            rows = torch.arange(q_len, device=q.device)[:, None] + offset
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True,
+        )
+        out[start : start + q_len] = o.transpose(0, 1)
+    if meta.num_decodes:
+        num_decodes = meta.num_decodes
+        qd = q[meta.decode_token_index].unsqueeze(2)  # [B, H, 1, D]
+        kd = k_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
+        vd = v_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
+            scale=scale, enable_gqa=True,
+        )
+        out[meta.decode_token_index] = o.squeeze(2)
+    return out
