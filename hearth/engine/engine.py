@@ -21,6 +21,8 @@ from hearth.engine.kv_cache import KVCacheManager, cdiv
 from hearth.engine.request import Request, RequestOutput, RequestStatus
 from hearth.engine.runner import DTYPES, ModelRunner, SampledToken, kv_bytes_per_block
 from hearth.engine.sampling_params import SamplingParams
+from hearth.engine.tokenizer import Tokenizer
+from hearth.models.weights import build_model
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("hearth.engine")
@@ -41,26 +43,6 @@ class EngineStats:
     kv_usage: float
 
 
-def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu", tp=None, layer_range=None):
-    from hearth.models.llama import LlamaForCausalLM
-    from hearth.models.weights import load_weights
-    from hearth.ops.parallel import SINGLE
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(checkpoint.arch, tp or SINGLE, layer_range)
-    model = model.to_empty(device=device)
-    # to_empty leaves non-persistent buffers (the RoPE table) uninitialised: rebuild them.
-    from hearth.models.layers import RotaryEmbedding
-    arch = checkpoint.arch
-    fresh = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                            arch.rope_scaling)
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.cos, module.sin = fresh.cos.to(device), fresh.sin.to(device)
-    load_weights(model, checkpoint)
-    return model.to(dtype=dtype).eval()
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint=None) -> None:
         from hearth.models.loader import load_checkpoint
@@ -70,7 +52,7 @@ class LLMEngine:
         mc, cc = config.model, config.cache
         self.checkpoint = checkpoint or load_checkpoint(mc.model)
         self.arch = self.checkpoint.arch
-        self.tokenizer = self.checkpoint.tokenizer
+        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.model_name = mc.served_model_name or self.checkpoint.name
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
-
-
-def _shard_rows(tensor: torch.Tensor, rank: int, size: int, multiple: int = 1) -> torch.Tensor:
-    rows = tensor.shape[0] // size
-    return tensor[rank * rows : (rank + 1) * rows]
+from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
 def _padded_vocab_shard(tensor: torch.Tensor, rank: int, shard: int) -> torch.Tensor:
@@ -83,3 +80,20 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
               p + "input_layernorm")
         _copy(layer.post_attention_layernorm.weight,
               checkpoint.get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+
+
+def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
+                tp: ParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None):
+    """Instantiate the model without allocating random weights, then load the checkpoint."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(checkpoint.arch, tp, layer_range)
+    model = model.to_empty(device=device)
+    # to_empty leaves non-persistent buffers (the RoPE tables) uninitialised: rebuild them.
+    arch = checkpoint.arch
+    rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                           arch.rope_scaling)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cos, module.sin = rope.cos.to(device), rope.sin.to(device)
+    load_weights(model, checkpoint)
+    return model.to(dtype=dtype).eval()

@@ -1,0 +1,116 @@
+"""`hearth serve | route | up | generate | bench`: the one module that reads flags.
+
+Flags map onto the frozen configs in `hearth/config.py` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                           SchedulerConfig)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="HF checkpoint folder, .gguf file, or built-in name (default: %(default)s)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="override the memory budget")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-waiting", type=int, default=1024)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--served-model-name", default=None)
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+                          served_model_name=a.served_model_name, seed=a.seed),
+        cache=CacheConfig(block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                          num_blocks=a.num_kv_blocks,
+                          enable_prefix_caching=not a.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_num_seqs=a.max_num_seqs, max_waiting=a.max_waiting),
+        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
+                                pipeline_parallel_size=a.pipeline_parallel_size, device=a.device),
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from hearth.engine.llm import LLM
+    from hearth.engine.sampling_params import SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(config=engine_config(a))
+    ready = time.monotonic() - t0
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.sampling_seed, ignore_eos=a.ignore_eos)
+    if a.chat:
+        results = llm.chat([[{"role": "user", "content": p}] for p in a.prompts], params)
+    else:
+        results = llm.generate(list(a.prompts), params)
+    for prompt, r in zip(a.prompts, results):
+        if a.json:
+            print(json.dumps(r.to_json(), ensure_ascii=False))
+        else:
+            print(f"--- {prompt!r} ({r.finish_reason}, {len(r.token_ids)} tokens)\n{r.text}")
+    if not a.json:
+        print(f"(ready in {ready:.2f}s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hearth", description="LLM serving for AI agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation, all prompts as one batch")
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    gen.set_defaults(func=cmd_generate)
+
+    for extra in _extra_commands():
+        extra(sub, add_engine_args, engine_config)
+
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return a.func(a)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hearth: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _extra_commands():
+    """Sub-commands of the higher layers (server, router), when those are installed."""
+    out = []
+    for module in ("hearth.server.launch", "hearth.router.launch"):
+        try:
+            out.append(__import__(module, fromlist=["register"]).register)
+        except ImportError:
+            pass
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
