@@ -1,0 +1,135 @@
+"""Vectorized torch dequantizers for ggml block formats.
+
+Invariant: `dequantize(raw, ggml_type, shape)` returns exactly what `gguf.quants.dequantize` returns
+for the same bytes (bit-for-bit in float32), as a fresh contiguous float32 tensor of `shape`.
+tests/unit/test_dequant.py holds it to that.
+
+Every format stores a row (the last, contiguous dimension) as whole blocks, so a slice of rows is
+a slice of bytes: callers may pass only the rows they need. Each block is viewed as one row of a
+`[num_blocks, block_bytes]` uint8 matrix; scales are fp16 fields inside it, read with a dtype view
+(no copy). The hot formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) take a few elementwise passes; the
+last pass is one mixed-dtype `addcmul`/`mul` that writes float32 output directly. A handful of
+rarer formats fall back to gguf's numpy reference (correct, slower).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+QK_K = 256  # elements per k-quant super-block
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 field at byte `start` of every block, as float32. # [num_blocks, 1]"""
+    return blocks[:, start : start + 2].view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[n, k] bytes -> [n, 2, k] uint8: low nibbles first, then high nibbles (ggml's order)."""
+    out = torch.empty(packed.shape[0], 2, packed.shape[1], dtype=torch.uint8)
+    torch.bitwise_and(packed, 0x0F, out=out[:, 0])
+    torch.bitwise_right_shift(packed, 4, out=out[:, 1])
+    return out
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block (34 B): d fp16 | 32 x int8.  x = d * q
+    return torch.mul(blocks[:, 2:].view(torch.int8), _f16(blocks, 0))
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block (18 B): d fp16 | 16 B nibbles.  x = d * (q - 8); elements 0..15 low nibbles, 16..31 high.
+    q = _nibbles(blocks[:, 2:]).view(-1, 32)
+    # uint8 subtraction wraps, so reading the result as int8 gives q - 8 in [-8, 7].
+    return torch.mul(q.sub_(8).view(torch.int8), _f16(blocks, 0))
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # block (20 B): d fp16 | m fp16 | 16 B nibbles.  x = d * q + m
+    q = _nibbles(blocks[:, 4:]).view(-1, 32)
+    return torch.addcmul(_f16(blocks, 2), q, _f16(blocks, 0))
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes -> eight 6-bit scales and eight 6-bit mins per super-block.
+
+        bytes 0-3:  EEaaaaaa   (a: scale j=0..3, E: high 2 bits of scale j+4)
+        bytes 4-7:  FFbbbbbb   (b: min j=0..3,   F: high 2 bits of min j+4)
+        bytes 8-11: ffffeeee   (e: low 4 bits of scale j+4, f: low 4 bits of min j+4)
+    """
+    p = packed.reshape(-1, 3, 4)
+    sc_lo, mn_lo, mixed = p[:, 0], p[:, 1], p[:, 2]
+    scales = torch.cat([sc_lo & 0x3F, (mixed & 0x0F) | ((sc_lo >> 2) & 0x30)], dim=1)
+    mins = torch.cat([mn_lo & 0x3F, (mixed >> 4) | ((mn_lo >> 2) & 0x30)], dim=1)
+    return scales, mins  # [num_blocks, 8] each, uint8
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # block (144 B): d fp16 | dmin fp16 | 12 B scales | 128 B nibbles.
+    # Sub-block s (32 elements) = x = d*sc[s]*q - dmin*mn[s]; bytes 32j..32j+31 hold sub-blocks
+    # 2j (low nibbles) and 2j+1 (high nibbles).
+    num_blocks = blocks.shape[0]
+    scales, mins = _k_scales(blocks[:, 4:16])
+    d = (_f16(blocks, 0) * scales).unsqueeze(-1)  # [num_blocks, 8, 1]
+    dm = (_f16(blocks, 2) * mins).unsqueeze(-1)
+    q = _nibbles(blocks[:, 16:].reshape(-1, 32)).view(num_blocks, 8, 32)
+    return torch.addcmul(-dm, q, d).view(num_blocks, QK_K)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # block (210 B): ql 128 B (low 4 bits) | qh 64 B (high 2 bits) | 16 x int8 scales | d fp16.
+    # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]:
+    #   elements  0..31: ql[0:32] low  | qh bits 0-1      elements 64..95:  ql[0:32] high  | qh bits 4-5
+    #   elements 32..63: ql[32:64] low | qh bits 2-3      elements 96..127: ql[32:64] high | qh bits 6-7
+    num_blocks = blocks.shape[0]
+    ql = _nibbles(blocks[:, :128].reshape(-1, 64)).view(num_blocks, 2, 2, 2, 32)  # [n, h, nib, half, 32]
+    qh = blocks[:, 128:192].reshape(num_blocks, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    qh = ((qh >> shifts) & 0x03).view(num_blocks, 2, 2, 2, 32)  # [n, h, nib, half, 32]
+    q = (ql | (qh << 4)).sub_(32).view(torch.int8).view(num_blocks, 16, 16)  # wraps to [-32, 31]
+    d = (blocks[:, 192:208].view(torch.int8) * _f16(blocks, 208)).unsqueeze(-1)  # [n, 16, 1]
+    return torch.mul(q, d).view(num_blocks, QK_K)
+
+
+_BLOCK_DEQUANTIZERS = {
+    QT.Q8_0: _q8_0,
+    QT.Q4_0: _q4_0,
+    QT.Q4_1: _q4_1,
+    QT.Q4_K: _q4_k,
+    QT.Q6_K: _q6_k,
+}
+_FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+# Correct via gguf's numpy reference; rare in the wild for Llama-family checkpoints.
+_REFERENCE_ONLY = (QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q5_K)
+
+SUPPORTED_TYPES: tuple[str, ...] = tuple(
+    t.name for t in (*_FLOAT_DTYPES, *_BLOCK_DEQUANTIZERS, *_REFERENCE_ONLY)
+)
+
+
+def is_supported(ggml_type: int) -> bool:
+    return ggml_type in _FLOAT_DTYPES or ggml_type in _BLOCK_DEQUANTIZERS or ggml_type in _REFERENCE_ONLY
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw uint8 bytes of a ggml tensor -> float32 tensor of `shape` (torch order).
+
+    For F32 the result is a view of `raw` (zero copy); every other type yields a fresh tensor.
+    Raises ValueError for a type without a dequantizer.
+    """
+    qtype = QT(ggml_type)
+    if qtype in _FLOAT_DTYPES:
+        values = raw.view(_FLOAT_DTYPES[qtype]).view(shape)
+        return values if qtype == QT.F32 else values.float()
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.view(-1, type_size)
+    if qtype in _BLOCK_DEQUANTIZERS:
+        return _BLOCK_DEQUANTIZERS[qtype](blocks).view(shape)
+    if qtype in _REFERENCE_ONLY:
+        from gguf.quants import dequantize as reference_dequantize
+
+        values = reference_dequantize(blocks.numpy(), qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(shape)
+    raise ValueError(f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")

