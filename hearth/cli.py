@@ -1,6 +1,8 @@
 """`hearth serve | route | up | generate | bench`: the one module that reads flags.
 
-Flags map onto the frozen configs in `hearth/config.py` here and nowhere else.
+Flags map onto the frozen configs in `hearth/config.py` here and nowhere else; so does the
+torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): under a launcher,
+rank 0 runs the command as the driver and every other rank serves the driver's steps instead.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -31,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=1024)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--num-micro-batches", type=int, default=0,
+                   help="micro-batches per step in flight through the pipeline (0: one per stage)")
+    g.add_argument("--collective-timeout", type=float, default=60.0,
+                   help="seconds a rank waits on a peer before the step fails")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--served-model-name", default=None)
 
@@ -45,7 +52,10 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                                   max_num_seqs=a.max_num_seqs, max_waiting=a.max_waiting),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
-                                pipeline_parallel_size=a.pipeline_parallel_size, device=a.device),
+                                pipeline_parallel_size=a.pipeline_parallel_size, device=a.device,
+                                num_micro_batches=a.num_micro_batches,
+                                collective_timeout_s=a.collective_timeout,
+                                **_launcher_rendezvous(a)),
     )
 
 
@@ -58,10 +68,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     ready = time.monotonic() - t0
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.sampling_seed, ignore_eos=a.ignore_eos)
-    if a.chat:
-        results = llm.chat([[{"role": "user", "content": p}] for p in a.prompts], params)
-    else:
-        results = llm.generate(list(a.prompts), params)
+    try:
+        if a.chat:
+            results = llm.chat([[{"role": "user", "content": p}] for p in a.prompts], params)
+        else:
+            results = llm.generate(list(a.prompts), params)
+    finally:
+        llm.engine.close()  # with T x P > 1 this shuts the rank processes down
     for prompt, r in zip(a.prompts, results):
         if a.json:
             print(json.dumps(r.to_json(), ensure_ascii=False))
@@ -94,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    a.launcher = _torchrun_env(os.environ) if hasattr(a, "tensor_parallel_size") else None
+    if a.launcher is not None and a.launcher["rank"] != 0:
+        return _serve_rank(a)
     try:
         return a.func(a)
     except (ValueError, FileNotFoundError) as exc:
@@ -101,15 +117,54 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _torchrun_env(environ) -> dict | None:
+    """This process's place in a rank set started by torchrun (or any launcher that sets the
+    same variables); None when hearth runs alone and spawns its own ranks."""
+    if int(environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in environ:
+        return None
+    return dict(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
+                local_rank=int(environ.get("LOCAL_RANK", "0")),
+                master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(environ.get("MASTER_PORT", "29500")),
+                agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def _launcher_rendezvous(a: argparse.Namespace) -> dict:
+    launcher = getattr(a, "launcher", None)
+    if launcher is None:
+        return {}
+    if launcher["world_size"] != a.tensor_parallel_size * a.pipeline_parallel_size:
+        raise ValueError(f"the launcher started {launcher['world_size']} processes, but "
+                         f"--tensor-parallel-size x --pipeline-parallel-size is "
+                         f"{a.tensor_parallel_size * a.pipeline_parallel_size}")
+    return dict(master_addr=launcher["master_addr"], master_port=launcher["master_port"],
+                agent_store=launcher["agent_store"])
+
+
+def _serve_rank(a: argparse.Namespace) -> int:
+    """A torchrun rank other than 0: join the driver's rank set and run its steps."""
+    from hearth.engine.parallel.worker import RankSpec, serve_rank
+
+    parallel = engine_config(a).parallel  # validates the world size
+    launcher = a.launcher
+    return serve_rank(RankSpec(
+        rank=launcher["rank"], tensor_parallel_size=parallel.tensor_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        store_host=parallel.master_addr, store_port=parallel.master_port, store_is_master=False,
+        device=parallel.device, local_rank=launcher["local_rank"],
+        timeout_s=parallel.collective_timeout_s))
+
+
 def _extra_commands():
-    """Sub-commands of the higher layers (server, router), when those are installed."""
-    out = []
-    for module in ("hearth.server.launch", "hearth.router.launch"):
-        try:
-            out.append(__import__(module, fromlist=["register"]).register)
-        except ImportError:
-            pass
-    return out
+    """Sub-commands of the higher layers: each declares its flags on the parser given here."""
+    def register_serve(sub, _add_engine_args, _engine_config) -> None:
+        from hearth.server.launch import add_serve_args, serve_main
+        p = sub.add_parser("serve", help="one OpenAI-compatible worker (prefill, decode or both)")
+        add_serve_args(p)
+        p.set_defaults(func=serve_main)
+
+    from hearth.router.launch import register as register_router
+    return [register_serve, register_router]
 
 
 if __name__ == "__main__":

@@ -44,10 +44,30 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     num_micro_batches: int = 0  # 0: one per pipeline stage
     device: str = "cpu"  # cpu | cuda
+    # Rendezvous of an externally launched rank set (torchrun env); None: spawn ranks locally.
+    master_addr: str | None = None
+    master_port: int = 0
+    agent_store: bool = False  # the launcher's agent hosts the store (torchrun elastic)
+    collective_timeout_s: float = 60.0  # a rank waiting longer on a peer fails the step
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation of one worker (read by `hearth.disagg`, not the engine)."""
+
+    role: str = "both"  # both (monolithic) | prefill (exports KV) | decode (imports KV)
+    transport: str = "tcp"  # tcp (hearth's own) | mooncake (Mooncake Transfer Engine)
+    host: str = "127.0.0.1"  # interface the transfer server binds (prefill side)
+    port: int = 0  # transfer server port; 0 picks a free one
+    advertise_host: str | None = None  # address written into descriptors; None: `host`
+    secret: str = ""  # shared secret checked in the transfer handshake (HMAC challenge)
+    lease_seconds: float = 30.0  # how long exported blocks wait for the decode side
+    io_timeout_seconds: float = 30.0  # a socket stalled this long is dropped
+    num_transfer_threads: int = 4  # concurrent imports on the decode side
 
 
 @dataclass(frozen=True)
@@ -58,3 +78,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

@@ -16,13 +16,15 @@ import torch
 
 from hearth.config import EngineConfig
 from hearth.engine.block_pool import BlockPool
+from hearth.engine.connector import ConnectorFactory, KVCacheGeometry, KVTransfer
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.kv_cache import KVCacheManager, cdiv
+from hearth.engine.kv_transfer import KVTransferDriver
 from hearth.engine.request import Request, RequestOutput, RequestStatus
-from hearth.engine.runner import DTYPES, ModelRunner, SampledToken, kv_bytes_per_block
+from hearth.engine.executor import RankFailedError, make_executor
+from hearth.engine.runner import SampledToken
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.tokenizer import Tokenizer
-from hearth.models.weights import build_model
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("hearth.engine")
@@ -41,10 +43,19 @@ class EngineStats:
     num_generation_tokens: int
     num_preemptions: int
     kv_usage: float
+    num_waiting_for_kv: int = 0  # decode side: requests whose prompt KV is being pulled
+    num_leases_active: int = 0  # prefill side: exported KV held for a decode worker
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model (counter)
+    num_transferred_tokens: int = 0  # decode side: prompt tokens received instead (counter)
+    num_transferred_blocks: int = 0
+    num_transferred_bytes: int = 0
+    num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, checkpoint=None) -> None:
+    def __init__(self, config: EngineConfig, checkpoint=None,
+                 connector_factory: ConnectorFactory | None = None) -> None:
+        """`connector_factory` (from the server, by role) enables KV export/import."""
         from hearth.models.loader import load_checkpoint
 
         t0 = time.monotonic()
@@ -56,26 +67,27 @@ class LLMEngine:
         self.model_name = mc.served_model_name or self.checkpoint.name
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
-        if mc.dtype not in DTYPES:
-            raise ValueError(f"dtype: unsupported {mc.dtype!r}; choose from {', '.join(DTYPES)}")
-        dtype = DTYPES[mc.dtype]
-        device = config.parallel.device
         torch.manual_seed(mc.seed)
-        model = build_model(self.checkpoint, dtype, device)
-        num_kv_heads = model.layers[0].self_attn.num_kv_heads
-        per_block = kv_bytes_per_block(len(model.layers), cc.block_size, num_kv_heads,
-                                       self.arch.head_dim, dtype)
-        num_blocks = cc.num_blocks or max(4, int(cc.kv_cache_memory_gb * 2**30) // per_block)
+        # ModelRunner in this process, or the driver of T x P rank processes (same interface).
+        self.runner = make_executor(config, self.checkpoint)
+        num_blocks = self.runner.num_blocks
         self.block_size = cc.block_size
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, device, mc.seed)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
         self._grammar = None
-        self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0)
+        self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0, computed_prompt=0)
+        self.pd: KVTransferDriver | None = None
+        if connector_factory is not None:
+            kv_cache = self.runner.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
+            num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
+            geometry = KVCacheGeometry(num_layers, num_blocks, cc.block_size, num_kv_heads,
+                                       head_dim, str(kv_cache.dtype).removeprefix("torch."))
+            connector = connector_factory(config.kv_transfer, kv_cache, geometry)
+            self.pd = KVTransferDriver(connector, self.scheduler, self.kv, self.arch.vocab_size)
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens", self.load_seconds,
                  self.model_name, num_blocks, cc.block_size)
@@ -97,10 +109,11 @@ class LLMEngine:
                              f"[0, {self.arch.vocab_size})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
+                    params: SamplingParams, kv_transfer: KVTransfer | None = None) -> Request:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
+        kv_handle = self._check_kv_transfer(kv_transfer, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
@@ -109,8 +122,28 @@ class LLMEngine:
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output)
+        if kv_transfer is not None:
+            self._attach_kv_transfer(req, kv_transfer, kv_handle)
         self.scheduler.add(req)
         return req
+
+    def _check_kv_transfer(self, kv_transfer, prompt_token_ids, params) -> object | None:
+        if kv_transfer is None:
+            return None
+        if self.pd is None:
+            raise ValueError("kv_transfer: this worker has no KV connector (role 'both')")
+        return self.pd.check(kv_transfer, prompt_token_ids, params)
+
+    def _attach_kv_transfer(self, req: Request, kv_transfer: KVTransfer, handle) -> None:
+        try:
+            self.pd.attach(req, kv_transfer, handle)
+        except ValueError:
+            self._detok.pop(req.request_id)
+            raise
+        if kv_transfer.role == "decode":
+            # The prefill hop already returned the first token's text; the detokenizer still
+            # needs it as context (and for stop strings that span it).
+            self._detok[req.request_id].push([kv_transfer.first_token_id])
 
     def grammar_compiler(self):
         if self._grammar is None:
@@ -121,6 +154,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is not None:
+            if self.pd is not None:
+                self.pd.abort(req)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._aborted.append(req)
 
@@ -129,6 +164,8 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.pd is not None:
+            self.pd.poll()  # free released leases, resume requests whose KV arrived
         outputs = [self._make_output(r, [], "") for r in self._aborted]
         self._aborted = []
         sched = self.scheduler.schedule()
@@ -138,13 +175,20 @@ class LLMEngine:
                 # It can never fit again, even alone: end it rather than loop forever.
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
                 outputs.append(self._finish_output(req))
+        if self.pd is not None:
+            self.pd.start_imports(sched.kv_imports)
         if sched.empty:
+            if self.pd is not None:
+                self.pd.wait(0.005)  # only KV transfers are in flight: don't spin
             return outputs
         sampled = self._execute_isolated(sched, outputs)
         by_req = {s.request.request_id: s for s in sampled}
         for req, num_new in sched.scheduled:
             if req.is_finished:
                 continue
+            self.counters["computed_prompt"] += max(
+                0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
+                - req.num_computed_tokens)
             req.num_computed_tokens += num_new
             self.kv.register_computed_blocks(req)
             s = by_req.get(req.request_id)
@@ -157,6 +201,8 @@ class LLMEngine:
     def _execute_isolated(self, sched: SchedulerOutput, outputs: list) -> list[SampledToken]:
         try:
             return self.runner.execute(sched)
+        except RankFailedError:
+            raise  # the rank set is gone: retrying requests one by one cannot help
         except Exception:
             log.exception("batch of %d failed; retrying its requests one by one",
                           len(sched.scheduled))
@@ -164,6 +210,8 @@ class LLMEngine:
         for req, num_new in sched.scheduled:
             try:
                 sampled.extend(self.runner.execute(SchedulerOutput([(req, num_new)])))
+            except RankFailedError:
+                raise
             except Exception as exc:  # this request alone fails: end it, keep the others
                 log.exception("request %s failed", req.request_id)
                 req.error = f"{type(exc).__name__}: {exc}"
@@ -214,6 +262,8 @@ class LLMEngine:
             return self._make_output(req, [token], text, new_lp)
         if detok.stopped_by is None:
             text += detok.flush()
+        if req.kv_transfer is not None and req.kv_transfer.role == "prefill":
+            self.pd.export(req)  # the prompt's blocks stay leased instead of being freed
         self.scheduler.finish(req, status)
         return self._make_output(req, [token], text, new_lp)
 
@@ -232,12 +282,19 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(0, req.num_cached_tokens),
             num_output_tokens=req.num_output_tokens, new_logprobs=logprobs or [],
-            stop_reason=req.stop_reason, error=req.error,
+            stop_reason=req.stop_reason, error=req.error, kv_descriptor=req.kv_descriptor,
+            num_transferred_tokens=req.num_transferred_tokens,
+            num_transferred_blocks=req.num_transferred_blocks,
+            num_transferred_bytes=req.num_transferred_bytes,
         )
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        """The load report; first applies finished KV transfers so free blocks are current."""
+        if self.pd is not None:
+            self.pd.poll()
         s = self.scheduler
+        pd = self.pd.counters if self.pd is not None else {}
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
@@ -246,8 +303,29 @@ class LLMEngine:
             num_prompt_tokens=self.counters["prompt"], num_cached_tokens=self.counters["cached"],
             num_generation_tokens=self.counters["generation"],
             num_preemptions=self.counters["preemptions"], kv_usage=self.kv.usage(),
+            num_waiting_for_kv=len(s.importing),
+            num_leases_active=self.pd.num_leases() if self.pd is not None else 0,
+            num_computed_prompt_tokens=self.counters["computed_prompt"],
+            num_transferred_tokens=pd.get("transferred_tokens", 0),
+            num_transferred_blocks=pd.get("transferred_blocks", 0),
+            num_transferred_bytes=pd.get("transferred_bytes", 0),
+            num_kv_transfer_failures=pd.get("transfer_failures", 0),
         )
 
+    def block_events_since(self, cursor: int) -> tuple[int, list[int], list[int]]:
+        """(new cursor, stored hashes, evicted hashes) since `cursor`, for the router's cache
+        view; a cursor older than the event window returns every retained event."""
+        return self.pool.events_since(cursor)
+
     def kv_pool_is_whole(self) -> bool:
+        if self.pd is not None:
+            self.pd.poll()
         self.pool.check_integrity()
         return self.pool.is_whole() and not self.scheduler.running
+
+    def close(self) -> None:
+        """Stop the KV connector (its leases end, their blocks return to the pool) and the
+        executor (a T x P rank set shuts its processes down)."""
+        if self.pd is not None:
+            self.pd.close()
+        self.runner.close()

@@ -88,10 +88,17 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its tail is evicted before its (more shareable) head."""
-        blocks = [self.pool.blocks[i] for i in reversed(request.block_ids)]
-        self.pool.free(blocks)
-        request.block_ids = []
+        self.free_block_ids(self.detach(request))
+
+    def detach(self, request: Request) -> list[int]:
+        """Take the request's block references away from it (a KV export keeps them leased)."""
+        block_ids, request.block_ids = request.block_ids, []
         request.num_registered_blocks = 0
+        return block_ids
+
+    def free_block_ids(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block (tail first, as in `free`)."""
+        self.pool.free([self.pool.blocks[i] for i in reversed(block_ids)])
 
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks

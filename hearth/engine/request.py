@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks allocated, a transfer is filling them
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length
     FINISHED_ABORTED = "abort"
@@ -65,6 +66,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
         self.num_transferred_tokens = 0  # prompt tokens received from a remote prefill (PD)
+        self.num_transferred_blocks = 0
+        self.num_transferred_bytes = 0
+        self.kv_transfer = None  # connector.KVTransfer of a PD request, else None
+        self.kv_import = None  # decode: the connector's handle until the import is done
+        self.kv_descriptor: dict | None = None  # prefill: the exported lease's descriptor
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         self.num_registered_blocks = 0  # leading blocks already entered in the prefix cache
@@ -118,3 +124,7 @@ class RequestOutput:
     new_logprobs: list[Logprob] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
+    kv_descriptor: dict | None = None  # prefill hop: where the decode side pulls the KV from
+    num_transferred_tokens: int = 0  # decode hop: prompt tokens received instead of computed
+    num_transferred_blocks: int = 0
+    num_transferred_bytes: int = 0

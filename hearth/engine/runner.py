@@ -36,6 +36,7 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", seed: int = 0) -> None:
         self.model = model
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
         arch = model.arch
@@ -44,6 +45,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(len(model.layers), 2, num_blocks, block_size, num_kv_heads,
                                     arch.head_dim, dtype=dtype, device=self.device)
         self.shared_generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def close(self) -> None:
+        """Nothing to release in one process (the parallel executor stops its ranks here)."""
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] view of one block."""

@@ -26,6 +26,7 @@ from hearth.engine.request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    kv_imports: list[Request] = field(default_factory=list)  # admitted to wait for a KV transfer
     num_batched_tokens: int = 0
 
     @property
@@ -41,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.importing: list[Request] = []  # blocks allocated, KV arriving from a prefill worker
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -48,7 +50,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.importing)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -77,9 +79,14 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.importing) < self.config.max_num_seqs):
             req = self.waiting[0]
             hits = self.kv.find_cached_prefix(req)
+            if req.kv_import is not None:  # its prompt's KV comes over the wire, not from compute
+                if not self._admit_import(req, hits, out):
+                    break
+                continue
             num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
             if not self.kv.allocate(req, num_new, hits):
                 break  # wait for blocks; admission order is kept (no overtaking)
@@ -93,6 +100,32 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
         return budget
+
+    def _admit_import(self, req: Request, hits: list, out: SchedulerOutput) -> bool:
+        """Adopt the local prefix hits, allocate blocks for the rest of the prompt and park the
+        request until a transfer fills them (no token budget: nothing is computed)."""
+        num_new = req.num_prompt_tokens - len(hits) * self.kv.block_size
+        if not self.kv.allocate(req, num_new, hits):
+            return False
+        self.waiting.popleft()
+        req.num_cached_tokens = len(hits) * self.kv.block_size
+        req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.importing.append(req)
+        out.kv_imports.append(req)
+        return True
+
+    def complete_import(self, req: Request, num_computed_tokens: int) -> None:
+        """The transfer into `req`'s blocks has ended: run it from `num_computed_tokens`, or free
+        its blocks now if it was finished (aborted) meanwhile."""
+        self.importing.remove(req)
+        req.kv_import = None
+        if req.is_finished:
+            self.kv.free(req)
+            return
+        req.num_computed_tokens = num_computed_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -109,13 +142,16 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.importing:  # a transfer may still write its blocks: see complete_import
+            self.requests.pop(req.request_id, None)
+            return
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
     def num_prefill_tokens_inflight(self) -> int:
         """Uncomputed prompt tokens of waiting and running requests (the router's prefill load)."""
         return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                   for r in list(self.waiting) + self.running)
+                   for r in list(self.waiting) + self.running if r.kv_import is None)
 
     def num_decode_tokens_active(self) -> int:
         """Context tokens of running requests past their prompt (the router's decode load)."""

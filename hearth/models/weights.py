@@ -16,9 +16,18 @@ from hearth.models.llama import LlamaForCausalLM
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
-def _padded_vocab_shard(tensor: torch.Tensor, rank: int, shard: int) -> torch.Tensor:
-    out = torch.zeros(shard, tensor.shape[1], dtype=tensor.dtype)
-    part = tensor[rank * shard : (rank + 1) * shard]
+def _vocab_shard(checkpoint, name: str, rank: int, size: int, shard: int) -> torch.Tensor:
+    """Rows [rank * shard, (rank + 1) * shard) of a [vocab, hidden] tensor, zero-padded past the
+    vocabulary. Only the shard is read when the vocabulary splits evenly."""
+    if size == 1:
+        return checkpoint.get(name)
+    full = None
+    if shard * size == checkpoint.arch.vocab_size:
+        part = checkpoint.get(name, shard=(0, rank, size))
+    else:
+        full = checkpoint.get(name)
+        part = full[rank * shard : (rank + 1) * shard]
+    out = torch.zeros(shard, part.shape[1], dtype=part.dtype)
     out[: part.shape[0]] = part
     return out
 
@@ -44,19 +53,18 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
             return get(name, 0)
         # Fewer KV heads than ranks: rank r uses (replicates) head r * num_kv_heads // size.
         head = rank * arch.num_kv_heads // size
-        full = checkpoint.get(name)
-        return full[head * arch.head_dim : (head + 1) * arch.head_dim]
+        return checkpoint.get(name, shard=(0, head, arch.num_kv_heads))
 
     if model.embed_tokens is not None:
         emb = model.embed_tokens
-        _copy(emb.weight, _padded_vocab_shard(checkpoint.get("model.embed_tokens.weight"), rank,
-                                              emb.shard), "model.embed_tokens.weight")
+        _copy(emb.weight, _vocab_shard(checkpoint, "model.embed_tokens.weight", rank, size,
+                                       emb.shard), "model.embed_tokens.weight")
     if model.lm_head is not None:
         names = set(checkpoint.tensor_names())
         head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
                      else "model.embed_tokens.weight")
-        _copy(model.lm_head.weight, _padded_vocab_shard(checkpoint.get(head_name), rank,
-                                                        model.lm_head.shard), head_name)
+        _copy(model.lm_head.weight, _vocab_shard(checkpoint, head_name, rank, size,
+                                                 model.lm_head.shard), head_name)
         _copy(model.norm.weight, checkpoint.get("model.norm.weight"), "model.norm.weight")
 
     for local, layer in enumerate(model.layers):

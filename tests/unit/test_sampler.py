@@ -32,10 +32,14 @@ def test_same_seed_same_tokens_regardless_of_batch():
     together = [sample(torch.cat([torch.randn(1, V), logits]),
                        make_batch([other, p]))[0][1].item() for _ in range(5)]
     assert alone == together
-    # and a different seed draws a different sequence (over 20 draws)
-    a = [sample(logits, make_batch([SamplingParams(seed=1)]))[0].item() for _ in range(20)]
-    b = [sample(logits, make_batch([SamplingParams(seed=2)]))[0].item() for _ in range(20)]
+    # a seeded generator keeps its state across steps: a different seed draws another sequence
+    flat = torch.zeros(1, V)  # uniform: every draw is informative
+    batch_a, batch_b = make_batch([SamplingParams(seed=1)]), make_batch([SamplingParams(seed=2)])
+    a = [sample(flat, batch_a)[0].item() for _ in range(20)]
+    b = [sample(flat, batch_b)[0].item() for _ in range(20)]
     assert a != b
+    again = make_batch([SamplingParams(seed=1)])
+    assert [sample(flat, again)[0].item() for _ in range(20)] == a
 
 
 def test_top_k_mask_keeps_exactly_k():

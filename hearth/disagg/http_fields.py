@@ -1,0 +1,108 @@
+"""The `kv_transfer` extension field of the OpenAI request/response bodies (router <-> worker).
+
+Pure functions between JSON dicts and typed values, so the server and router wiring is a few
+lines. See docs/pd_protocol.md for the whole exchange.
+
+    prefill hop request:   "kv_transfer": {"role": "prefill", "transfer_id": "..."}  (max_tokens=1)
+    prefill hop response:  "kv_transfer": PrefillResult (first token, counts, descriptor)
+    decode hop request:    "kv_transfer": {"role": "decode", "prompt_token_ids": [...],
+                                           "first_token_id": N, "descriptor": {...}}
+    decode hop response:   "kv_transfer": DecodeResult (what crossed the wire), final chunk
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from hearth.disagg.descriptor import check_transfer_id
+from hearth.engine.connector import KVTransfer
+
+
+class PrefillHop(msgspec.Struct, tag="prefill", tag_field="role", forbid_unknown_fields=True):
+    transfer_id: str  # lease key, unique per prefill hop (the router makes a UUID)
+
+
+class DecodeHop(msgspec.Struct, tag="decode", tag_field="role", forbid_unknown_fields=True):
+    prompt_token_ids: list[int]  # the prompt exactly as the prefill worker tokenized it
+    first_token_id: int  # the token the prefill hop sampled
+    descriptor: dict  # the prefill hop's `kv_transfer.descriptor`, unchanged
+    transfer_id: str = ""  # optional; if given it must equal the descriptor's
+
+
+class PrefillResult(msgspec.Struct, kw_only=True):
+    transfer_id: str
+    prompt_token_ids: list[int]  # what the decode hop must send back
+    first_token_id: int
+    first_token_logprob: float | None = None  # when the request asked for logprobs
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prefix-cache hits on the prefill worker (usage.cached_tokens)
+    descriptor: dict  # the KV descriptor (hearth.disagg.descriptor.KVDescriptor as JSON)
+
+
+class DecodeResult(msgspec.Struct, kw_only=True):
+    num_transferred_tokens: int  # prompt tokens received instead of computed
+    num_transferred_blocks: int
+    num_transferred_bytes: int
+
+
+_hop_decoder = Union[PrefillHop, DecodeHop]
+
+
+def parse_kv_transfer(obj: object) -> PrefillHop | DecodeHop:
+    """The request's `kv_transfer` value; ValueError (400, param kv_transfer) if malformed."""
+    try:
+        hop = msgspec.convert(obj, _hop_decoder)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"kv_transfer: {exc}") from None
+    if isinstance(hop, PrefillHop):
+        check_transfer_id(hop.transfer_id)
+    elif not hop.prompt_token_ids:
+        raise ValueError("kv_transfer.prompt_token_ids: must not be empty")
+    elif hop.transfer_id and hop.transfer_id != hop.descriptor.get("transfer_id"):
+        raise ValueError("kv_transfer.transfer_id: differs from the descriptor's")
+    return hop
+
+
+def to_engine(hop: PrefillHop | DecodeHop) -> KVTransfer:
+    """The engine's spec; a decode hop's prompt is `hop.prompt_token_ids` (not re-tokenized)."""
+    if isinstance(hop, PrefillHop):
+        return KVTransfer(role="prefill", transfer_id=hop.transfer_id)
+    return KVTransfer(role="decode", transfer_id=str(hop.descriptor.get("transfer_id", "")),
+                      descriptor=hop.descriptor, first_token_id=hop.first_token_id)
+
+
+def prefill_result(transfer_id: str, prompt_token_ids: list[int], first_token_id: int,
+                   first_token_logprob: float | None, num_cached_tokens: int,
+                   descriptor: dict) -> dict:
+    """The prefill hop response's `kv_transfer` value (from the finished RequestOutput)."""
+    return msgspec.to_builtins(PrefillResult(
+        transfer_id=transfer_id, prompt_token_ids=list(prompt_token_ids),
+        first_token_id=first_token_id, first_token_logprob=first_token_logprob,
+        num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=num_cached_tokens,
+        descriptor=descriptor))
+
+
+def parse_prefill_result(obj: object) -> PrefillResult:
+    try:
+        return msgspec.convert(obj, PrefillResult)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"kv_transfer (prefill response): {exc}") from None
+
+
+def decode_request_field(prefill: dict | PrefillResult) -> dict:
+    """The router's decode hop `kv_transfer` value, from the prefill hop's response field."""
+    result = prefill if isinstance(prefill, PrefillResult) else parse_prefill_result(prefill)
+    return msgspec.to_builtins(DecodeHop(prompt_token_ids=result.prompt_token_ids,
+                                         first_token_id=result.first_token_id,
+                                         descriptor=result.descriptor,
+                                         transfer_id=result.transfer_id))
+
+
+def decode_result(num_transferred_tokens: int, num_transferred_blocks: int,
+                  num_transferred_bytes: int) -> dict:
+    """The decode hop's final response `kv_transfer` value (from the finished RequestOutput)."""
+    return msgspec.to_builtins(DecodeResult(num_transferred_tokens=num_transferred_tokens,
+                                            num_transferred_blocks=num_transferred_blocks,
+                                            num_transferred_bytes=num_transferred_bytes))

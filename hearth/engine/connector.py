@@ -1,0 +1,116 @@
+"""The KV-connector interface: what the engine needs from prefill/decode disaggregation.
+
+The engine never imports `hearth.disagg`; the server hands it a factory that builds an object
+with this interface (`hearth.disagg.connector.DisaggConnector`). All calls come from the engine's
+own thread; the connector's transfer threads talk back only through `poll`, so the block pool
+(which is not thread-safe) is touched by the engine alone.
+
+Export (prefill role): a request added with `KVTransfer(role="prefill")` runs its prompt and
+samples one token as usual; at its finish the engine hands its block references to
+`connector.export`, which keeps them under a lease and returns the JSON descriptor the output
+carries. The connector later returns those block ids from `poll` (ack, reject or expiry) and the
+engine frees them.
+
+Import (decode role): a request added with `KVTransfer(role="decode")` holds prompt + first
+token. The scheduler adopts its local prefix-cache hits, allocates blocks for the rest of the
+prompt and parks it in `importing`; the engine calls `connector.start_import` with the missing
+block positions, and resumes the request when `poll` reports the import done (or, on failure,
+lets it compute the missing prompt tokens itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:  # kept torch-free at import: the router imports the JSON helpers built on this
+    import torch
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """The per-request disaggregation spec given to `LLMEngine.add_request`."""
+
+    role: str  # "prefill": export the prompt's KV; "decode": import it
+    transfer_id: str = ""  # prefill: the lease key chosen by the router
+    descriptor: dict | None = None  # decode: the prefill worker's descriptor (JSON form)
+    first_token_id: int | None = None  # decode: the token the prefill worker sampled
+
+
+@dataclass(frozen=True)
+class KVCacheGeometry:
+    """The local KV tensor's shape, `[num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]`; two workers can exchange blocks only if all but num_blocks agree."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", ...
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        """Bytes of one block in one (layer, K|V) plane: the unit that is contiguous in memory."""
+        return self.block_size * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.bytes_per_chunk
+
+
+@dataclass
+class ImportResult:
+    """One finished import, reported by `poll`. On failure the blocks are zeroed and nothing
+    more is written to them."""
+
+    request_id: str
+    ok: bool
+    num_blocks: int = 0  # blocks received over the wire
+    num_bytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ConnectorEvents:
+    released_block_ids: list[list[int]] = field(default_factory=list)  # leases ended: free these
+    imports: list[ImportResult] = field(default_factory=list)
+
+
+class KVConnector(Protocol):
+    def check_export(self, transfer_id: str) -> None:
+        """Raise ValueError if a prefill request with this transfer id cannot be exported."""
+
+    def check_import(self, transfer: KVTransfer, prompt_token_ids: list[int]) -> object:
+        """Validate a decode spec against the prompt and the local geometry (ValueError if not);
+        return the parsed handle that `start_import` receives."""
+
+    def export(self, transfer_id: str, block_ids: list[int], block_hashes: list[int],
+               prompt_token_ids: list[int]) -> dict:
+        """Take ownership of one reference on each block under a lease; return the descriptor."""
+
+    def start_import(self, request_id: str, handle: object, positions: list[int],
+                     block_ids: list[int]) -> None:
+        """Fill local `block_ids[i]` with the remote block at descriptor position `positions[i]`
+        in the background (an empty list only acknowledges), then report it from `poll`."""
+
+    def reject(self, handle: object) -> None:
+        """In the background, tell the exporter that an imported spec will not be read (the
+        decode request was aborted before its transfer started)."""
+
+    def poll(self) -> ConnectorEvents:
+        """Sweep expired leases and collect what the transfer threads finished (never blocks)."""
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds until an import may have finished."""
+
+    def num_leases(self) -> int: ...
+
+    def close(self) -> None:
+        """Stop the transfer threads and end every lease (the next `poll` returns their blocks)."""
+
+
+# Built by the engine once its KV tensor exists: factory(kv_transfer_config, kv_cache, geometry).
+ConnectorFactory = Callable[[object, "torch.Tensor", KVCacheGeometry], KVConnector]

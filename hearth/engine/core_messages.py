@@ -1,0 +1,176 @@
+"""The typed messages between a server process and its engine-core process, and their framing.
+
+One Struct per message, tagged with a `Kind` enum value; msgpack bodies in length-prefixed frames
+over a private local socket (a socketpair inherited by the child). Nothing here is pickled:
+a peer can only ever make the other side build these types.
+
+    frame := u32 big-endian body length | msgpack(message)
+
+Flow:
+    server -> core   StartEngine, then any of AddRequest, AbortRequests, QueryLoad, Shutdown
+    core -> server   EngineReady | EngineFailed, then AddResult (one per AddRequest),
+                     StepOutputs (one per engine step that produced outputs), LoadReport
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from typing import Union
+
+import msgspec
+
+from hearth.config import EngineConfig
+from hearth.engine.connector import KVTransfer
+from hearth.engine.request import RequestOutput
+from hearth.engine.sampling_params import SamplingParams
+
+MAX_FRAME_BYTES = 256 * 2**20  # a prompt of a million token ids is ~5 MB; anything past this is a bug
+_HEADER = struct.Struct(">I")
+
+
+class Kind(enum.IntEnum):
+    START_ENGINE = 1
+    ADD_REQUEST = 2
+    ABORT_REQUESTS = 3
+    QUERY_LOAD = 4
+    SHUTDOWN = 5
+    ENGINE_READY = 16
+    ENGINE_FAILED = 17
+    ADD_RESULT = 18
+    STEP_OUTPUTS = 19
+    LOAD_REPORT = 20
+
+
+# ---- server -> core --------------------------------------------------------------------------
+
+
+class StartEngine(msgspec.Struct, tag=int(Kind.START_ENGINE)):
+    config: EngineConfig
+
+
+class AddRequest(msgspec.Struct, tag=int(Kind.ADD_REQUEST)):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer: KVTransfer | None = None  # prefill/decode hop of a disaggregated request
+
+
+class AbortRequests(msgspec.Struct, tag=int(Kind.ABORT_REQUESTS)):
+    request_ids: list[str]
+
+
+class QueryLoad(msgspec.Struct, tag=int(Kind.QUERY_LOAD)):
+    query_id: int
+    check_pool: bool = False  # also run the KV pool's integrity check (tests, debugging)
+
+
+class Shutdown(msgspec.Struct, tag=int(Kind.SHUTDOWN)):
+    pass
+
+
+# ---- core -> server --------------------------------------------------------------------------
+
+
+class EngineStatsView(msgspec.Struct):
+    """The engine's load, as the server and router see it (mirrors engine.EngineStats)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_prefill_tokens_inflight: int = 0  # uncached prompt tokens not yet computed
+    num_decode_tokens_active: int = 0  # context tokens of running decodes
+    num_prompt_tokens: int = 0  # counters since start
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+
+
+class EngineReady(msgspec.Struct, tag=int(Kind.ENGINE_READY)):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    load_seconds: float
+    stats: EngineStatsView
+
+
+class EngineFailed(msgspec.Struct, tag=int(Kind.ENGINE_FAILED)):
+    message: str
+
+
+class AddResult(msgspec.Struct, tag=int(Kind.ADD_RESULT)):
+    request_id: str
+    error: str | None = None  # the engine's ValueError text when it refused the request
+
+
+class StepOutputs(msgspec.Struct, tag=int(Kind.STEP_OUTPUTS)):
+    outputs: list[RequestOutput]
+    stats: EngineStatsView
+
+
+class LoadReport(msgspec.Struct, tag=int(Kind.LOAD_REPORT)):
+    query_id: int
+    stats: EngineStatsView
+    kv_pool_is_whole: bool | None = None  # None unless asked (check_pool)
+
+
+ToCore = Union[StartEngine, AddRequest, AbortRequests, QueryLoad, Shutdown]
+FromCore = Union[EngineReady, EngineFailed, AddResult, StepOutputs, LoadReport]
+
+
+class FrameCodec:
+    """Encodes messages into frames and decodes frames of one direction's message union."""
+
+    def __init__(self, incoming: type) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        body = self._encoder.encode(message)
+        return _HEADER.pack(len(body)) + body
+
+    def decode_body(self, body: bytes):
+        return self._decoder.decode(body)
+
+    @staticmethod
+    def body_length(header: bytes) -> int:
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        return length
+
+
+HEADER_BYTES = _HEADER.size
+
+
+class BlockingChannel:
+    """Frames over a blocking socket (the core process side)."""
+
+    def __init__(self, sock: socket.socket, incoming: type) -> None:
+        self._sock = sock
+        self._codec = FrameCodec(incoming)
+
+    def send(self, message: msgspec.Struct) -> None:
+        self._sock.sendall(self._codec.encode(message))
+
+    def recv(self):
+        """The next message; raises EOFError when the peer closed the socket."""
+        length = self._codec.body_length(self._recv_exact(HEADER_BYTES))
+        return self._codec.decode_body(self._recv_exact(length))
+
+    def _recv_exact(self, num_bytes: int) -> bytes:
+        chunks, remaining = [], num_bytes
+        while remaining:
+            chunk = self._sock.recv(min(remaining, 1 << 20))
+            if not chunk:
+                raise EOFError("peer closed the engine socket")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()

@@ -1,0 +1,186 @@
+"""The engine-core process: owns one LLMEngine and steps it whenever it has work.
+
+Started by the server (`hearth.server.engine_client`) as `python -m hearth.engine.core_process
+--fd N`, where N is its end of a private socketpair. The first message is StartEngine; the core
+loads the model and answers EngineReady (or EngineFailed and exits).
+
+Loop invariant: between two engine steps every command that has arrived is applied, so an abort
+or a new request waits at most one step; with no work the loop blocks on the socket (no spin).
+An exception that escapes `engine.step()` (the engine isolates per-request failures itself) ends
+the requests in flight with an error and the loop goes on: one bad request never takes the
+process down. The process exits when the server closes the socket or sends Shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import select
+import socket
+import sys
+
+from hearth.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    AddResult,
+    BlockingChannel,
+    EngineFailed,
+    EngineReady,
+    EngineStatsView,
+    LoadReport,
+    QueryLoad,
+    Shutdown,
+    StartEngine,
+    StepOutputs,
+    ToCore,
+)
+from hearth.engine.request import RequestOutput
+
+log = logging.getLogger("hearth.core")
+
+_STATS_FIELDS = set(EngineStatsView.__struct_fields__)
+
+
+def stats_view(engine) -> EngineStatsView:
+    stats = dataclasses.asdict(engine.stats())
+    return EngineStatsView(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
+
+
+class EngineCore:
+    """Applies commands to the engine and reports its outputs over the channel."""
+
+    def __init__(self, engine, channel: BlockingChannel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.live_request_ids: set[str] = set()
+        self.running = True
+
+    def handle(self, message: ToCore) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                if request_id in self.live_request_ids:
+                    self.engine.abort_request(request_id)
+        elif isinstance(message, QueryLoad):
+            whole = self.engine.kv_pool_is_whole() if message.check_pool else None
+            self.channel.send(LoadReport(message.query_id, stats_view(self.engine), whole))
+        elif isinstance(message, Shutdown):
+            self.running = False
+        else:
+            log.error("unexpected message %s", type(message).__name__)
+
+    def _add(self, message: AddRequest) -> None:
+        extra = {} if message.kv_transfer is None else {"kv_transfer": message.kv_transfer}
+        try:
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, **extra)
+        except ValueError as exc:
+            self.channel.send(AddResult(message.request_id, error=str(exc)))
+            return
+        except Exception as exc:  # an engine bug on one request must not end the loop
+            log.exception("add_request %s failed", message.request_id)
+            self.channel.send(AddResult(message.request_id, error=f"internal error: {exc}"))
+            return
+        self.live_request_ids.add(message.request_id)
+        self.channel.send(AddResult(message.request_id))
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; ending the %d requests in flight",
+                          len(self.live_request_ids))
+            outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
+        for output in outputs:
+            if output.finished:
+                self.live_request_ids.discard(output.request_id)
+        if outputs:
+            self.channel.send(StepOutputs(outputs, stats_view(self.engine)))
+
+    def _fail_all(self, error: str) -> list[RequestOutput]:
+        failed = []
+        for request_id in sorted(self.live_request_ids):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort of %s failed", request_id)
+            failed.append(RequestOutput(request_id, [], "", finished=True,
+                                        finish_reason="error", error=error))
+        try:  # drain the aborts so their blocks are freed; their outputs are superseded
+            self.engine.step()
+        except Exception:
+            log.exception("engine step after a failure failed too")
+        return failed
+
+    def serve(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished()
+            for message in self._pending_messages(wait=not busy):
+                self.handle(message)
+            if self.running and self.engine.has_unfinished():
+                self.step()
+
+    def _pending_messages(self, wait: bool):
+        """Messages already arrived (or, with `wait`, block for at least one)."""
+        timeout = None if wait else 0.0
+        while True:
+            readable, _, _ = select.select([self.channel], [], [], timeout)
+            if not readable:
+                return
+            yield self.channel.recv()
+            timeout = 0.0
+
+
+def run_core(sock: socket.socket, connector_factory=None) -> int:
+    """Serve one server over `sock`; `connector_factory` gives the engine a KV connector
+    (prefill/decode workers start this through hearth.disagg.core_main)."""
+    from hearth.engine.core_messages import ToCore as incoming
+    from hearth.engine.engine import LLMEngine
+
+    channel = BlockingChannel(sock, incoming)
+    start = channel.recv()
+    if not isinstance(start, StartEngine):
+        log.error("first message must be StartEngine, got %s", type(start).__name__)
+        return 2
+    try:
+        engine = LLMEngine(start.config, connector_factory=connector_factory)
+    except Exception as exc:
+        log.exception("engine failed to start")
+        try:
+            channel.send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass  # the server is already gone
+        return 1
+    channel.send(EngineReady(
+        model_name=engine.model_name,
+        max_model_len=engine.max_model_len,
+        vocab_size=int(engine.arch.vocab_size),
+        block_size=int(engine.block_size),
+        load_seconds=float(engine.load_seconds),
+        stats=stats_view(engine),
+    ))
+    core = EngineCore(engine, channel)
+    try:
+        core.serve()
+    except (EOFError, ConnectionError):
+        log.info("server closed the engine socket; exiting")
+    return 0
+
+
+def main(argv: list[str] | None = None, connector_factory=None) -> int:
+    parser = argparse.ArgumentParser(description="hearth engine core (started by the server)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socketpair end")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return run_core(sock, connector_factory)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Grammar-constrained decoding: a `GuidedSpec` becomes a per-request token `Matcher`.
+
+Built on xgrammar (CPU). One `GrammarCompiler` per engine holds the tokenizer's vocabulary in
+xgrammar's form and a cache of compiled grammars (an agent's tool set compiles once). Each
+request gets its own `Matcher`, which the sampler drives once per decoded token:
+
+    matcher.fill_mask(logits_row)   # disallowed tokens -> -inf (in place)
+    token = sample(logits_row)
+    matcher.accept(token)           # advances the grammar; False if the token was not allowed
+
+Invariant: the mask only ever allows tokens that keep the output a prefix of a sentence of the
+grammar; once the grammar is complete only the tokenizer's EOS ids remain allowed, so a
+constrained request ends with finish_reason "stop" (or "length" if max_tokens runs out first).
+
+Vocabulary sizes: the model's logits row may be longer than the tokenizer's vocabulary (padded
+lm_head). Ids the tokenizer does not know are always disallowed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from xgrammar.tokenizer_info import TokenizerInfo
+
+from hearth.engine.sampling_params import GuidedSpec
+
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+
+# A tiny model left free to pick JSON whitespace can emit it forever. Plain JSON output uses the
+# canonical separators (", " and ": ", what models are trained on); formats embedded in
+# structural tags (tool calls) cap runs of whitespace instead.
+MAX_JSON_WHITESPACE = 2
+
+
+def _encoded_vocab(tokenizer: Any) -> tuple[list[str], str | None]:
+    """The vocabulary as token strings indexed by id, plus the HF tokenizer JSON if available."""
+    hf = getattr(tokenizer, "backend", None)  # the wrapped `tokenizers.Tokenizer`
+    vocab_size = int(tokenizer.vocab_size)
+    if hf is not None:
+        vocab = hf.get_vocab(with_added_tokens=True)
+        size = max(vocab_size, max(vocab.values()) + 1)
+        encoded = [""] * size
+        for token, token_id in vocab.items():
+            encoded[token_id] = token
+        return encoded, hf.to_str()
+    encoded = [tokenizer.id_to_token(i) or "" for i in range(vocab_size)]
+    return encoded, None
+
+
+def make_tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> TokenizerInfo:
+    """xgrammar's view of a hearth tokenizer (byte-level BPE or SentencePiece byte-fallback).
+
+    `vocab_size` is the model's (its logits row length): ids past the tokenizer's vocabulary are
+    padded as never-allowed, tokenizer ids past the model's are dropped.
+    """
+    encoded, backend_json = _encoded_vocab(tokenizer)
+    if vocab_size is not None:
+        encoded = (encoded + [""] * vocab_size)[:vocab_size]
+    if backend_json is not None:
+        # xgrammar reads the vocab type (byte-level / byte-fallback / raw) from the tokenizer's
+        # pre-tokenizer and decoder; that detection is not exposed under a public name.
+        meta = TokenizerInfo._detect_metadata_from_hf(backend_json)
+        vocab_type, add_prefix_space = meta["vocab_type"], meta["add_prefix_space"]
+    else:
+        vocab_type, add_prefix_space = xgr.VocabType.BYTE_LEVEL, False
+    stop_ids = [int(i) for i in tokenizer.eos_token_ids if int(i) < len(encoded)] or None
+    return xgr.TokenizerInfo(
+        encoded,
+        vocab_type,
+        vocab_size=len(encoded),
+        stop_token_ids=stop_ids,
+        add_prefix_space=add_prefix_space,
+    )
+
+
+class Matcher:
+    """The grammar state of one request. Not thread-safe; one per request."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self._vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
+
+    def fill_mask(self, logits_row: torch.Tensor) -> None:
+        """Set the logits of tokens the grammar forbids next to -inf, in place.
+
+        `logits_row`: 1-D float tensor, [model_vocab_size] (>= or < the tokenizer's vocab).
+        """
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        num_known = min(self._vocab_size, logits_row.shape[-1])
+        mask = self._bitmask.to(logits_row.device, non_blocking=True)
+        if logits_row.dtype == torch.float32 and logits_row.is_contiguous():
+            xgr.apply_token_bitmask_inplace(logits_row.view(1, -1), mask, vocab_size=num_known)
+        else:  # the kernels take float32 rows; other dtypes go through a float32 scratch row
+            scratch = torch.zeros(1, num_known, device=logits_row.device)
+            xgr.apply_token_bitmask_inplace(scratch, mask, vocab_size=num_known)
+            logits_row[:num_known].masked_fill_(scratch[0].isinf(), float("-inf"))
+        if logits_row.shape[-1] > num_known:
+            logits_row[num_known:] = float("-inf")
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False (state unchanged) if the grammar did not allow it."""
+        if not 0 <= token_id < self._vocab_size:
+            return False
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def accept_text(self, text: str) -> bool:
+        """Advance past a string (used by tests and to force a known prefix)."""
+        return bool(self._matcher.accept_string(text))
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and a stop token was accepted."""
+        return bool(self._matcher.is_terminated())
+
+    def is_complete(self) -> bool:
+        """True when the output so far is a full sentence of the grammar (EOS would be allowed)."""
+        return bool(self._matcher.is_completed())
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding, PD first token)."""
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def allowed_token_ids(self) -> list[int]:
+        """The ids allowed next (tests and debugging; slow on purpose-free paths)."""
+        row = torch.zeros(self._vocab_size)
+        self.fill_mask(row)
+        return torch.nonzero(row == 0).flatten().tolist()
+
+
+class GrammarCompiler:
+    """Compiles guided specs for one tokenizer; compiled grammars are cached by xgrammar."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, max_threads: int = 1) -> None:
+        self._info = make_tokenizer_info(tokenizer, vocab_size)
+        self._vocab_size = self._info.vocab_size
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def matcher(self, spec: GuidedSpec) -> Matcher:
+        """A fresh matcher for `spec`. Raises ValueError naming what is wrong with the spec."""
+        return Matcher(self.compile(spec), self._vocab_size)
+
+    def compile(self, spec: GuidedSpec) -> xgr.CompiledGrammar:
+        if spec.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided: unknown kind {spec.kind!r}; one of {', '.join(GUIDED_KINDS)}")
+        try:
+            return self._compile(spec)
+        except ValueError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError / its own types for bad input
+            raise ValueError(f"invalid {spec.kind}: {exc}") from exc
+
+    def _compile(self, spec: GuidedSpec) -> xgr.CompiledGrammar:
+        if spec.kind == "json_schema":
+            schema = bounded_strings_as_patterns(parse_json_schema(spec.value))
+            return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        if spec.kind == "json_object":
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.value)
+        if spec.kind == "grammar":
+            if _looks_like_lark(spec.value):
+                return self._compiler.compile_grammar(xgr.Grammar.from_lark(spec.value))
+            return self._compiler.compile_grammar(spec.value)
+        tag = json.loads(spec.value)
+        _check_nested_schemas(tag)
+        return self._compiler.compile_structural_tag(json.dumps(tag))
+
+
+def parse_json_schema(text: str) -> dict | bool:
+    """Parse and check a JSON schema (draft 2020-12 meta-schema); ValueError if it is not one."""
+    try:
+        schema = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"json_schema is not valid JSON: {exc}") from exc
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("json_schema must be a JSON object")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise ValueError(f"invalid json_schema: {exc.message}") from exc
+    return schema
+
+
+def bounded_strings_as_patterns(node: Any) -> Any:
+    """Rewrite length-bounded strings as an equivalent pattern (a copy; the input is untouched).
+
+    xgrammar (0.2.x) compiles `{"type": "string", "maxLength": n}` to a character class that
+    admits raw control characters, which no JSON parser accepts; its pattern path escapes them
+    correctly. The rewrite only forbids control characters in such strings.
+    """
+    if isinstance(node, list):
+        return [bounded_strings_as_patterns(value) for value in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: bounded_strings_as_patterns(value) for key, value in node.items()}
+    bounded = "minLength" in node or "maxLength" in node
+    if node.get("type") == "string" and bounded and not node.keys() & {"pattern", "format", "enum", "const"}:
+        low, high = int(node.pop("minLength", 0)), node.pop("maxLength", None)
+        node["pattern"] = "^[^\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else int(high))
+    return node
+
+
+def _check_nested_schemas(node: Any) -> None:
+    """Structural tags embed JSON schemas; check each so a bad one is a clear ValueError."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            parse_json_schema(json.dumps(node["json_schema"]))
+        for value in node.values():
+            _check_nested_schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            _check_nested_schemas(value)
+
+
+def _looks_like_lark(grammar: str) -> bool:
+    # EBNF rules use "::="; Lark rules use ":" and a `start` rule.
+    return "::=" not in grammar

@@ -1,0 +1,85 @@
+"""How a model and a step are cut up across ranks: checks, stage layer ranges, micro-batches.
+
+Pure functions of shapes and counts, so they are unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+from hearth.models.arch import ModelArch
+
+
+def check_parallel_shape(arch: ModelArch, tp_size: int, pp_size: int) -> None:
+    """Raise ValueError naming the constraint when the model cannot be split T x P ways."""
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError(f"parallel sizes must be >= 1, got tensor={tp_size} pipeline={pp_size}")
+    if pp_size > arch.num_layers:
+        raise ValueError(f"pipeline parallel size {pp_size} is larger than the model's "
+                         f"{arch.num_layers} layers (each stage needs at least one layer)")
+    problems = []
+    if arch.num_heads % tp_size:
+        problems.append(f"num_heads={arch.num_heads}")
+    kv = arch.num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        # Fewer KV heads than ranks: each KV head is replicated on tp_size / kv ranks, which
+        # only lines up with the query heads when kv divides tp_size.
+        problems.append(f"num_kv_heads={kv}")
+    if arch.intermediate_size % tp_size:
+        problems.append(f"intermediate_size={arch.intermediate_size}")
+    if problems:
+        valid = [t for t in range(1, arch.num_heads + 1) if _tp_fits(arch, t)]
+        raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
+                         f"{', '.join(problems)}; valid sizes: {', '.join(map(str, valid))}")
+
+
+def _tp_fits(arch: ModelArch, t: int) -> bool:
+    kv = arch.num_kv_heads
+    return (arch.num_heads % t == 0 and arch.intermediate_size % t == 0
+            and (kv % t == 0 if kv >= t else t % kv == 0))
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) per stage, sizes differing by at most one. Earlier stages take
+    the extra layers because the last stage also runs the LM head."""
+    base, extra = divmod(num_layers, pp_size)
+    ranges, start = [], 0
+    for stage in range(pp_size):
+        end = start + base + (1 if stage < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def local_kv_heads(arch: ModelArch, tp_size: int) -> int:
+    return max(1, arch.num_kv_heads // tp_size)
+
+
+def kv_bytes_per_block_per_rank(arch: ModelArch, tp_size: int, pp_size: int, block_size: int,
+                                itemsize: int) -> int:
+    """KV bytes one block takes on the busiest rank (the stage with the most layers)."""
+    max_layers = max(end - start for start, end in split_layers(arch.num_layers, pp_size))
+    return 2 * max_layers * block_size * local_kv_heads(arch, tp_size) * arch.head_dim * itemsize
+
+
+def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[int]:
+    """Cut a step's requests (in order) into <= num_micro_batches contiguous groups of about
+    equal token count; returns the number of requests in each group (no empty groups).
+
+    A request is never split, so one long prefill alone in a step is one micro-batch.
+    """
+    n = len(num_tokens)
+    m = max(1, min(num_micro_batches, n))
+    total = sum(num_tokens)
+    sizes, count, acc, cut = [], 0, 0, 1
+    for i, tokens in enumerate(num_tokens):
+        count += 1
+        acc += tokens
+        remaining_requests = n - i - 1
+        remaining_groups = m - len(sizes) - 1
+        # Close the group once it reaches its share, or when every later request must start
+        # a group of its own to reach m groups.
+        if remaining_groups > 0 and (acc * m >= total * cut
+                                     or remaining_requests == remaining_groups):
+            sizes.append(count)
+            count, cut = 0, cut + 1
+    sizes.append(count)
+    return [s for s in sizes if s]

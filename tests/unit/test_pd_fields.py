@@ -1,0 +1,87 @@
+"""The kv_transfer JSON extension and the descriptor: round trips and exact refusals."""
+
+import json
+
+import pytest
+
+from hearth.disagg.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, check_against,
+                                      descriptor_from_json, descriptor_to_json, tokens_hash)
+from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_request_field,
+                                       decode_result, parse_kv_transfer, prefill_result, to_engine)
+from hearth.engine.block_hash import hash_blocks
+from hearth.engine.connector import KVCacheGeometry, KVTransfer
+
+PROMPT = list(range(100, 137))  # 37 tokens: 2 full blocks of 16 + 5
+GEOMETRY = KVCacheGeometry(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=3,
+                           head_dim=8, dtype="float32")
+
+
+def make_descriptor(**changes) -> dict:
+    hashes = hash_blocks(PROMPT, 16)
+    d = descriptor_to_json(KVDescriptor(
+        version=DESCRIPTOR_VERSION, transfer_id="x1", transport="tcp", host="127.0.0.1",
+        port=4000, num_tokens=len(PROMPT), block_size=16, block_ids=[9, 4, 7],
+        block_hashes=hashes, tokens_hash=tokens_hash(PROMPT, hashes, 16), num_layers=2,
+        num_kv_heads=3, head_dim=8, dtype="float32", bytes_per_block=GEOMETRY.bytes_per_block,
+        expires_at=1e9))
+    d.update(changes)
+    return json.loads(json.dumps(d))  # exactly what crosses HTTP
+
+
+def test_router_round_trip_from_prefill_response_to_engine_spec():
+    field = prefill_result("x1", PROMPT, 504, -0.25, 32, make_descriptor())
+    assert field["num_prompt_tokens"] == 37 and field["first_token_logprob"] == -0.25
+    decode_field = json.loads(json.dumps(decode_request_field(field)))
+    assert decode_field["role"] == "decode" and decode_field["transfer_id"] == "x1"
+    hop = parse_kv_transfer(decode_field)
+    assert isinstance(hop, DecodeHop) and hop.prompt_token_ids == PROMPT
+    spec = to_engine(hop)
+    assert spec == KVTransfer("decode", "x1", make_descriptor(), 504)
+    d = descriptor_from_json(spec.descriptor)
+    check_against(d, GEOMETRY, PROMPT)
+    assert decode_result(5, 1, 100) == {"num_transferred_tokens": 5, "num_transferred_blocks": 1,
+                                        "num_transferred_bytes": 100}
+
+
+def test_prefill_hop_parses():
+    hop = parse_kv_transfer({"role": "prefill", "transfer_id": "abc"})
+    assert hop == PrefillHop("abc") and to_engine(hop) == KVTransfer("prefill", "abc")
+
+
+@pytest.mark.parametrize("field, message", [
+    ({"role": "middle", "transfer_id": "a"}, "kv_transfer"),
+    ({"role": "prefill"}, "transfer_id"),
+    ({"role": "prefill", "transfer_id": ""}, "non-empty"),
+    ({"role": "prefill", "transfer_id": "x" * 65}, "at most 64 bytes"),
+    ({"role": "prefill", "transfer_id": "a", "extra": 1}, "extra"),
+    ({"role": "decode", "prompt_token_ids": [], "first_token_id": 1, "descriptor": {}}, "empty"),
+    ({"role": "decode", "prompt_token_ids": [1], "first_token_id": "1", "descriptor": {}}, "int"),
+    ({"role": "decode", "prompt_token_ids": [1], "first_token_id": 1,
+      "descriptor": {"transfer_id": "a"}, "transfer_id": "b"}, "differs"),
+])
+def test_malformed_fields_are_refused(field, message):
+    with pytest.raises(ValueError, match=message):
+        parse_kv_transfer(field)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(version=2), "version"),
+    (dict(block_ids=[1, 2]), "block_ids"),
+    (dict(block_hashes=[1]), "one hash per full block"),
+    (dict(port=0), "port"),
+    (dict(num_tokens="37"), "num_tokens"),
+])
+def test_inconsistent_descriptors_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        descriptor_from_json(make_descriptor(**changes))
+
+
+def test_descriptor_must_match_prompt_and_geometry():
+    d = descriptor_from_json(make_descriptor())
+    check_against(d, GEOMETRY, PROMPT)
+    with pytest.raises(ValueError, match="another prompt"):  # differs only in the partial block
+        check_against(d, GEOMETRY, PROMPT[:-1] + [7])
+    with pytest.raises(ValueError, match="num_tokens"):
+        check_against(d, GEOMETRY, PROMPT + [7])
+    with pytest.raises(ValueError, match="KV layout"):
+        check_against(d, KVCacheGeometry(2, 64, 16, 3, 8, "bfloat16"), PROMPT)
