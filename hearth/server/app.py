@@ -1,0 +1,310 @@
+"""The FastAPI app of one worker: routes, auth, body limit, OpenAI-shaped errors.
+
+The HTTP process never runs the model: the engine lives in its own process behind
+`EngineClient`. This process only renders templates, tokenizes, parses tool calls and moves
+bytes, so /health stays responsive during long prefills.
+
+Routes (auth with --api-key on all but /health and /metrics):
+    GET  /health              200 {"status": "ok"} once the model is loaded, else 503
+    GET  /v1/models           the served model
+    POST /v1/chat/completions, /v1/completions
+    POST /tokenize, /detokenize
+    GET  /load                JSON load report (?check_pool=1 adds kv_pool_is_whole)
+    GET  /metrics             Prometheus text
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hearth.config import EngineConfig
+from hearth.server.chat import render_chat_prompt
+from hearth.server.engine_client import EngineClient, EngineDeadError
+from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
+from hearth.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    parse_request,
+)
+from hearth.server.responses import TokenTexts
+from hearth.server.server_config import ServerConfig
+from hearth.server.serving import ClientGone, ServerState, check_model
+from hearth.server.serving_chat import create_chat_completion
+from hearth.server.serving_completions import create_completion
+from hearth.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
+
+log = logging.getLogger("hearth.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def load_tokenizer(engine_config: EngineConfig):
+    """The same tokenizer the engine builds, loaded here to keep tokenization off the engine."""
+    from hearth.engine.tokenizer import Tokenizer
+    from hearth.models.loader import load_checkpoint
+
+    if engine_config.model.tokenizer:
+        return Tokenizer.from_folder(engine_config.model.tokenizer)
+    return Tokenizer.from_checkpoint(load_checkpoint(engine_config.model.model))
+
+
+def resolve_tool_parser(name: str, tokenizer: Any) -> str:
+    if name == "auto":
+        return tool_parser_for_template(getattr(tokenizer, "chat_template", None))
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser: unknown {name!r}; one of auto, {', '.join(TOOL_PARSERS)}")
+    return name
+
+
+class Worker:
+    """Everything the routes share; `state` is set once the engine is ready."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 on_fatal: Callable[[], None] | None = None) -> None:
+        self.engine_config = engine_config
+        self.config = server_config
+        self.on_fatal = on_fatal  # asks the HTTP server to stop (launch.py wires uvicorn's)
+        self.engine = EngineClient(engine_config, log_level=server_config.log_level.upper(),
+                                   on_dead=self._fail)
+        self.state: ServerState | None = None
+        self.failure: str | None = None
+        self._startup: asyncio.Task | None = None
+
+    def _fail(self, reason: str) -> None:
+        """A worker without its engine cannot serve: stop (exit code 1) so a supervisor sees it,
+        rather than keep a listening socket that only answers 503."""
+        self.failure = self.failure or reason
+        if self.config.exit_on_engine_failure and self.on_fatal is not None:
+            log.error("stopping the server: %s", reason)
+            self.on_fatal()
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self._startup = asyncio.create_task(self._finish_startup(), name="worker-startup")
+
+    async def _finish_startup(self) -> None:
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.engine_config)
+            info = await self.engine.wait_ready()
+        except EngineDeadError:
+            return  # on_dead already reported it
+        except Exception as exc:
+            log.exception("tokenizer failed to load")
+            self._fail(f"tokenizer failed to load: {exc}")
+            return
+        name = self.config.served_model_name or info.model_name
+        self.state = ServerState(
+            engine=self.engine, tokenizer=tokenizer, config=self.config,
+            metrics=ServerMetrics(name), model_name=name, max_model_len=info.max_model_len,
+            tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
+            token_texts=TokenTexts(tokenizer),
+        )
+        self.state.metrics.set_engine_stats(info.stats)
+        log.info("serving %s on http://%s:%d", name, self.config.host, self.config.port)
+
+    async def stop(self) -> None:
+        if self._startup is not None:
+            self._startup.cancel()
+        await self.engine.close()
+
+    def ready_state(self) -> ServerState:
+        if self.state is None or not self.engine.is_ready or self.failure:
+            failure = self.failure or self.engine.failure
+            raise APIError(503, failure or "the model is still loading", "service_unavailable",
+                           code="engine_unavailable" if failure else "not_ready")
+        return self.state
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing (413) past `limit` bytes without reading further."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+
+
+def build_app(engine_config: EngineConfig, server_config: ServerConfig,
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    worker = Worker(engine_config, server_config, on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await worker.start()
+        try:
+            yield
+        finally:
+            await worker.stop()
+
+    app = FastAPI(title="hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    _install_error_handlers(app)
+    auth = [Depends(_authorizer(worker))]
+
+    @app.get("/health")
+    async def health() -> Response:
+        failure = worker.failure or worker.engine.failure
+        if failure:
+            return JSONResponse({"status": "failed", "error": failure}, status_code=503)
+        if worker.state is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state = worker.ready_state()
+        state.metrics.set_engine_stats(state.engine.stats)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(_openai_routes(worker), dependencies=auth)
+    app.include_router(_tokenizer_and_load_routes(worker), dependencies=auth)
+    return app
+
+
+def _authorizer(worker: Worker) -> Callable:
+    async def authorize(request: Request) -> None:
+        key = worker.config.api_key
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+            if worker.state is not None:
+                worker.state.metrics.observe_rejected("auth")
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           "authentication_error", code="invalid_api_key")
+
+    return authorize
+
+
+def _openai_routes(worker: Worker) -> APIRouter:
+    router = APIRouter()
+    limit = worker.config.max_body_bytes
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        state = worker.ready_state()
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "hearth", "max_model_len": state.max_model_len}]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state = worker.ready_state()
+        chat_request = parse_request(ChatCompletionRequest, await read_json(request, limit))
+        _log_affinity(request)
+        return _respond(await create_chat_completion(state, chat_request, request.is_disconnected))
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state = worker.ready_state()
+        completion_request = parse_request(CompletionRequest, await read_json(request, limit))
+        _log_affinity(request)
+        return _respond(await create_completion(state, completion_request, request.is_disconnected))
+
+    return router
+
+
+def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
+    router = APIRouter()
+    limit = worker.config.max_body_bytes
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        state = worker.ready_state()
+        body = parse_request(TokenizeRequest, await read_json(request, limit))
+        check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            text = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.add_generation_prompt)
+        else:
+            text = body.prompt
+        tokens = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        state = worker.ready_state()
+        body = parse_request(DetokenizeRequest, await read_json(request, limit))
+        check_model(state, body.model)
+        if not all(0 <= t < state.tokenizer.vocab_size for t in body.tokens):
+            raise bad_request("token id outside the vocabulary", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @router.get("/load")
+    async def load(check_pool: bool = False) -> dict:
+        state = worker.ready_state()
+        report = await state.engine.load(check_pool=check_pool)
+        state.metrics.set_engine_stats(report.stats)
+        body = {f: getattr(report.stats, f) for f in report.stats.__struct_fields__}
+        body["num_requests_inflight"] = state.engine.num_requests
+        if check_pool:
+            body["kv_pool_is_whole"] = report.kv_pool_is_whole
+        return body
+
+    return router
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _log_affinity(request: Request) -> None:
+    key = request.headers.get("x-session-affinity")
+    if key:
+        log.debug("x-session-affinity: %s", key)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, f"no route {request.method} {request.url.path}", "not_found_error",
+                             code="not_found")
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return JSONResponse(bad_request(first["msg"], param=param).body(), status_code=400)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+        return JSONResponse(error.body(), status_code=500)

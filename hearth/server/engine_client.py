@@ -1,0 +1,254 @@
+"""The server's handle on its engine-core process (asyncio side of the socketpair).
+
+`start()` spawns `python -m hearth.engine.core_process`, hands it the EngineConfig, and returns
+at once; a background task waits for EngineReady, so `/health` answers "loading" meanwhile.
+`add()` sends an AddRequest and waits for the core's AddResult, so a refused request (prompt too
+long, invalid schema) becomes a 400 before any response byte is sent. Outputs then flow into
+that request's queue until its finished output arrives.
+
+Invariant: every request added is either finished by the engine, aborted through `abort()`, or
+failed here when the core process dies; no waiter is ever left hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from hearth.config import EngineConfig
+from hearth.engine.connector import KVTransfer
+from hearth.engine.core_messages import (
+    HEADER_BYTES,
+    AbortRequests,
+    AddRequest,
+    AddResult,
+    EngineFailed,
+    EngineReady,
+    EngineStatsView,
+    FrameCodec,
+    FromCore,
+    LoadReport,
+    QueryLoad,
+    Shutdown,
+    StartEngine,
+    StepOutputs,
+)
+from hearth.engine.request import RequestOutput
+from hearth.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("hearth.server.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone (or never came up)."""
+
+
+class EngineRejectedError(ValueError):
+    """The engine refused a request (its ValueError text)."""
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue
+    accepted: asyncio.Future
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO",
+                 on_dead: Callable[[str], None] | None = None,
+                 core_module: str = "hearth.engine.core_process") -> None:
+        self.config = config
+        self.core_module = core_module  # hearth.disagg.core_main for prefill/decode workers
+        self.log_level = log_level
+        self.on_dead = on_dead  # called once, with the reason, when the core process is lost
+        self.info: EngineReady | None = None
+        self.stats = EngineStatsView()
+        self.failure: str | None = None
+        self._codec = FrameCodec(FromCore)
+        self._process: subprocess.Popen | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._requests: dict[str, _Pending] = {}
+        self._queries: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._ready = asyncio.Event()
+        self._read_task: asyncio.Task | None = None
+        self._closing = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child_fd = child_sock.fileno()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", self.core_module, "--fd", str(child_fd),
+             "--log-level", self.log_level],
+            pass_fds=(child_fd,),
+        )
+        child_sock.close()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=parent_sock)
+        self._send(StartEngine(self.config))
+        self._read_task = asyncio.create_task(self._read_loop(), name="engine-reader")
+
+    async def wait_ready(self) -> EngineReady:
+        await self._ready.wait()
+        if self.info is None:
+            raise EngineDeadError(self.failure or "engine failed to start")
+        return self.info
+
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None and self.failure is None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        if self._writer is not None and not self._writer.is_closing():
+            try:
+                self._send(Shutdown())
+                await self._writer.drain()
+                self._writer.close()
+            except (ConnectionError, RuntimeError):
+                pass
+        if self._process is not None:
+            try:
+                await asyncio.to_thread(self._process.wait, timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                await asyncio.to_thread(self._process.wait)
+        if self._read_task is not None:
+            self._read_task.cancel()
+        self._fail_everything("server is shutting down")
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_nowait(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   queue: asyncio.Queue, kv_transfer: KVTransfer | None = None) -> asyncio.Future:
+        """Register and send a request; the returned future resolves when the core accepted it
+        (or raises EngineRejectedError / EngineDeadError). Outputs arrive on `queue` (the choices
+        of one HTTP request share one)."""
+        if not self.is_ready:
+            raise EngineDeadError(self.failure or "engine is not ready")
+        accepted = asyncio.get_running_loop().create_future()
+        self._requests[request_id] = _Pending(queue=queue, accepted=accepted)
+        self._send(AddRequest(request_id, list(prompt_token_ids), params, kv_transfer))
+        return accepted
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  kv_transfer: KVTransfer | None = None) -> asyncio.Queue:
+        """Submit one request and wait until it is accepted; returns its output queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        accepted = self.add_nowait(request_id, prompt_token_ids, params, queue, kv_transfer)
+        try:
+            await accepted
+        except BaseException:
+            self.abort([request_id])
+            self.forget(request_id)
+            raise
+        return queue
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the core to abort; their final (abort) outputs still arrive on their queues."""
+        live = [r for r in request_ids if r in self._requests]
+        if live and self.is_ready:
+            self._send(AbortRequests(live))
+
+    def forget(self, request_id: str) -> None:
+        """Stop routing outputs to a request whose consumer has gone (after abort)."""
+        self._requests.pop(request_id, None)
+
+    async def load(self, check_pool: bool = False) -> LoadReport:
+        if not self.is_ready:
+            raise EngineDeadError(self.failure or "engine is not ready")
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = future
+        self._send(QueryLoad(query_id, check_pool))
+        return await future
+
+    # ---- socket ---------------------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        assert self._writer is not None
+        self._writer.write(self._codec.encode(message))
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                header = await self._reader.readexactly(HEADER_BYTES)
+                body = await self._reader.readexactly(self._codec.body_length(header))
+                self._dispatch(self._codec.decode_body(body))
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            reason = f"engine process exited ({exc.__class__.__name__})"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a malformed frame: the channel can no longer be trusted
+            log.exception("engine channel failed")
+            reason = f"engine channel failed: {exc}"
+        code = self._process.poll() if self._process else None
+        self._mark_dead(reason if code is None else f"{reason}, exit code {code}")
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, StepOutputs):
+            self.stats = message.stats
+            for output in message.outputs:
+                pending = self._requests.get(output.request_id)
+                if pending is not None:
+                    pending.queue.put_nowait(output)
+                    if output.finished:
+                        self._requests.pop(output.request_id, None)
+        elif isinstance(message, AddResult):
+            self._on_add_result(message)
+        elif isinstance(message, LoadReport):
+            self.stats = message.stats
+            future = self._queries.pop(message.query_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, EngineReady):
+            self.info, self.stats = message, message.stats
+            log.info("engine ready: %s (%.1fs)", message.model_name, message.load_seconds)
+            self._ready.set()
+        elif isinstance(message, EngineFailed):
+            self._mark_dead(f"engine failed to start: {message.message}")
+
+    def _on_add_result(self, message: AddResult) -> None:
+        pending = self._requests.get(message.request_id)
+        if pending is None or pending.accepted.done():
+            return
+        if message.error is None:
+            pending.accepted.set_result(None)
+        else:
+            self._requests.pop(message.request_id, None)
+            pending.accepted.set_exception(EngineRejectedError(message.error))
+
+    def _mark_dead(self, reason: str) -> None:
+        first = self.failure is None
+        if first:
+            self.failure = reason
+            log.error("%s", reason)
+        self._ready.set()
+        self._fail_everything(reason)
+        if first and self.on_dead is not None and not self._closing:
+            self.on_dead(reason)
+
+    def _fail_everything(self, reason: str) -> None:
+        for request_id, pending in list(self._requests.items()):
+            if not pending.accepted.done():
+                pending.accepted.set_exception(EngineDeadError(reason))
+            pending.queue.put_nowait(RequestOutput(
+                request_id, [], "", finished=True, finish_reason="error", error=reason))
+        self._requests.clear()
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self._queries.clear()

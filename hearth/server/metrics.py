@@ -1,0 +1,113 @@
+"""Prometheus metrics of one worker, prefix `hearth:`, named after vLLM's so dashboards port.
+
+    hearth:time_to_first_token_seconds      histogram   arrival -> first token
+    hearth:inter_token_latency_seconds      histogram   between consecutive output tokens
+    hearth:e2e_request_latency_seconds      histogram   arrival -> finish
+    hearth:request_queue_time_seconds       histogram   arrival -> first scheduled (engine-side)
+    hearth:request_prompt_tokens            histogram   per finished request
+    hearth:request_generation_tokens        histogram   per finished request
+    hearth:prompt_tokens_total              counter
+    hearth:generation_tokens_total          counter
+    hearth:prefix_cache_queries_total       counter     prompt tokens looked up in the prefix cache
+    hearth:prefix_cache_hits_total          counter     of those, found cached (= cached_tokens)
+    hearth:request_success_total            counter     label finished_reason: stop|length|tool_calls|abort|error
+    hearth:http_requests_rejected_total     counter     label reason: queue_full|body_too_large|auth
+    hearth:num_requests_running             gauge       engine's running requests
+    hearth:num_requests_waiting             gauge       engine's waiting requests
+    hearth:kv_cache_usage_perc              gauge       fraction of KV blocks in use (0..1)
+    hearth:num_prefill_tokens_inflight      gauge       uncached prompt tokens not yet computed
+    hearth:num_decode_tokens_active         gauge       context tokens of running decodes
+    hearth:num_free_kv_blocks               gauge
+
+Every series carries `model_name`. The registry belongs to the app (no process-global state).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hearth.engine.core_messages import EngineStatsView
+
+PREFIX = "hearth:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Inter-token latency.", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    LATENCY_BUCKETS)
+        self.prompt_tokens_hist = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                            TOKEN_BUCKETS)
+        self.generation_tokens_hist = histogram("request_generation_tokens",
+                                                "Generated tokens per request.", TOKEN_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.finished = counter("request_success", "Finished requests by reason.", ("finished_reason",))
+        self.rejected = counter("http_requests_rejected", "Requests refused before the engine.", ("reason",))
+        self.running = gauge("num_requests_running", "Requests running in the engine.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        self.prefill_inflight = gauge("num_prefill_tokens_inflight", "Uncached prompt tokens not yet computed.")
+        self.decode_active = gauge("num_decode_tokens_active", "Context tokens of running decodes.")
+        self.free_blocks = gauge("num_free_kv_blocks", "Free KV-cache blocks.")
+
+    def _m(self, metric, **labels):
+        return metric.labels(model_name=self.model_name, **labels)
+
+    def observe_first_token(self, seconds: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self._m(self.ttft).observe(seconds)
+        self._m(self.prompt_tokens).inc(num_prompt_tokens)
+        self._m(self.cache_queries).inc(num_prompt_tokens)
+        self._m(self.cache_hits).inc(num_cached_tokens)
+
+    def observe_tokens(self, num_tokens: int, seconds_since_last: float | None) -> None:
+        self._m(self.generation_tokens).inc(num_tokens)
+        if seconds_since_last is not None and num_tokens:
+            per_token = seconds_since_last / num_tokens
+            for _ in range(num_tokens):
+                self._m(self.itl).observe(per_token)
+
+    def observe_finish(self, reason: str, e2e_seconds: float, num_prompt_tokens: int,
+                       num_output_tokens: int, queue_seconds: float | None) -> None:
+        self._m(self.finished, finished_reason=reason).inc()
+        self._m(self.e2e).observe(e2e_seconds)
+        self._m(self.prompt_tokens_hist).observe(num_prompt_tokens)
+        self._m(self.generation_tokens_hist).observe(num_output_tokens)
+        if queue_seconds is not None:
+            self._m(self.queue_time).observe(queue_seconds)
+
+    def observe_rejected(self, reason: str) -> None:
+        self._m(self.rejected, reason=reason).inc()
+
+    def set_engine_stats(self, stats: EngineStatsView) -> None:
+        self._m(self.running).set(stats.num_running)
+        self._m(self.waiting).set(stats.num_waiting)
+        self._m(self.kv_usage).set(stats.kv_usage)
+        self._m(self.prefill_inflight).set(stats.num_prefill_tokens_inflight)
+        self._m(self.decode_active).set(stats.num_decode_tokens_active)
+        self._m(self.free_blocks).set(stats.num_free_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

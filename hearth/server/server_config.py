@@ -1,0 +1,19 @@
+"""The HTTP server's own configuration (the engine's is hearth.config.EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # when set, every /v1 and admin route needs "Authorization: Bearer KEY"
+    max_waiting: int = 256  # requests queued beyond the engine's running set; past it: 429
+    max_body_bytes: int = 32 * 2**20  # request bodies larger than this: 413
+    tool_call_parser: str = "auto"  # auto (by model family) | hermes | llama3_json
+    guided_auto_tools: bool = True  # constrain tool-call arguments also under tool_choice "auto"
+    log_level: str = "info"
+    exit_on_engine_failure: bool = True  # a worker whose engine died stops (exit code 1)

@@ -1,0 +1,259 @@
+"""What both endpoints share: the server's state, request fields -> SamplingParams, admission,
+and `RequestRun`, the engine requests behind one HTTP request (n choices x prompts).
+
+Resource invariant: every engine request a RequestRun submits ends in one of three ways: its
+finished output arrives, `abort_unfinished()` aborts it (client gone, error, cancellation), or
+the engine process dies (the client fails it). Handlers call `abort_unfinished()` in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from hearth.engine.request import RequestOutput
+from hearth.engine.sampling_params import GuidedSpec, SamplingParams
+from hearth.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
+from hearth.server.metrics import ServerMetrics
+from hearth.server.protocol import APIError, ResponseFormat, bad_request
+from hearth.server.responses import TokenTexts, Usage
+from hearth.server.server_config import ServerConfig
+
+DISCONNECT_POLL_SECONDS = 0.5
+MAX_CHOICES = 16  # n per request (times the prompts of a batched completion)
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    tokenizer: Any  # hearth.engine.tokenizer.Tokenizer, loaded in this process too
+    config: ServerConfig
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    tool_parser: str  # resolved parser name for template-rendered tools
+    token_texts: TokenTexts
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise bad_request(f"model {model!r} is not served here; this server serves {state.model_name!r}",
+                          param="model", code="model_not_found")
+
+
+def check_n(n: int) -> None:
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+
+
+def response_format_guidance(response_format: ResponseFormat | None) -> GuidedSpec | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return GuidedSpec("json_object")
+    spec = response_format.json_schema
+    if spec is None or spec.schema_ is None:
+        raise bad_request("response_format.json_schema.schema is required",
+                          param="response_format.json_schema")
+    return GuidedSpec("json_schema", json.dumps(spec.schema_))
+
+
+def sampling_params(state: ServerState, request: Any, num_prompt_tokens: int, max_tokens: int | None,
+                    logprobs: int | None, guided: GuidedSpec | None, seed_offset: int = 0) -> SamplingParams:
+    """Map request fields onto SamplingParams; out-of-range values are 400s naming the field."""
+    room = state.max_model_len - num_prompt_tokens
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        asked = max_tokens if max_tokens is not None else 1
+        raise bad_request(
+            f"this model's maximum context length is {state.max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and {asked} more were requested for the output",
+            param="max_tokens" if max_tokens is not None and room > 0 else "messages",
+            code="context_length_exceeded")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else room,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            seed=None if request.seed is None else request.seed + seed_offset,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            stop=tuple(stop),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            guided=guided,
+        )
+    except ValueError as exc:
+        field_name = str(exc).split(":", 1)[0]
+        raise bad_request(str(exc), param=field_name) from None
+
+
+@dataclass
+class ChoiceProgress:
+    """Timing and counts of one engine request, for usage and metrics."""
+
+    arrival: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestRun:
+    state: ServerState
+    response_id: str
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[ChoiceProgress] = field(default_factory=list)
+    _index_of: dict[str, int] = field(default_factory=dict)
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _num_unfinished: int = 0
+    _last_disconnect_check: float = field(default_factory=time.monotonic)
+
+    def admit(self, num_new: int) -> None:
+        """Refuse (429) when the queue of not-yet-running requests is full: bounded memory."""
+        engine = self.state.engine
+        if not engine.is_ready:
+            raise APIError(503, engine.failure or "the model is still loading", "service_unavailable",
+                           code="not_ready")
+        queued = max(0, engine.num_requests - engine.stats.num_running)
+        if queued + num_new > self.state.config.max_waiting:
+            self.state.metrics.observe_rejected("queue_full")
+            raise APIError(429, f"server is at capacity ({queued} requests waiting); retry later",
+                           "rate_limit_exceeded", code="queue_full")
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Add one engine request per (prompt, params), all in one burst so they can share an
+        engine step; all or nothing (on any refusal, or cancellation, the others are aborted)."""
+        self.admit(len(prompts))
+        accepted = []  # registered and sent before any await: admission sees them at once
+        for index, (prompt_ids, choice_params) in enumerate(zip(prompts, params)):
+            request_id = f"{self.response_id}-{index}"
+            self._index_of[request_id] = index
+            self.choices.append(ChoiceProgress(arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids)))
+            accepted.append(self.state.engine.add_nowait(request_id, prompt_ids, choice_params, self._queue))
+        try:
+            results = await asyncio.gather(*accepted, return_exceptions=True)
+        except BaseException:
+            self.abort_unfinished()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort_unfinished()
+            raise _as_api_error(errors[0]) from None
+        self._num_unfinished = len(results)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every choice has finished."""
+        while self._num_unfinished:
+            output = await self._next_output()
+            index = self._index_of.get(output.request_id)
+            if index is None:
+                continue
+            self._track(index, output)
+            yield index, output
+
+    async def _next_output(self) -> RequestOutput:
+        """The next output; without a stream to write to, the client's departure is only seen
+        by asking, so ask every DISCONNECT_POLL_SECONDS whether outputs flow or not."""
+        if self.is_disconnected is None:
+            return await self._queue.get()
+        while True:
+            now = time.monotonic()
+            if now - self._last_disconnect_check >= DISCONNECT_POLL_SECONDS:
+                self._last_disconnect_check = now
+                if await self.is_disconnected():
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                continue
+
+    def _track(self, index: int, output: RequestOutput) -> None:
+        choice, now = self.choices[index], time.monotonic()
+        metrics = self.state.metrics
+        choice.num_prompt_tokens = output.num_prompt_tokens or choice.num_prompt_tokens
+        num_new = len(output.new_token_ids)
+        if num_new and choice.first_token_at is None:
+            choice.first_token_at = now
+            choice.num_cached_tokens = output.num_cached_tokens
+            metrics.observe_first_token(now - choice.arrival, choice.num_prompt_tokens,
+                                        output.num_cached_tokens)
+            metrics.observe_tokens(num_new, None)
+        elif num_new:
+            metrics.observe_tokens(num_new, now - (choice.last_token_at or now))
+        if num_new:
+            choice.last_token_at = now
+        choice.num_output_tokens += num_new
+        if output.finished:
+            self._num_unfinished -= 1
+            choice.finish_reason, choice.error = output.finish_reason, output.error
+            queue_seconds = getattr(output, "queue_seconds", None)
+            metrics.observe_finish(output.finish_reason or "stop", now - choice.arrival,
+                                   choice.num_prompt_tokens, choice.num_output_tokens, queue_seconds)
+            metrics.set_engine_stats(self.state.engine.stats)
+
+    def abort_unfinished(self) -> None:
+        unfinished = [rid for rid, idx in self._index_of.items() if self.choices[idx].finish_reason is None]
+        self.state.engine.abort(unfinished)
+        for request_id in unfinished:
+            self.state.engine.forget(request_id)
+
+    def usage(self, prompt_choices: list[int] | None = None) -> Usage:
+        """Prompt tokens count once per distinct prompt (choice indexes in `prompt_choices`)."""
+        firsts = prompt_choices if prompt_choices is not None else [0]
+        return Usage(
+            prompt_tokens=sum(self.choices[i].num_prompt_tokens for i in firsts),
+            completion_tokens=sum(c.num_output_tokens for c in self.choices),
+            cached_tokens=sum(self.choices[i].num_cached_tokens for i in firsts),
+        )
+
+
+def abort_when_dropped(stream: AsyncIterator[str], run: RequestRun) -> AsyncIterator[str]:
+    """A stream dropped before its first iteration (client gone before the response started)
+    never runs its `finally`; abort its requests when it is collected, too."""
+    weakref.finalize(stream, run.abort_unfinished)
+    return stream
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; the run's requests are aborted by the handler."""
+
+
+def _as_api_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, EngineRejectedError):
+        message = str(exc)
+        return bad_request(message, param=message.split(":", 1)[0] or None, code=_rejection_code(message))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable", code="engine_unavailable")
+    return exc
+
+
+def _rejection_code(message: str) -> str | None:
+    if "context length" in message or "do not fit" in message:
+        return "context_length_exceeded"
+    return None
+
+
+def raise_if_failed(choice: ChoiceProgress) -> None:
+    if choice.finish_reason == "error":
+        raise APIError(500, choice.error or "the engine failed this request", "internal_server_error")

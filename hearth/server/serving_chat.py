@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions: messages -> prompt -> n engine requests -> response or SSE stream.
+
+Each choice owns one tool parser (when tools are in play) fed with the engine's text deltas;
+the streamed chunks and the non-streamed message come from the same parser events, so both
+modes report the same content and the same tool calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from hearth.engine.request import Logprob, RequestOutput
+from hearth.server.chat import render_chat_prompt, uses_builtin_tool_format
+from hearth.server.protocol import ChatCompletionRequest, bad_request
+from hearth.server.responses import (
+    SSE_DONE,
+    ChunkMaker,
+    chat_logprobs,
+    error_event,
+    tool_call_delta,
+    tool_call_message,
+)
+from hearth.server.serving import (
+    ClientGone,
+    RequestRun,
+    abort_when_dropped,
+    ServerState,
+    check_model,
+    check_n,
+    new_id,
+    raise_if_failed,
+    response_format_guidance,
+    sampling_params,
+)
+from hearth.server.tool_grammar import tool_choice_guidance
+from hearth.server.tool_parsers import Event, ToolParser, assemble, make_tool_parser
+
+
+@dataclass
+class ChatChoice:
+    """One choice's parser state and what it has produced."""
+
+    parser: ToolParser | None
+    events: list[Event] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    unsent_logprobs: list[Logprob] = field(default_factory=list)
+
+    def feed(self, output: RequestOutput) -> list[Event]:
+        self.logprobs += output.new_logprobs
+        self.unsent_logprobs += output.new_logprobs
+        if self.parser is None:
+            new = [output.new_text] if output.new_text else []
+        else:
+            new = self.parser.feed(output.new_text)
+            if output.finished:
+                new += self.parser.finish()
+        self.events += new
+        return new
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return self.parser is not None and self.parser.num_calls > 0
+
+
+def finish_reason(choice: ChatChoice, engine_reason: str | None) -> str:
+    if choice.has_tool_calls and engine_reason == "stop":
+        return "tool_calls"
+    return engine_reason or "stop"
+
+
+def _plan(state: ServerState, request: ChatCompletionRequest) -> tuple[list[int], list, str | None]:
+    """(prompt ids, per-choice SamplingParams, tool parser name or None)."""
+    check_model(state, request.model)
+    if request.kv_transfer is not None:
+        raise bad_request("kv_transfer needs a worker started with --role prefill or decode",
+                          param="kv_transfer")
+    tools = request.tools or None
+    tool_choice = request.tool_choice or ("auto" if tools else "none")
+    active_tools = tools if tool_choice != "none" else None
+    parser = None
+    if active_tools:
+        builtin = uses_builtin_tool_format(state.tokenizer, request.messages, active_tools)
+        parser = "hermes" if builtin else state.tool_parser
+    prompt = render_chat_prompt(state.tokenizer, request.messages, active_tools,
+                                request.add_generation_prompt, request.chat_template_kwargs)
+    prompt_ids = state.tokenizer.encode(prompt)
+    guided = None
+    if parser is not None and (tool_choice != "auto" or state.config.guided_auto_tools):
+        guided = tool_choice_guidance(tools, tool_choice, request.parallel_tool_calls, parser)
+    elif not tools and tool_choice not in ("none", "auto"):
+        raise bad_request("tool_choice requires tools", param="tool_choice")
+    if guided is None:
+        guided = response_format_guidance(request.response_format)
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    top = request.top_logprobs or 0
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+    params = [
+        sampling_params(state, request, len(prompt_ids), max_tokens,
+                        top if request.logprobs else None, guided, seed_offset=i)
+        for i in range(request.n)
+    ]
+    return prompt_ids, params, parser
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest,
+    is_disconnected: Callable[[], Awaitable[bool]],
+) -> dict | AsyncIterator[str]:
+    check_n(request.n)
+    prompt_ids, params, parser_name = _plan(state, request)
+    run = RequestRun(state, new_id("chatcmpl"), None if request.stream else is_disconnected)
+    await run.submit([prompt_ids] * request.n, params)
+    choices = [ChatChoice(make_tool_parser(parser_name) if parser_name else None)
+               for _ in range(request.n)]
+    if request.stream:
+        return abort_when_dropped(_stream(state, request, run, choices), run)
+    try:
+        return await _collect(state, request, run, choices)
+    finally:
+        run.abort_unfinished()
+
+
+async def _collect(state: ServerState, request: ChatCompletionRequest, run: RequestRun,
+                   choices: list[ChatChoice]) -> dict:
+    async for index, output in run.outputs():
+        choices[index].feed(output)
+    body_choices = []
+    for index, choice in enumerate(choices):
+        raise_if_failed(run.choices[index])
+        content, calls = assemble(choice.events)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = [tool_call_message(c) for c in calls]
+        body_choices.append({
+            "index": index,
+            "message": message,
+            "logprobs": chat_logprobs(choice.logprobs, state.token_texts) if request.logprobs else None,
+            "finish_reason": finish_reason(choice, run.choices[index].finish_reason),
+        })
+    return {
+        "id": run.response_id, "object": "chat.completion", "created": run.created,
+        "model": state.model_name, "choices": body_choices, "system_fingerprint": None,
+        "usage": run.usage().to_dict(),
+    }
+
+
+def _chunks_for(maker: ChunkMaker, state: ServerState, index: int, choice: ChatChoice,
+                events: list[Event], want_logprobs: bool) -> list[str]:
+    chunks = []
+    for event in events:
+        logprobs = None
+        if want_logprobs and choice.unsent_logprobs:
+            logprobs = chat_logprobs(choice.unsent_logprobs, state.token_texts)
+            choice.unsent_logprobs = []
+        if isinstance(event, str):
+            chunks.append(maker.chat(index, {"content": event}, logprobs))
+        else:
+            chunks.append(maker.chat(index, {"tool_calls": [tool_call_delta(event)]}, logprobs))
+    return chunks
+
+
+async def _stream(state: ServerState, request: ChatCompletionRequest, run: RequestRun,
+                  choices: list[ChatChoice]) -> AsyncIterator[str]:
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    maker = ChunkMaker(run.response_id, run.created, state.model_name, chat=True,
+                       include_usage=include_usage)
+    try:
+        for index in range(len(choices)):
+            yield maker.chat(index, {"role": "assistant", "content": ""})
+        async for index, output in run.outputs():
+            choice = choices[index]
+            events = choice.feed(output)
+            for chunk in _chunks_for(maker, state, index, choice, events, request.logprobs):
+                yield chunk
+            if output.finished:
+                if output.finish_reason == "error":
+                    yield error_event(output.error or "the engine failed this request")
+                    break
+                logprobs = None
+                if request.logprobs and choice.unsent_logprobs:
+                    logprobs = chat_logprobs(choice.unsent_logprobs, state.token_texts)
+                    choice.unsent_logprobs = []
+                yield maker.chat(index, {}, logprobs, finish_reason(choice, output.finish_reason))
+        else:
+            if include_usage:
+                yield maker.usage(run.usage())
+        yield SSE_DONE
+    except ClientGone:
+        pass
+    finally:
+        run.abort_unfinished()

@@ -1,0 +1,117 @@
+"""A real `hearth serve` process on loopback, shared by the e2e tests of a session.
+
+Each server start loads the default model (seconds), so the main server is session-scoped and
+requires an API key (the auth tests use the same process). Tests that need other limits start
+their own small server through `start_server`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+MODEL = "smollm2-135m-instruct"
+STARTUP_SECONDS = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    api_key: str | None
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0,
+                             timeout=120, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none",
+                                  max_retries=0, timeout=120)
+
+    def load(self, check_pool: bool = False) -> dict:
+        params = {"check_pool": "true"} if check_pool else {}
+        response = httpx.get(self.url + "/load", params=params, headers=self.headers(), timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_idle_and_whole(self, timeout: float = 60.0) -> dict:
+        """Poll until no request is in flight; return the last load report (with pool check)."""
+        deadline = time.monotonic() + timeout
+        report = self.load(check_pool=True)
+        while time.monotonic() < deadline:
+            report = self.load(check_pool=True)
+            if report["num_requests_inflight"] == 0 and report["num_running"] == 0 \
+                    and report["num_waiting"] == 0:
+                return report
+            time.sleep(0.2)
+        return report
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
+    port = free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "hearth.server.launch", "--model", MODEL, "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "info", *flags]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log_file = open(log_path, "w")
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(process, f"http://127.0.0.1:{port}", api_key, log_path)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    server.stop()
+    raise RuntimeError(f"server not healthy after {STARTUP_SECONDS}s:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    srv = start_server(tmp_path_factory.mktemp("server"), "--max-body-mb", "1", api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return server.client()

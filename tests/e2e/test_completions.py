@@ -1,0 +1,74 @@
+"""The legacy Completions API, /tokenize, /detokenize, /metrics and /health."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.e2e.conftest import MODEL
+
+PROMPT = "The capital of France is"
+
+
+def test_completion_greedy_stream_equals_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "Paris" in full.choices[0].text and text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 8
+    assert full.choices[0].finish_reason == "length"
+    assert all(c.object == "text_completion" for c in chunks)
+
+
+def test_completion_token_prompt_batch_and_n(client, server):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=server.headers()).json()
+    by_ids = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=4, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    response = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"],
+                                         max_tokens=4, temperature=0.8, seed=3, n=2)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    other = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1)
+    assert response.usage.prompt_tokens == ids["count"] + other.usage.prompt_tokens  # once per prompt
+    assert 4 <= response.usage.completion_tokens <= 16
+
+
+def test_completion_echo_and_logprobs(client):
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPT)
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert len(logprobs.token_logprobs) == 4 and all(len(t) <= 2 for t in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_tokenize_detokenize_round_trip(server):
+    headers = server.headers()
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello, world!"}, headers=headers).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=headers).json()
+    assert text["prompt"] == "Hello, world!"
+    chat = httpx.post(server.url + "/tokenize", headers=headers,
+                      json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > tokens["count"]  # the template adds its markers
+
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("hearth:time_to_first_token_seconds_bucket", "hearth:inter_token_latency_seconds_bucket",
+                 "hearth:e2e_request_latency_seconds_count", "hearth:prompt_tokens_total",
+                 "hearth:generation_tokens_total", "hearth:prefix_cache_hits_total",
+                 "hearth:request_success_total", "hearth:num_requests_running",
+                 "hearth:num_requests_waiting", "hearth:kv_cache_usage_perc"):
+        assert name in text, name
+    assert f'model_name="{MODEL}"' in text
+
+
+def test_load_report_fields(server):
+    report = server.load(check_pool=True)
+    for field in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
+                  "num_prefill_tokens_inflight", "num_decode_tokens_active", "kv_pool_is_whole"):
+        assert field in report
