@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
-from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                           SchedulerConfig)
+from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, KVTransferConfig,
+                           ModelConfig, ParallelConfig, SchedulerConfig)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-waiting", type=int, default=1024)
+    g.add_argument("--max-waiting", type=int, default=256)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--num-micro-batches", type=int, default=0,
@@ -40,6 +40,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank waits on a peer before the step fails")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--served-model-name", default=None)
+    kv = p.add_argument_group("prefill/decode disaggregation (docs/pd_protocol.md)")
+    kv.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    kv.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
+    kv.add_argument("--kv-host", default="127.0.0.1",
+                    help="interface the KV transfer server binds (prefill role)")
+    kv.add_argument("--kv-port", type=int, default=0, help="KV transfer port (0: any free one)")
+    kv.add_argument("--kv-advertise-host", default=None,
+                    help="address put in KV descriptors (default: --kv-host)")
+    kv.add_argument("--kv-secret", default="", help="shared secret of the KV transfer handshake")
+    kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                    help="how long exported KV blocks wait for the decode worker")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -56,6 +67,9 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                 num_micro_batches=a.num_micro_batches,
                                 collective_timeout_s=a.collective_timeout,
                                 **_launcher_rendezvous(a)),
+        kv_transfer=KVTransferConfig(role=a.role, transport=a.kv_transport, host=a.kv_host,
+                                     port=a.kv_port, advertise_host=a.kv_advertise_host,
+                                     secret=a.kv_secret, lease_seconds=a.kv_lease_seconds),
     )
 
 
@@ -157,13 +171,9 @@ def _serve_rank(a: argparse.Namespace) -> int:
 
 def _extra_commands():
     """Sub-commands of the higher layers: each declares its flags on the parser given here."""
-    def register_serve(sub, _add_engine_args, _engine_config) -> None:
-        from hearth.server.launch import add_serve_args, serve_main
-        p = sub.add_parser("serve", help="one OpenAI-compatible worker (prefill, decode or both)")
-        add_serve_args(p)
-        p.set_defaults(func=serve_main)
-
     from hearth.router.launch import register as register_router
+    from hearth.server.launch import register as register_serve
+
     return [register_serve, register_router]
 
 

@@ -64,6 +64,7 @@ class AbortRequests(msgspec.Struct, tag=int(Kind.ABORT_REQUESTS)):
 class QueryLoad(msgspec.Struct, tag=int(Kind.QUERY_LOAD)):
     query_id: int
     check_pool: bool = False  # also run the KV pool's integrity check (tests, debugging)
+    events_since: int | None = None  # also report prefix-cache block events after this cursor
 
 
 class Shutdown(msgspec.Struct, tag=int(Kind.SHUTDOWN)):
@@ -87,6 +88,14 @@ class EngineStatsView(msgspec.Struct):
     num_generation_tokens: int = 0
     num_preemptions: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use
+    # prefill/decode disaggregation (zero on a `both` worker)
+    num_waiting_for_kv: int = 0  # decode side: requests whose prompt KV is being pulled
+    num_leases_active: int = 0  # prefill side: exported KV held for a decode worker
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model (counter)
+    num_transferred_tokens: int = 0  # decode side: prompt tokens received instead (counter)
+    num_transferred_blocks: int = 0
+    num_transferred_bytes: int = 0
+    num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
 
 
 class EngineReady(msgspec.Struct, tag=int(Kind.ENGINE_READY)):
@@ -116,6 +125,9 @@ class LoadReport(msgspec.Struct, tag=int(Kind.LOAD_REPORT)):
     query_id: int
     stats: EngineStatsView
     kv_pool_is_whole: bool | None = None  # None unless asked (check_pool)
+    events_cursor: int = 0  # with events_since: the cursor to ask from next time
+    stored_hashes: list[int] = []  # block hashes entered in the prefix cache since the cursor
+    evicted_hashes: list[int] = []  # block hashes evicted since the cursor
 
 
 ToCore = Union[StartEngine, AddRequest, AbortRequests, QueryLoad, Shutdown]

@@ -65,7 +65,11 @@ class EngineCore:
                     self.engine.abort_request(request_id)
         elif isinstance(message, QueryLoad):
             whole = self.engine.kv_pool_is_whole() if message.check_pool else None
-            self.channel.send(LoadReport(message.query_id, stats_view(self.engine), whole))
+            report = LoadReport(message.query_id, stats_view(self.engine), whole)
+            if message.events_since is not None:
+                report.events_cursor, report.stored_hashes, report.evicted_hashes = \
+                    self.engine.block_events_since(message.events_since)
+            self.channel.send(report)
         elif isinstance(message, Shutdown):
             self.running = False
         else:

@@ -79,8 +79,11 @@ class Worker:
         self.engine_config = engine_config
         self.config = server_config
         self.on_fatal = on_fatal  # asks the HTTP server to stop (launch.py wires uvicorn's)
+        role = engine_config.kv_transfer.role
+        # prefill/decode workers run the engine core with a KV connector (hearth.disagg)
+        core = "hearth.engine.core_process" if role == "both" else "hearth.disagg.core_main"
         self.engine = EngineClient(engine_config, log_level=server_config.log_level.upper(),
-                                   on_dead=self._fail)
+                                   on_dead=self._fail, core_module=core)
         self.state: ServerState | None = None
         self.failure: str | None = None
         self._startup: asyncio.Task | None = None
@@ -112,7 +115,7 @@ class Worker:
             engine=self.engine, tokenizer=tokenizer, config=self.config,
             metrics=ServerMetrics(name), model_name=name, max_model_len=info.max_model_len,
             tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
-            token_texts=TokenTexts(tokenizer),
+            token_texts=TokenTexts(tokenizer), role=self.engine_config.kv_transfer.role,
         )
         self.state.metrics.set_engine_stats(info.stats)
         log.info("serving %s on http://%s:%d", name, self.config.host, self.config.port)
@@ -254,14 +257,19 @@ def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @router.get("/load")
-    async def load(check_pool: bool = False) -> dict:
+    async def load(check_pool: bool = False, events_since: int | None = None) -> dict:
         state = worker.ready_state()
-        report = await state.engine.load(check_pool=check_pool)
+        report = await state.engine.load(check_pool=check_pool, events_since=events_since)
         state.metrics.set_engine_stats(report.stats)
         body = {f: getattr(report.stats, f) for f in report.stats.__struct_fields__}
         body["num_requests_inflight"] = state.engine.num_requests
         if check_pool:
             body["kv_pool_is_whole"] = report.kv_pool_is_whole
+        if events_since is not None:  # the router's view of this worker's prefix cache
+            body["block_events"] = {"cursor": report.events_cursor,
+                                    "stored": report.stored_hashes,
+                                    "evicted": report.evicted_hashes}
+        body["role"] = state.role
         return body
 
     return router

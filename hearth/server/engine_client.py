@@ -166,13 +166,13 @@ class EngineClient:
         """Stop routing outputs to a request whose consumer has gone (after abort)."""
         self._requests.pop(request_id, None)
 
-    async def load(self, check_pool: bool = False) -> LoadReport:
+    async def load(self, check_pool: bool = False, events_since: int | None = None) -> LoadReport:
         if not self.is_ready:
             raise EngineDeadError(self.failure or "engine is not ready")
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
         self._queries[query_id] = future
-        self._send(QueryLoad(query_id, check_pool))
+        self._send(QueryLoad(query_id, check_pool, events_since))
         return await future
 
     # ---- socket ---------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class ServerState:
     max_model_len: int
     tool_parser: str  # resolved parser name for template-rendered tools
     token_texts: TokenTexts
+    role: str = "both"  # both | prefill | decode (kv_transfer hops, see hearth/server/pd.py)
 
 
 def new_id(prefix: str) -> str:
@@ -115,6 +116,10 @@ class ChoiceProgress:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    first_token_id: int | None = None
+    first_logprob: float | None = None
+    kv_descriptor: dict | None = None  # prefill hop: the exported lease
+    transferred: tuple[int, int, int] = (0, 0, 0)  # decode hop: (tokens, blocks, bytes)
 
 
 @dataclass
@@ -141,7 +146,8 @@ class RequestRun:
             raise APIError(429, f"server is at capacity ({queued} requests waiting); retry later",
                            "rate_limit_exceeded", code="queue_full")
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+                     kv_transfer=None, num_output_tokens: int = 0) -> None:
         """Add one engine request per (prompt, params), all in one burst so they can share an
         engine step; all or nothing (on any refusal, or cancellation, the others are aborted)."""
         self.admit(len(prompts))
@@ -149,8 +155,12 @@ class RequestRun:
         for index, (prompt_ids, choice_params) in enumerate(zip(prompts, params)):
             request_id = f"{self.response_id}-{index}"
             self._index_of[request_id] = index
-            self.choices.append(ChoiceProgress(arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids)))
-            accepted.append(self.state.engine.add_nowait(request_id, prompt_ids, choice_params, self._queue))
+            # (a decode hop's first token was sampled by the prefill worker but is its output)
+            self.choices.append(ChoiceProgress(arrival=time.monotonic(),
+                                               num_prompt_tokens=len(prompt_ids),
+                                               num_output_tokens=num_output_tokens))
+            accepted.append(self.state.engine.add_nowait(request_id, prompt_ids, choice_params,
+                                                         self._queue, kv_transfer))
         try:
             results = await asyncio.gather(*accepted, return_exceptions=True)
         except BaseException:
@@ -193,6 +203,15 @@ class RequestRun:
         metrics = self.state.metrics
         choice.num_prompt_tokens = output.num_prompt_tokens or choice.num_prompt_tokens
         num_new = len(output.new_token_ids)
+        if num_new and choice.first_token_id is None:
+            choice.first_token_id = output.new_token_ids[0]
+            if output.new_logprobs:
+                choice.first_logprob = output.new_logprobs[0].logprob
+        if output.kv_descriptor is not None:
+            choice.kv_descriptor = output.kv_descriptor
+        if output.num_transferred_tokens:
+            choice.transferred = (output.num_transferred_tokens, output.num_transferred_blocks,
+                                  output.num_transferred_bytes)
         if num_new and choice.first_token_at is None:
             choice.first_token_at = now
             choice.num_cached_tokens = output.num_cached_tokens

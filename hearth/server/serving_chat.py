@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob, RequestOutput
 from hearth.server.chat import render_chat_prompt, uses_builtin_tool_format
+from hearth.server.pd import Hop, first_token_text, hop_result, parse_hop
 from hearth.server.protocol import ChatCompletionRequest, bad_request
 from hearth.server.responses import (
     SSE_DONE,
@@ -42,6 +43,7 @@ class ChatChoice:
     """One choice's parser state and what it has produced."""
 
     parser: ToolParser | None
+    flush_at_finish: bool = True  # False on a prefill hop: the output goes on on the decode side
     events: list[Event] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     unsent_logprobs: list[Logprob] = field(default_factory=list)
@@ -53,7 +55,7 @@ class ChatChoice:
             new = [output.new_text] if output.new_text else []
         else:
             new = self.parser.feed(output.new_text)
-            if output.finished:
+            if output.finished and self.flush_at_finish:
                 new += self.parser.finish()
         self.events += new
         return new
@@ -69,12 +71,10 @@ def finish_reason(choice: ChatChoice, engine_reason: str | None) -> str:
     return engine_reason or "stop"
 
 
-def _plan(state: ServerState, request: ChatCompletionRequest) -> tuple[list[int], list, str | None]:
+def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
+          ) -> tuple[list[int], list, str | None]:
     """(prompt ids, per-choice SamplingParams, tool parser name or None)."""
     check_model(state, request.model)
-    if request.kv_transfer is not None:
-        raise bad_request("kv_transfer needs a worker started with --role prefill or decode",
-                          param="kv_transfer")
     tools = request.tools or None
     tool_choice = request.tool_choice or ("auto" if tools else "none")
     active_tools = tools if tool_choice != "none" else None
@@ -84,7 +84,8 @@ def _plan(state: ServerState, request: ChatCompletionRequest) -> tuple[list[int]
         parser = "hermes" if builtin else state.tool_parser
     prompt = render_chat_prompt(state.tokenizer, request.messages, active_tools,
                                 request.add_generation_prompt, request.chat_template_kwargs)
-    prompt_ids = state.tokenizer.encode(prompt)
+    # a decode hop continues the prefill worker's prompt exactly as that worker tokenized it
+    prompt_ids = hop.hop.prompt_token_ids if hop and hop.is_decode else state.tokenizer.encode(prompt)
     guided = None
     if parser is not None and (tool_choice != "auto" or state.config.guided_auto_tools):
         guided = tool_choice_guidance(tools, tool_choice, request.parallel_tool_calls, parser)
@@ -109,17 +110,27 @@ async def create_chat_completion(
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> dict | AsyncIterator[str]:
     check_n(request.n)
-    prompt_ids, params, parser_name = _plan(state, request)
+    hop = parse_hop(state.role, request.kv_transfer, request.n)
+    prompt_ids, params, parser_name = _plan(state, request, hop)
     run = RequestRun(state, new_id("chatcmpl"), None if request.stream else is_disconnected)
-    await run.submit([prompt_ids] * request.n, params)
-    choices = [ChatChoice(make_tool_parser(parser_name) if parser_name else None)
+    await run.submit([prompt_ids] * request.n, params, hop.spec if hop else None,
+                     num_output_tokens=1 if hop and hop.is_decode else 0)
+    choices = [ChatChoice(make_tool_parser(parser_name) if parser_name else None,
+                          flush_at_finish=not (hop and hop.is_prefill))
                for _ in range(request.n)]
+    if hop and hop.is_decode and choices[0].parser is not None:
+        # the prefill hop sent what the first token produced: read it, drop the events
+        choices[0].parser.feed(first_token_text(state.tokenizer, hop))
     if request.stream:
         return abort_when_dropped(_stream(state, request, run, choices), run)
     try:
-        return await _collect(state, request, run, choices)
+        body = await _collect(state, request, run, choices)
+        if hop is not None:
+            body["kv_transfer"] = hop_result(hop, run.choices[0], prompt_ids)
+        return body
     finally:
         run.abort_unfinished()
+
 
 
 async def _collect(state: ServerState, request: ChatCompletionRequest, run: RequestRun,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob
+from hearth.server.pd import hop_result, parse_hop
 from hearth.server.protocol import CompletionRequest, bad_request
 from hearth.server.responses import SSE_DONE, ChunkMaker, completion_logprobs, error_event
 from hearth.server.serving import (
@@ -55,9 +56,6 @@ def _check_unsupported(request: CompletionRequest) -> None:
         raise bad_request("best_of other than n is not supported", param="best_of")
     if request.echo and request.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
-    if request.kv_transfer is not None:
-        raise bad_request("kv_transfer needs a worker started with --role prefill or decode",
-                          param="kv_transfer")
 
 
 async def create_completion(
@@ -67,7 +65,13 @@ async def create_completion(
     check_model(state, request.model)
     check_n(request.n)
     _check_unsupported(request)
-    prompts = _prompts(state, request)
+    hop = parse_hop(state.role, request.kv_transfer, request.n)
+    if hop is not None and hop.is_decode:
+        prompts = [(list(hop.hop.prompt_token_ids), "")]  # exactly as the prefill side had it
+    else:
+        prompts = _prompts(state, request)
+    if hop is not None and len(prompts) != 1:
+        raise bad_request("kv_transfer: a disaggregated request has one prompt", param="prompt")
     if len(prompts) * request.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}", param="n")
     guided = response_format_guidance(request.response_format)
@@ -78,13 +82,17 @@ async def create_completion(
             params.append(sampling_params(state, request, len(ids), request.max_tokens,
                                           request.logprobs, guided, seed_offset=j))
     run = RequestRun(state, new_id("cmpl"), None if request.stream else is_disconnected)
-    await run.submit(prompt_ids, params)
+    await run.submit(prompt_ids, params, hop.spec if hop else None,
+                     num_output_tokens=1 if hop and hop.is_decode else 0)
     echoes = [text if request.echo else "" for _, text in prompts for _ in range(request.n)]
     first_of_prompt = [i * request.n for i in range(len(prompts))]
     if request.stream:
         return abort_when_dropped(_stream(state, request, run, echoes, first_of_prompt), run)
     try:
-        return await _collect(state, request, run, echoes, first_of_prompt)
+        body = await _collect(state, request, run, echoes, first_of_prompt)
+        if hop is not None:
+            body["kv_transfer"] = hop_result(hop, run.choices[0], prompt_ids[0])
+        return body
     finally:
         run.abort_unfinished()
 

@@ -1,0 +1,71 @@
+"""The `kv_transfer` request field on a prefill or decode worker (see docs/pd_protocol.md).
+
+Contract with the router's stitcher: the client must see exactly what a monolithic worker sends.
+  * Prefill hop: the response carries the first token as the monolithic stream would have sent
+    it *so far*: text a tool-call parser is still holding (e.g. a `<tool_call>` prefix) is NOT
+    flushed at the hop's end, since the output goes on elsewhere.
+  * Decode hop: the worker's parser first reads the first token's text and drops what that
+    produces (the prefill hop already sent it), so its stream continues exactly where the prefill
+    hop's stopped; `completion_tokens` counts the first token once (it is the decode side's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_result, parse_kv_transfer,
+                                       prefill_result, to_engine)
+from hearth.engine.connector import KVTransfer
+from hearth.server.protocol import bad_request
+from hearth.server.serving import ChoiceProgress
+
+
+@dataclass
+class Hop:
+    """One request's kv_transfer hop, parsed and checked against this worker's role."""
+
+    hop: PrefillHop | DecodeHop
+    spec: KVTransfer  # what the engine gets
+
+    @property
+    def is_prefill(self) -> bool:
+        return isinstance(self.hop, PrefillHop)
+
+    @property
+    def is_decode(self) -> bool:
+        return isinstance(self.hop, DecodeHop)
+
+
+def parse_hop(role: str, raw: object | None, n: int) -> Hop | None:
+    """None for an ordinary request; a 400 (param kv_transfer) for anything malformed."""
+    if raw is None:
+        return None
+    if role == "both":
+        raise bad_request("kv_transfer needs a worker started with --role prefill or decode",
+                          param="kv_transfer")
+    try:
+        hop = parse_kv_transfer(raw)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="kv_transfer") from None
+    if hop.__class__ is PrefillHop and role != "prefill" or \
+            hop.__class__ is DecodeHop and role != "decode":
+        raise bad_request(f"kv_transfer: this worker's role is {role!r}", param="kv_transfer")
+    if n != 1:
+        raise bad_request("kv_transfer: a disaggregated request has n=1", param="n")
+    return Hop(hop, to_engine(hop))
+
+
+def first_token_text(tokenizer, hop: Hop) -> str:
+    """The decode hop's first token as text, for seeding its tool-call parser."""
+    return tokenizer.decode([hop.hop.first_token_id])
+
+
+def hop_result(hop: Hop, choice: ChoiceProgress, prompt_ids: list[int]) -> dict | None:
+    """The response's `kv_transfer` value. Prefill: the descriptor and first token (None when
+    no KV was exported: the request failed before its first token). Decode: transfer counts."""
+    if hop.is_decode:
+        return decode_result(*choice.transferred)
+    if choice.kv_descriptor is None or choice.first_token_id is None:
+        return None
+    return prefill_result(hop.hop.transfer_id, prompt_ids, choice.first_token_id,
+                          choice.first_logprob, choice.num_cached_tokens, choice.kv_descriptor)
