@@ -286,6 +286,8 @@ class LLMEngine:
             num_transferred_tokens=req.num_transferred_tokens,
             num_transferred_blocks=req.num_transferred_blocks,
             num_transferred_bytes=req.num_transferred_bytes,
+            queue_seconds=(req.first_scheduled_time - req.arrival_time
+                           if finished and req.first_scheduled_time is not None else None),
         )
 
     # ---- introspection --------------------------------------------------------------------

@@ -128,3 +128,4 @@ class RequestOutput:
     num_transferred_tokens: int = 0  # decode hop: prompt tokens received instead of computed
     num_transferred_blocks: int = 0
     num_transferred_bytes: int = 0
+    queue_seconds: float | None = None  # at finish: arrival to first scheduled (queue time)

@@ -226,9 +226,9 @@ class RequestRun:
         if output.finished:
             self._num_unfinished -= 1
             choice.finish_reason, choice.error = output.finish_reason, output.error
-            queue_seconds = getattr(output, "queue_seconds", None)
             metrics.observe_finish(output.finish_reason or "stop", now - choice.arrival,
-                                   choice.num_prompt_tokens, choice.num_output_tokens, queue_seconds)
+                                   choice.num_prompt_tokens, choice.num_output_tokens,
+                                   output.queue_seconds)
             metrics.set_engine_stats(self.state.engine.stats)
 
     def abort_unfinished(self) -> None:
