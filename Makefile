@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: setup
-	$(BIN)/hearth up --host $(HOST) --port $(PORT)
+	$(BIN)/hearth up --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
 test: setup
 	$(BIN)/python -m pytest -q -x tests

@@ -1,0 +1,243 @@
+"""The router's FastAPI app: the same OpenAI API as a worker, in front of the worker pools.
+
+Routes (auth with --api-key on all but /health and /metrics):
+    GET  /health              200 once a decode (or monolithic) endpoint is healthy, else 503
+    GET  /v1/models           the model the workers serve
+    POST /v1/chat/completions, /v1/completions    routed, PD-orchestrated, stitched
+    POST /tokenize, /detokenize                   forwarded to a healthy worker
+    GET  /load                the router's view: endpoints, estimated loads, cache views
+    GET  /metrics             Prometheus text (hearth/router/metrics.py)
+
+Errors have the OpenAI shape; a worker's own 4xx about a request reaches the client unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hearth.router.endpoints import EndpointPool, SessionTable
+from hearth.router.health import HealthChecker, ModelInfo
+from hearth.router.hops import HopError, WorkerRejected, forward_headers, post_json
+from hearth.router.metrics import CONTENT_TYPE, RouterMetrics
+from hearth.router.orchestrator import Job, Orchestrator
+from hearth.router.policy import NoEndpointError
+from hearth.router.prompts import PromptTokens
+from hearth.router.router_config import RouterConfig
+from hearth.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
+                                    parse_request)
+
+log = logging.getLogger("hearth.router")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Router:
+    """What the routes share; built in the app's lifespan."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        self.pool = EndpointPool(list(config.prefill), list(config.decode), list(config.workers))
+        self.metrics = RouterMetrics()
+        self.prompts = PromptTokens(tokenizer)
+        # Fresh connections per hop: a worker that died never leaves a stale pooled socket.
+        self.client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0,
+                                                            max_connections=None))
+        self.sessions = SessionTable(config.session_capacity)
+        self.model = ModelInfo()
+        self.health = HealthChecker(self.pool, self.client, config.health.interval_seconds,
+                                    config.worker_api_key, self.model)
+        self.orchestrator = Orchestrator(config, self.pool, self.sessions, self.metrics, self.client,
+                                         self.model)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.health.run(), name="router-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.client.aclose()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.model.name or "unknown"
+
+    async def ask_worker(self, path: str, body: dict) -> dict:
+        """POST to any healthy endpoint (tokenize/detokenize), trying each in turn."""
+        headers = forward_headers({}, self.config.worker_api_key)
+        error: Exception = NoEndpointError("no healthy endpoint")
+        for endpoint in self.pool:
+            if endpoint.healthy:
+                try:
+                    return await post_json(self.client, endpoint.url, path, body, headers,
+                                           self.config.timeouts)
+                except HopError as exc:
+                    error = exc
+        raise error
+
+    async def job(self, raw: Any, request: Request, chat: bool) -> Job:
+        model = ChatCompletionRequest if chat else CompletionRequest
+        parsed = parse_request(model, raw)
+        if parsed.kv_transfer is not None:
+            raise bad_request("kv_transfer is set by the router, not by clients", param="kv_transfer")
+        ask = lambda body: self.ask_worker("/tokenize", body)  # noqa: E731
+        try:
+            ids = await (self.prompts.chat(parsed, raw, ask) if chat
+                         else self.prompts.completion(parsed, ask))
+        except (HopError, NoEndpointError) as exc:
+            log.warning("could not tokenize for routing (%s); routing without the cache view", exc)
+            ids = None
+        max_tokens = (parsed.max_completion_tokens or parsed.max_tokens) if chat else parsed.max_tokens
+        can_split = (ids is not None and parsed.n == 1 and (max_tokens is None or max_tokens >= 2)
+                     and (chat or not parsed.echo))
+        greedy = parsed.temperature == 0 or parsed.top_k == 1
+        return Job(chat=chat, raw=raw, headers=forward_headers(request.headers, self.config.worker_api_key),
+                   model=self.model_name, prompt_ids=ids,
+                   session_key=request.headers.get("x-session-affinity"),
+                   can_disaggregate=can_split, deterministic=greedy)
+
+    def load_view(self) -> dict:
+        return {"model": self.model_name, "num_sessions": len(self.sessions), "endpoints": [
+            {"url": e.url, "role": e.role, "healthy": e.healthy, "last_error": e.last_error,
+             "prefill_tokens": e.prefill_tokens, "decode_tokens": e.decode_tokens,
+             "own_requests": e.own_requests, "cached_blocks": len(e.cache),
+             "routed": e.counters.routed, "failures": e.counters.failures,
+             "retries": e.counters.retries,
+             "predicted_cached_tokens": e.counters.predicted_cached_tokens,
+             "reported_cached_tokens": e.counters.reported_cached_tokens,
+             "report": e.report} for e in self.pool]}
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refusing (413) past `limit` bytes."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+
+
+def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
+    router = Router(config, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="hearth router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.router = router
+    _install_error_handlers(app)
+
+    async def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           "authentication_error", code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not router.pool.is_ready() or router.model.name is None:
+            return JSONResponse({"status": "waiting for a healthy decode endpoint"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": router.model_name, "object": "model",
+                                            "created": int(time.time()), "owned_by": "hearth",
+                                            "max_model_len": router.model.max_model_len}]}
+
+    async def complete(request: Request, chat: bool) -> Response:
+        raw = await read_json(request, config.max_body_bytes)
+        job = await router.job(raw, request, chat)
+        result = await router.orchestrator.run(job)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS,
+                                 background=BackgroundTask(result.aclose))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> dict:
+        return await router.ask_worker("/tokenize", await read_json(request, config.max_body_bytes))
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> dict:
+        return await router.ask_worker("/detokenize", await read_json(request, config.max_body_bytes))
+
+    @app.get("/load", dependencies=auth)
+    async def load() -> dict:
+        return router.load_view()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(router.pool), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(WorkerRejected)
+    async def worker_rejected(_: Request, exc: WorkerRejected) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(NoEndpointError)
+    async def no_endpoint(_: Request, exc: NoEndpointError) -> JSONResponse:
+        error = APIError(503, str(exc), "service_unavailable", code="no_healthy_endpoint")
+        return JSONResponse(error.body(), status_code=503)
+
+    @app.exception_handler(HopError)
+    async def hop_failed(_: Request, exc: HopError) -> JSONResponse:
+        error = APIError(503, f"every endpoint tried failed; last: {exc}", "service_unavailable",
+                         code="upstream_unavailable")
+        return JSONResponse(error.body(), status_code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, f"no route {request.method} {request.url.path}", "not_found_error",
+                             code="not_found")
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+        return JSONResponse(error.body(), status_code=500)

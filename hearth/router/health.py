@@ -1,0 +1,97 @@
+"""Active health checks: poll every endpoint's `/load`, which also corrects the load estimates
+and the cache views.
+
+An endpoint is healthy when `/load` answers 200 (a worker answers 503 while its model loads or
+after its engine died). A passively ejected endpoint (a hop failed on it) is not re-admitted
+before its ejection pause is over, even if `/load` answers, so a flapping worker cannot take
+every retry. The first successful check also learns the served model name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from hearth.router.endpoints import Endpoint, EndpointPool
+
+log = logging.getLogger("hearth.router.health")
+
+CONNECT_TIMEOUT = 1.0  # a live worker on the network accepts at once; refused or silent: down
+READ_TIMEOUT = 10.0
+MAX_SLOW_CHECKS = 3  # consecutive /load timeouts before a worker that accepts counts as down
+
+
+@dataclass
+class ModelInfo:
+    """What the workers serve, learned from the first healthy one's /v1/models."""
+
+    name: str | None = None
+    max_model_len: int | None = None
+
+
+class HealthChecker:
+    def __init__(self, pool: EndpointPool, client: httpx.AsyncClient, interval: float,
+                 worker_api_key: str | None, model: ModelInfo) -> None:
+        self.pool, self.client, self.interval, self.model = pool, client, interval, model
+        self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
+
+    async def check(self, endpoint: Endpoint) -> None:
+        own = (endpoint.own_prefill_tokens, endpoint.own_decode_tokens)
+        try:
+            response = await self.client.get(
+                endpoint.url + "/load", params={"events_since": endpoint.events_cursor},
+                headers=self.headers, timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
+            body = response.json() if response.status_code == 200 else None
+            error = None if body is not None else f"/load answered {response.status_code}"
+        except httpx.ConnectTimeout:
+            body, error = None, "connect timeout"
+        except httpx.TimeoutException:
+            # A worker answers /load between engine steps: slow under load is not dead.
+            endpoint.num_slow_checks += 1
+            if endpoint.num_slow_checks < MAX_SLOW_CHECKS:
+                return
+            body, error = None, f"/load timed out {endpoint.num_slow_checks} times in a row"
+        except (httpx.HTTPError, ValueError) as exc:
+            body, error = None, f"{type(exc).__name__}: {exc}"
+        if body is None:
+            self._down(endpoint, error)
+            return
+        endpoint.num_slow_checks = 0
+        endpoint.apply_report(body, own)
+        if not endpoint.healthy and time.monotonic() >= endpoint.ejected_until:
+            log.info("endpoint %s (%s) is healthy", endpoint.url, endpoint.role)
+            endpoint.healthy, endpoint.last_error = True, None
+        if self.model.name is None:
+            await self._learn_model(endpoint)
+
+    def _down(self, endpoint: Endpoint, error: str | None) -> None:
+        if endpoint.healthy:
+            log.warning("endpoint %s is down (%s)", endpoint.url, error)
+        endpoint.healthy = False
+        endpoint.last_error = error
+
+    async def _learn_model(self, endpoint: Endpoint) -> None:
+        try:
+            response = await self.client.get(endpoint.url + "/v1/models", headers=self.headers,
+                                             timeout=5.0)
+            entry = response.json()["data"][0]
+            self.model.max_model_len = entry.get("max_model_len")
+            self.model.name = entry["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            pass
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in self.pool))
+
+    async def run(self) -> None:
+        """One loop per endpoint, so a slow worker never delays the checks of the others."""
+        await asyncio.gather(*(self._loop(e) for e in self.pool))
+
+    async def _loop(self, endpoint: Endpoint) -> None:
+        while True:
+            await self.check(endpoint)
+            await asyncio.sleep(self.interval)

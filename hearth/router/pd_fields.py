@@ -1,0 +1,77 @@
+"""The router's side of the `kv_transfer` hops: request bodies and the prefill hop's result.
+
+Mirrors hearth/disagg/http_fields.py (PrefillHop, DecodeHop, PrefillResult) on plain dicts, so
+the router does not import the engine's torch-side modules; docs/pd_protocol.md has the exchange.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from hearth.router.hops import HopError
+from hearth.router.stitch import FirstToken
+
+
+@dataclass
+class PrefillDone:
+    endpoint: str
+    body: dict  # the prefill hop's response
+    first: FirstToken
+    kv_transfer: dict | None  # the decode hop's field; None when the first token ended the output
+
+    @classmethod
+    def from_response(cls, endpoint: str, body: dict, chat: bool) -> "PrefillDone":
+        """Raises HopError for a response that is not a prefill hop's (a worker's bug)."""
+        try:
+            first = FirstToken.from_response(body, chat)
+            finish = body["choices"][0].get("finish_reason")
+            ended = finish not in (None, "length") or "kv_transfer" not in body
+            kv = None if ended else decode_request_field(body["kv_transfer"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise HopError(endpoint, f"malformed prefill response: {exc}", eject=False) from None
+        return cls(endpoint, body, first, kv)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.body["choices"][0].get("finish_reason")
+
+    @property
+    def finished(self) -> bool:
+        """The first token ended the output (EOS, stop string): no decode hop is needed."""
+        return self.kv_transfer is None
+
+
+def decode_request_field(prefill_result: dict) -> dict:
+    """The decode hop's `kv_transfer` (DecodeHop) from the prefill hop's (PrefillResult)."""
+    field = {"role": "decode", "prompt_token_ids": list(prefill_result["prompt_token_ids"]),
+             "first_token_id": int(prefill_result["first_token_id"]),
+             "descriptor": prefill_result["descriptor"]}
+    if not isinstance(field["descriptor"], dict) or not field["prompt_token_ids"]:
+        raise ValueError("kv_transfer: the prefill result has no descriptor or prompt")
+    return field
+
+
+def prefill_body(raw: dict) -> dict:
+    """The client's body as a prefill hop: one token, not streamed, a fresh lease key."""
+    body = {k: v for k, v in raw.items() if k not in ("max_completion_tokens", "stream_options")}
+    body.update(stream=False, max_tokens=1, n=1,
+                kv_transfer={"role": "prefill", "transfer_id": uuid.uuid4().hex})
+    return body
+
+
+def decode_body(raw: dict, kv_transfer: dict | None) -> dict:
+    """The client's body as a decode hop (or a plain run when `kv_transfer` is None): always
+    streamed with usage, which the stitcher needs, whatever the client asked."""
+    body = dict(raw)
+    body.update(stream=True, stream_options={"include_usage": True})
+    if kv_transfer is not None:
+        body["kv_transfer"] = kv_transfer
+    return body
+
+
+def finish_chunk(chat: bool, prefill: PrefillDone) -> dict:
+    """The final chunk of an output the prefill hop's first token already ended."""
+    choice: dict = {"index": 0, "logprobs": None, "finish_reason": prefill.finish_reason}
+    choice.update({"delta": {}} if chat else {"text": ""})
+    return {"choices": [choice]}
