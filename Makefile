@@ -29,7 +29,7 @@ serve: setup
 	$(BIN)/hearth up --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
 test: setup
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q tests
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
