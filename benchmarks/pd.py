@@ -132,7 +132,7 @@ async def long_prompts(url: str, count: int, tokens: int, interval: float, seed:
 
 async def mixed(url: str, q: dict, seed: int) -> dict:
     agents, longs = await asyncio.gather(
-        agent_sessions(url, q["sessions"], q["turns"], q["max_tokens"], seed, start_gap=0.5),
+        agent_sessions(url, q["sessions"], q["turns"], q["max_tokens"], seed, start_gap=2.0),
         long_prompts(url, q["long_count"], q["long_tokens"], q["long_interval"], seed + 1))
     ok = [r for r in agents if r.ok]
     return {"itl_ms": sb.pcts([x for r in ok for x in r.itls]), "agent_ttft_ms": sb.pcts([r.ttft for r in ok]),
@@ -285,15 +285,19 @@ def main() -> int:
     p.add_argument("--parts", default="a,b,c,d")
     p.add_argument("--quick", action="store_true", help="a smaller run (smoke test)")
     p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--keep", action="store_true", help="merge into the existing results/pd.json")
     a = p.parse_args()
     parts = set(a.parts.split(","))
-    q = dict(sessions=4, turns=3, max_tokens=32, long_count=4, long_tokens=2000, long_interval=8.0,
-             ttft_count=3, ttft_tokens=2000, d_sessions=3, d_turns=4, d_max_tokens=8, b="b" in parts)
+    q = dict(sessions=3, turns=3, max_tokens=24, long_count=3, long_tokens=1500, long_interval=6.0,
+             ttft_count=2, ttft_tokens=2000, d_sessions=3, d_turns=3, d_max_tokens=8, b="b" in parts)
     if a.quick:
         q.update(sessions=2, turns=2, max_tokens=16, long_count=2, long_tokens=600, long_interval=3.0,
                  ttft_count=1, ttft_tokens=600, d_sessions=3, d_turns=3, d_max_tokens=8)
     RESULTS.mkdir(exist_ok=True)
     results: dict = {"params": q}
+    previous = RESULTS / "pd.json"
+    if a.keep and previous.exists():  # parts run separately add up to one report
+        results = {**json.loads(previous.read_text()), "params": q}
     started = time.monotonic()
     if "a" in parts:
         results.update(part_a(q, a.port))
