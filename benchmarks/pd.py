@@ -28,6 +28,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ sys.path.insert(0, str(HERE))
 import serve as sb  # noqa: E402  (the serve benchmark: stream_chat, agent prompts, percentiles)
 
 RESULTS = HERE / "results"
+LOGS = Path(tempfile.gettempdir()) / "hearth-pd-bench"  # each stack's output, for post-mortems
 MODEL = "smollm2-135m-instruct"
 KEY = "bench-worker-key"
 
@@ -49,7 +51,8 @@ class Stack:
     def __init__(self, name: str, args: list[str], port: int, module: str = "hearth.cli") -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
-        self.log = open(RESULTS / f"pd-{name}.log", "w")
+        LOGS.mkdir(exist_ok=True)
+        self.log = open(LOGS / f"{name}.log", "w")
         cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--log-level", "warning"]
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -131,25 +134,31 @@ async def long_prompts(url: str, count: int, tokens: int, interval: float, seed:
 
 
 async def mixed(url: str, q: dict, seed: int) -> dict:
+    load_before = os.getloadavg()[0]
     agents, longs = await asyncio.gather(
         agent_sessions(url, q["sessions"], q["turns"], q["max_tokens"], seed, start_gap=2.0),
         long_prompts(url, q["long_count"], q["long_tokens"], q["long_interval"], seed + 1))
     ok = [r for r in agents if r.ok]
     return {"itl_ms": sb.pcts([x for r in ok for x in r.itls]), "agent_ttft_ms": sb.pcts([r.ttft for r in ok]),
             "long_ttft_ms": sb.pcts([r.ttft for r in longs if r.ok]),
-            "failed": sum(not r.ok for r in agents + longs), "num_itls": sum(len(r.itls) for r in ok)}
+            "failed": sum(not r.ok for r in agents + longs), "num_itls": sum(len(r.itls) for r in ok),
+            "loadavg_before": load_before}
 
 
 async def ttft_2k(url: str, count: int, tokens: int, seed: int) -> dict:
     rng = random.Random(seed)
-    ttfts, seconds = [], []
+    load_before = os.getloadavg()[0]
+    ttfts, seconds, failures = [], [], []
     for i in range(count):
         prompt = f"Report {seed}-{i} {rng.random():.6f}. Summarize: " + sb.words(rng, tokens)
-        r = await sb.stream_chat(url, MODEL, [{"role": "user", "content": prompt}], 4, {})
-        if r.ok:
+        r = await sb.stream_chat(url, MODEL, [{"role": "user", "content": prompt}], 6, {})
+        if r.ok and r.itls:
             ttfts.append(r.ttft)
-            seconds.append(r.itls[0] if r.itls else float("nan"))
-    return {"ttft_ms": sb.pcts(ttfts), "second_token_ms": sb.pcts(seconds), "prompt_tokens": tokens}
+            seconds.append(r.itls[0])
+        else:
+            failures.append(r.error or f"no second token: {r.text!r}")
+    return {"ttft_ms": sb.pcts(ttfts), "second_token_ms": sb.pcts(seconds), "prompt_tokens": tokens,
+            "loadavg_before": load_before, "failures": failures}
 
 
 def hit_ratio(results: list[sb.RequestResult]) -> float:
@@ -162,16 +171,15 @@ def hit_ratio(results: list[sb.RequestResult]) -> float:
 
 
 def part_a(q: dict, port: int) -> dict:
+    """(a) on both stacks; (b) first on each, while the stack is idle and warm."""
     out = {}
     for name, flags in (("monolithic", ["--prefill", "0", "--decode", "0", "--workers", "1"]),
                         ("pd_pinned", ["--prefill", "1", "--decode", "1", "--pin"])):
         stack = up(name, port, *flags)
         try:
+            if q.get("b"):
+                out[f"b_{name}"] = asyncio.run(ttft_2k(stack.url, q["ttft_count"], q["ttft_tokens"], 21))
             out[name] = asyncio.run(mixed(stack.url, q, seed=11))
-            if name == "monolithic" and q.get("b"):
-                out["b_monolithic"] = asyncio.run(ttft_2k(stack.url, q["ttft_count"], q["ttft_tokens"], 21))
-            if name == "pd_pinned" and q.get("b"):
-                out["b_pd_pinned"] = asyncio.run(ttft_2k(stack.url, q["ttft_count"], q["ttft_tokens"], 22))
         finally:
             stack.stop()
     return out
@@ -180,7 +188,7 @@ def part_a(q: dict, port: int) -> dict:
 def part_b(q: dict, port: int) -> dict:
     stack = up("pd_unpinned", port, "--prefill", "1", "--decode", "1")
     try:
-        return {"b_pd_unpinned": asyncio.run(ttft_2k(stack.url, q["ttft_count"], q["ttft_tokens"], 23))}
+        return {"b_pd_unpinned": asyncio.run(ttft_2k(stack.url, q["ttft_count"], q["ttft_tokens"], 21))}
     finally:
         stack.stop()
 
@@ -289,15 +297,16 @@ def main() -> int:
     a = p.parse_args()
     parts = set(a.parts.split(","))
     q = dict(sessions=3, turns=3, max_tokens=24, long_count=3, long_tokens=1500, long_interval=6.0,
-             ttft_count=2, ttft_tokens=2000, d_sessions=3, d_turns=3, d_max_tokens=8, b="b" in parts)
+             ttft_count=2, ttft_tokens=2000, d_sessions=3, d_turns=6, d_max_tokens=8, b="b" in parts)
     if a.quick:
         q.update(sessions=2, turns=2, max_tokens=16, long_count=2, long_tokens=600, long_interval=3.0,
                  ttft_count=1, ttft_tokens=600, d_sessions=3, d_turns=3, d_max_tokens=8)
     RESULTS.mkdir(exist_ok=True)
-    results: dict = {"params": q}
+    params = {k: v for k, v in q.items() if k != "b"}
+    results: dict = {"params": params}
     previous = RESULTS / "pd.json"
     if a.keep and previous.exists():  # parts run separately add up to one report
-        results = {**json.loads(previous.read_text()), "params": q}
+        results = {**json.loads(previous.read_text()), "params": params}
     started = time.monotonic()
     if "a" in parts:
         results.update(part_a(q, a.port))
