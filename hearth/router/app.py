@@ -25,7 +25,6 @@ import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hearth.router.endpoints import EndpointPool, SessionTable
 from hearth.router.health import HealthChecker, ModelInfo
@@ -35,8 +34,14 @@ from hearth.router.orchestrator import Job, Orchestrator
 from hearth.router.policy import NoEndpointError
 from hearth.router.prompts import PromptTokens
 from hearth.router.router_config import RouterConfig
-from hearth.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request,
-                                    parse_request)
+from hearth.server.errors import install_error_handlers
+from hearth.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_request,
+)
 
 log = logging.getLogger("hearth.router")
 
@@ -208,9 +213,7 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    install_error_handlers(app)  # the worker's: APIError, 404, validation, 500
 
     @app.exception_handler(WorkerRejected)
     async def worker_rejected(_: Request, exc: WorkerRejected) -> JSONResponse:
@@ -226,18 +229,3 @@ def _install_error_handlers(app: FastAPI) -> None:
         error = APIError(503, f"every endpoint tried failed; last: {exc}", "service_unavailable",
                          code="upstream_unavailable")
         return JSONResponse(error.body(), status_code=503)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            error = APIError(404, f"no route {request.method} {request.url.path}", "not_found_error",
-                             code="not_found")
-        else:
-            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error.body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
-        return JSONResponse(error.body(), status_code=500)

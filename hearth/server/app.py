@@ -24,13 +24,12 @@ from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hearth.config import EngineConfig
 from hearth.server.chat import render_chat_prompt
 from hearth.server.engine_client import EngineClient, EngineDeadError
+from hearth.server.errors import install_error_handlers
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
 from hearth.server.protocol import (
     APIError,
@@ -163,7 +162,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig,
 
     app = FastAPI(title="hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    _install_error_handlers(app)
+    install_error_handlers(app)
     auth = [Depends(_authorizer(worker))]
 
     @app.get("/health")
@@ -288,31 +287,8 @@ def _log_affinity(request: Request) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            error = APIError(404, f"no route {request.method} {request.url.path}", "not_found_error",
-                             code="not_found")
-        else:
-            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error.body(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"][1:]) or None
-        return JSONResponse(bad_request(first["msg"], param=param).body(), status_code=400)
+    install_error_handlers(app)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody is listening; the requests were aborted
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
-        return JSONResponse(error.body(), status_code=500)

@@ -1,0 +1,43 @@
+"""OpenAI-shaped error bodies for every failure an HTTP edge can meet (worker and router)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hearth.server.protocol import APIError, bad_request
+
+log = logging.getLogger("hearth.server")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped error bodies for every failure (the router installs these too)."""
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, f"no route {request.method} {request.url.path}", "not_found_error",
+                             code="not_found")
+        else:
+            error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return JSONResponse(bad_request(first["msg"], param=param).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+        return JSONResponse(error.body(), status_code=500)
+
