@@ -53,7 +53,8 @@ class Stack:
         self.url = f"http://127.0.0.1:{port}"
         LOGS.mkdir(exist_ok=True)
         self.log = open(LOGS / f"{name}.log", "w")
-        cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--log-level", "warning"]
+        cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--log-level", "warning",
+               "--show-worker-urls"]  # endpoints() reads worker URLs off the router's /load
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

@@ -108,8 +108,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. add_special_tokens adds what the model's post-processor adds
-        (e.g. Llama 3's BOS); chat templates already write those, hence the default False."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        (e.g. Llama 3's BOS); chat templates already write those, hence the default False.
+        `encode_batch` gives the same ids but releases the GIL while it works (`encode` holds
+        it), so a server thread tokenizing a long text does not freeze its event loop."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -14,12 +14,10 @@ Errors have the OpenAI shape; a worker's own 4xx about a request reaches the cli
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -34,6 +32,7 @@ from hearth.router.orchestrator import Job, Orchestrator
 from hearth.router.policy import NoEndpointError
 from hearth.router.prompts import PromptTokens
 from hearth.router.router_config import RouterConfig
+from hearth.server.edge import CpuPool, bearer_matches, read_json
 from hearth.server.errors import install_error_handlers
 from hearth.server.protocol import (
     APIError,
@@ -55,13 +54,14 @@ class Router:
         self.config = config
         self.pool = EndpointPool(list(config.prefill), list(config.decode), list(config.workers))
         self.metrics = RouterMetrics()
-        self.prompts = PromptTokens(tokenizer)
+        self.cpu = CpuPool(config.cpu_threads)
+        self.prompts = PromptTokens(tokenizer, self.cpu)
         # Fresh connections per hop: a worker that died never leaves a stale pooled socket.
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0,
                                                             max_connections=None))
         self.sessions = SessionTable(config.session_capacity)
         self.model = ModelInfo()
-        self.health = HealthChecker(self.pool, self.client, config.health.interval_seconds,
+        self.health = HealthChecker(self.pool, self.client, config.health,
                                     config.worker_api_key, self.model)
         self.orchestrator = Orchestrator(config, self.pool, self.sessions, self.metrics, self.client,
                                          self.model)
@@ -74,6 +74,7 @@ class Router:
         if self._task is not None:
             self._task.cancel()
         await self.client.aclose()
+        self.cpu.close()
 
     @property
     def model_name(self) -> str:
@@ -104,7 +105,9 @@ class Router:
         except (HopError, NoEndpointError) as exc:
             log.warning("could not tokenize for routing (%s); routing without the cache view", exc)
             ids = None
-        max_tokens = (parsed.max_completion_tokens or parsed.max_tokens) if chat else parsed.max_tokens
+        max_tokens = parsed.max_tokens
+        if chat and parsed.max_completion_tokens is not None:
+            max_tokens = parsed.max_completion_tokens
         can_split = (ids is not None and parsed.n == 1 and (max_tokens is None or max_tokens >= 2)
                      and (chat or not parsed.echo))
         greedy = parsed.temperature == 0 or parsed.top_k == 1
@@ -114,31 +117,24 @@ class Router:
                    can_disaggregate=can_split, deterministic=greedy)
 
     def load_view(self) -> dict:
+        """Worker addresses are internal: shown only behind the router's key, or by choice."""
+        show_urls = self.config.api_key is not None or self.config.show_worker_urls
         return {"model": self.model_name, "num_sessions": len(self.sessions), "endpoints": [
-            {"url": e.url, "role": e.role, "healthy": e.healthy, "last_error": e.last_error,
+            {"url": e.url if show_urls else f"endpoint-{index}", "role": e.role,
+             "healthy": e.healthy,
+             "last_error": e.last_error if show_urls or e.last_error is None else "(hidden)",
              "prefill_tokens": e.prefill_tokens, "decode_tokens": e.decode_tokens,
              "own_requests": e.own_requests, "cached_blocks": len(e.cache),
              "routed": e.counters.routed, "failures": e.counters.failures,
              "retries": e.counters.retries,
              "predicted_cached_tokens": e.counters.predicted_cached_tokens,
              "reported_cached_tokens": e.counters.reported_cached_tokens,
-             "report": e.report} for e in self.pool]}
+             "report": e.report} for index, e in enumerate(self.pool)]}
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing (413) past `limit` bytes."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-
-
-def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
+def build_app(config: RouterConfig, tokenizer: Any | None = None,
+              supervisor_state: Callable[[], dict] | None = None) -> FastAPI:
+    """`supervisor_state`: under `hearth up`, its workers' restarts, shown in /health."""
     router = Router(config, tokenizer)
 
     @asynccontextmanager
@@ -157,8 +153,7 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
     async def authorize(request: Request) -> None:
         if config.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), config.api_key):
+        if not bearer_matches(request.headers.get("authorization", ""), config.api_key):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                            "authentication_error", code="invalid_api_key")
 
@@ -166,9 +161,11 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        supervisor = {"supervisor": supervisor_state()} if supervisor_state else {}
         if not router.pool.is_ready() or router.model.name is None:
-            return JSONResponse({"status": "waiting for a healthy decode endpoint"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "waiting for a healthy decode endpoint", **supervisor},
+                                status_code=503)
+        return JSONResponse({"status": "ok", **supervisor})
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
@@ -177,7 +174,7 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
                                             "max_model_len": router.model.max_model_len}]}
 
     async def complete(request: Request, chat: bool) -> Response:
-        raw = await read_json(request, config.max_body_bytes)
+        raw = await read_json(request, config.max_body_bytes, router.cpu)
         job = await router.job(raw, request, chat)
         result = await router.orchestrator.run(job)
         if isinstance(result, dict):
@@ -195,11 +192,13 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None) -> FastAPI:
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict:
-        return await router.ask_worker("/tokenize", await read_json(request, config.max_body_bytes))
+        return await router.ask_worker("/tokenize", await read_json(request, config.max_body_bytes,
+                                                                    router.cpu))
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict:
-        return await router.ask_worker("/detokenize", await read_json(request, config.max_body_bytes))
+        return await router.ask_worker("/detokenize", await read_json(request, config.max_body_bytes,
+                                                                      router.cpu))
 
     @app.get("/load", dependencies=auth)
     async def load() -> dict:

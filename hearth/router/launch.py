@@ -21,7 +21,10 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    g.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
+                        "$HEARTH_API_KEY or --api-key-file)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
     g.add_argument("--policy", default=policy.name, choices=POLICIES,
                    help="cost: token- and cache-aware (default); round_robin: the cache-blind baseline")
     if with_block_size:
@@ -37,12 +40,21 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
     g.add_argument("--transfer-weight", type=float, default=policy.transfer_weight)
     g.add_argument("--affinity-max-cost-ratio", type=float, default=policy.affinity_max_cost_ratio,
                    help="a session's endpoints are left when they cost more than this times the best")
-    g.add_argument("--health-interval", type=float, default=health.interval_seconds)
+    g.add_argument("--health-interval", type=float, default=health.interval_seconds,
+                   help="seconds between /load polls of each endpoint")
+    g.add_argument("--health-timeout", type=float, default=health.timeout_seconds,
+                   help="a slower /load answer is a stale load report: the endpoint stays in and "
+                        "its polls back off (a refused connection or an error status takes it out)")
     g.add_argument("--eject-seconds", type=float, default=health.eject_seconds)
     g.add_argument("--max-retries", type=int, default=health.max_retries)
     g.add_argument("--connect-timeout", type=float, default=timeouts.connect)
     g.add_argument("--request-timeout", type=float, default=timeouts.request)
     g.add_argument("--stream-idle-timeout", type=float, default=timeouts.stream_idle)
+    g.add_argument("--max-body-mb", type=float, default=RouterConfig.max_body_bytes / 2**20,
+                   help="larger request bodies get 413")
+    g.add_argument("--show-worker-urls", action="store_true",
+                   help="list worker URLs on /load even without --api-key (with a key they are "
+                        "shown to key holders)")
     g.add_argument("--log-level", default="info")
 
 
@@ -54,7 +66,10 @@ def add_route_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="decode-role workers (hearth serve --role decode)")
     g.add_argument("--worker", nargs="+", action="extend", default=[], metavar="URL",
                    help="monolithic workers (hearth serve, role both)")
-    g.add_argument("--worker-api-key", default=None, help="the key the router sends to workers")
+    g.add_argument("--worker-api-key", default=None,
+                   help="the key the router sends to workers (prefer $HEARTH_WORKER_API_KEY)")
+    g.add_argument("--worker-api-key-file", default=None, metavar="PATH",
+                   help="read the workers' key from this file")
     g.add_argument("--model", default=None,
                    help="tokenize in the router with this model's tokenizer (built-in name, "
                         ".gguf or HF folder); without it the router asks a worker's /tokenize")
@@ -74,9 +89,10 @@ def router_config(a: argparse.Namespace, prefill: list[str], decode: list[str], 
         prefill=tuple(prefill), decode=tuple(decode), workers=tuple(workers), host=a.host,
         port=a.port, api_key=a.api_key, worker_api_key=worker_api_key,
         served_model_name=getattr(a, "served_model_name", None), tokenizer_model=tokenizer_model,
-        log_level=a.log_level, policy=policy,
+        log_level=a.log_level, policy=policy, max_body_bytes=int(a.max_body_mb * 2**20),
+        show_worker_urls=a.show_worker_urls,
         health=HealthConfig(interval_seconds=a.health_interval, eject_seconds=a.eject_seconds,
-                            max_retries=a.max_retries),
+                            max_retries=a.max_retries, timeout_seconds=a.health_timeout),
         timeouts=HopTimeouts(connect=a.connect_timeout, request=a.request_timeout,
                              stream_idle=a.stream_idle_timeout))
 
@@ -90,7 +106,9 @@ def load_tokenizer(model: str | None):
     return Tokenizer.from_checkpoint(load_checkpoint(model))
 
 
-def run_router(config: RouterConfig) -> int:
+def run_router(config: RouterConfig, supervisor=None) -> int:
+    """Serve until interrupted (0). Under `hearth up`, `supervisor` (hearth.router.supervisor)
+    shows its state in /health and stops the router when it gives up on a worker (1)."""
     import uvicorn
 
     from hearth.router.app import build_app
@@ -98,14 +116,19 @@ def run_router(config: RouterConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per hop is noise
-    app = build_app(config, load_tokenizer(config.tokenizer_model))
+    app = build_app(config, load_tokenizer(config.tokenizer_model),
+                    supervisor_state=supervisor.state if supervisor else None)
     logging.getLogger("hearth.router").info(
         "router on http://%s:%d (prefill %s, decode %s, workers %s, policy %s)", config.host,
         config.port, list(config.prefill), list(config.decode), list(config.workers),
         config.policy.name)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+        access_log=False, timeout_graceful_shutdown=5))
+    if supervisor is not None:
+        supervisor.watch(on_give_up=lambda: setattr(server, "should_exit", True))
+    server.run()
+    return 1 if supervisor is not None and supervisor.gave_up else 0
 
 
 def route_main(a: argparse.Namespace) -> int:
@@ -134,8 +157,16 @@ def register(subparsers, add_engine_args, engine_config) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m hearth.router.launch --decode URL ...`: the router alone (`hearth up` is in
     hearth/cli.py, which owns the engine flags)."""
+    from hearth.cli import read_secrets  # the module that reads flags and the environment
+
     parser = add_route_args(argparse.ArgumentParser(prog="hearth route", description=__doc__))
-    return route_main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        read_secrets(args)
+        return route_main(args)
+    except ValueError as exc:
+        print(f"hearth route: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

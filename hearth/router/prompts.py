@@ -2,9 +2,11 @@
 
 Cache-aware routing compares the prompt's block hashes with each endpoint's cache view, so the
 router needs the token ids before it picks an endpoint. With a local tokenizer (`--model`) the
-router renders the chat template and tokenizes itself, exactly as a worker does; without one it
-asks a healthy worker's `/tokenize`. A prediction that is off only costs a cache miss: the
-truth comes back in the workers' usage and block reports.
+router renders the chat template and tokenizes itself, exactly as a worker does (on its CPU
+pool, off the event loop); without one it asks a healthy worker's `/tokenize`. A prediction
+that is off only costs a cache miss: the truth comes back in the workers' usage and block
+reports. Token ids a client sends are checked against the vocabulary when the router has the
+tokenizer (else the worker checks them, and its 400 reaches the client).
 """
 
 from __future__ import annotations
@@ -12,21 +14,26 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable
 
 from hearth.server.chat import render_chat_prompt
-from hearth.server.protocol import ChatCompletionRequest, CompletionRequest
+from hearth.server.edge import CpuPool
+from hearth.server.protocol import ChatCompletionRequest, CompletionRequest, bad_request
 
 AskWorker = Callable[[dict], Awaitable[dict]]  # POST /tokenize to some healthy worker
 
 
 class PromptTokens:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, cpu: CpuPool) -> None:
         self.tokenizer = tokenizer  # hearth.engine.tokenizer.Tokenizer, or None
+        self.cpu = cpu
+
+    def _render_and_encode(self, request: ChatCompletionRequest, tools: list | None) -> list[int]:
+        prompt = render_chat_prompt(self.tokenizer, request.messages, tools,
+                                    request.add_generation_prompt, request.chat_template_kwargs)
+        return self.tokenizer.encode(prompt)
 
     async def chat(self, request: ChatCompletionRequest, raw: dict, ask: AskWorker) -> list[int]:
         tools = request.tools if request.tool_choice != "none" else None
         if self.tokenizer is not None:
-            prompt = render_chat_prompt(self.tokenizer, request.messages, tools or None,
-                                        request.add_generation_prompt, request.chat_template_kwargs)
-            return self.tokenizer.encode(prompt)
+            return await self.cpu.run(self._render_and_encode, request, tools or None)
         body = {"messages": raw["messages"], "add_generation_prompt": request.add_generation_prompt}
         if tools:
             body["tools"] = raw["tools"]
@@ -37,10 +44,22 @@ class PromptTokens:
         prompt = request.prompt
         if isinstance(prompt, str):
             if self.tokenizer is not None:
-                return self.tokenizer.encode(prompt)
+                return await self.cpu.run(self.tokenizer.encode, prompt)
             return list((await ask({"prompt": prompt}))["tokens"])
         if prompt and all(isinstance(t, int) for t in prompt):
+            self._check_vocabulary(prompt)
             return list(prompt)
         if isinstance(prompt, list) and len(prompt) == 1:
             return await self.completion(request.model_copy(update={"prompt": prompt[0]}), ask)
+        for item in prompt if isinstance(prompt, list) else ():
+            if isinstance(item, list):
+                self._check_vocabulary(item)
         return None
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        if self.tokenizer is None:
+            return  # the protocol bounds ids to 32 bits; the worker checks its vocabulary
+        vocab_size = self.tokenizer.vocab_size
+        if not all(0 <= t < vocab_size for t in token_ids):
+            raise bad_request(f"prompt: token id outside the vocabulary [0, {vocab_size})",
+                              param="prompt")

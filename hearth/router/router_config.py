@@ -11,8 +11,22 @@ from hearth.router.policy import PolicyConfig
 @dataclass(frozen=True)
 class HealthConfig:
     interval_seconds: float = 1.0  # active checks: GET /load on every endpoint this often
+    # A /load answer slower than this is a stale load report, not a dead worker: the endpoint
+    # stays in, and its polls back off (doubling, up to max_interval_seconds) until one is fast.
+    timeout_seconds: float = 10.0
+    max_interval_seconds: float = 30.0
     eject_seconds: float = 2.0  # a failed endpoint is not re-admitted for at least this long
     max_retries: int = 2  # extra endpoints tried for one hop before giving up
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """How `hearth up` restarts a worker that exited (hearth/router/up.py)."""
+
+    max_restarts: int = 5  # restarts of one worker within window_seconds; one more death: give up
+    window_seconds: float = 300.0
+    backoff_seconds: float = 1.0  # delay before a restart, doubled per restart still in the window
+    max_backoff_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -26,7 +40,9 @@ class RouterConfig:
     worker_api_key: str | None = None  # what the router sends to workers
     served_model_name: str | None = None  # None: the name the workers serve
     tokenizer_model: str | None = None  # tokenize in the router (else ask a worker's /tokenize)
-    max_body_bytes: int = 32 * 2**20
+    max_body_bytes: int = 32 * 2**20  # larger request bodies: 413
+    cpu_threads: int = 2  # rendering/tokenizing off the event loop (hearth.server.edge.CpuPool)
+    show_worker_urls: bool = False  # /load names workers by URL even without an api_key
     session_capacity: int = 65536  # x-session-affinity keys remembered (LRU)
     log_level: str = "info"
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -16,18 +16,17 @@ Routes (auth with --api-key on all but /health and /metrics):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.config import EngineConfig
 from hearth.server.chat import render_chat_prompt
+from hearth.server.edge import CpuPool, bearer_matches, read_json
 from hearth.server.engine_client import EngineClient, EngineDeadError
 from hearth.server.errors import install_error_handlers
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -42,7 +41,7 @@ from hearth.server.protocol import (
 )
 from hearth.server.responses import TokenTexts
 from hearth.server.server_config import ServerConfig
-from hearth.server.serving import ClientGone, ServerState, check_model
+from hearth.server.serving import ClientGone, ServerState, check_model, check_prompt_chars, check_token_ids
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completions import create_completion
 from hearth.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
@@ -70,6 +69,12 @@ def resolve_tool_parser(name: str, tokenizer: Any) -> str:
     return name
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token (its surface form, an upper bound on the
+    text one token covers)."""
+    return max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size)) or 1
+
+
 class Worker:
     """Everything the routes share; `state` is set once the engine is ready."""
 
@@ -83,6 +88,7 @@ class Worker:
         core = "hearth.engine.core_process" if role == "both" else "hearth.disagg.core_main"
         self.engine = EngineClient(engine_config, log_level=server_config.log_level.upper(),
                                    on_dead=self._fail, core_module=core)
+        self.cpu = CpuPool(server_config.cpu_threads)
         self.state: ServerState | None = None
         self.failure: str | None = None
         self._startup: asyncio.Task | None = None
@@ -114,7 +120,9 @@ class Worker:
             engine=self.engine, tokenizer=tokenizer, config=self.config,
             metrics=ServerMetrics(name), model_name=name, max_model_len=info.max_model_len,
             tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
-            token_texts=TokenTexts(tokenizer), role=self.engine_config.kv_transfer.role,
+            token_texts=TokenTexts(tokenizer), cpu=self.cpu,
+            max_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
+            role=self.engine_config.kv_transfer.role,
         )
         self.state.metrics.set_engine_stats(info.stats)
         log.info("serving %s on http://%s:%d", name, self.config.host, self.config.port)
@@ -123,6 +131,7 @@ class Worker:
         if self._startup is not None:
             self._startup.cancel()
         await self.engine.close()
+        self.cpu.close()
 
     def ready_state(self) -> ServerState:
         if self.state is None or not self.engine.is_ready or self.failure:
@@ -130,22 +139,6 @@ class Worker:
             raise APIError(503, failure or "the model is still loading", "service_unavailable",
                            code="engine_unavailable" if failure else "not_ready")
         return self.state
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing (413) past `limit` bytes without reading further."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig,
@@ -162,7 +155,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig,
 
     app = FastAPI(title="hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    install_error_handlers(app)
+    _install_error_handlers(app)
     auth = [Depends(_authorizer(worker))]
 
     @app.get("/health")
@@ -190,8 +183,7 @@ def _authorizer(worker: Worker) -> Callable:
         key = worker.config.api_key
         if key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+        if not bearer_matches(request.headers.get("authorization", ""), key):
             if worker.state is not None:
                 worker.state.metrics.observe_rejected("auth")
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
@@ -204,6 +196,9 @@ def _openai_routes(worker: Worker) -> APIRouter:
     router = APIRouter()
     limit = worker.config.max_body_bytes
 
+    async def read(request: Request, model: type) -> Any:
+        return parse_request(model, await read_json(request, limit, worker.cpu))
+
     @router.get("/v1/models")
     async def models() -> dict:
         state = worker.ready_state()
@@ -214,14 +209,14 @@ def _openai_routes(worker: Worker) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         state = worker.ready_state()
-        chat_request = parse_request(ChatCompletionRequest, await read_json(request, limit))
+        chat_request = await read(request, ChatCompletionRequest)
         _log_affinity(request)
         return _respond(await create_chat_completion(state, chat_request, request.is_disconnected))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         state = worker.ready_state()
-        completion_request = parse_request(CompletionRequest, await read_json(request, limit))
+        completion_request = await read(request, CompletionRequest)
         _log_affinity(request)
         return _respond(await create_completion(state, completion_request, request.is_disconnected))
 
@@ -235,28 +230,24 @@ def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         state = worker.ready_state()
-        body = parse_request(TokenizeRequest, await read_json(request, limit))
+        body = parse_request(TokenizeRequest, await read_json(request, limit, worker.cpu))
         check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            text = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.add_generation_prompt)
-        else:
-            text = body.prompt
-        tokens = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        tokens = await state.cpu.run(_tokenize, state, body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         state = worker.ready_state()
-        body = parse_request(DetokenizeRequest, await read_json(request, limit))
+        body = parse_request(DetokenizeRequest, await read_json(request, limit, worker.cpu))
         check_model(state, body.model)
-        if not all(0 <= t < state.tokenizer.vocab_size for t in body.tokens):
-            raise bad_request("token id outside the vocabulary", param="tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        check_token_ids(state, body.tokens, "tokens")
+        return {"prompt": await state.cpu.run(state.tokenizer.decode, body.tokens)}
 
     @router.get("/load")
-    async def load(check_pool: bool = False, events_since: int | None = None) -> dict:
+    async def load(check_pool: bool = False,
+                   events_since: int | None = Query(default=None, ge=0, le=2**63 - 1)) -> dict:
         state = worker.ready_state()
         report = await state.engine.load(check_pool=check_pool, events_since=events_since)
         state.metrics.set_engine_stats(report.stats)
@@ -274,6 +265,17 @@ def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
     return router
 
 
+def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
+    """(on the CPU pool) The request's token ids."""
+    if body.messages is not None:
+        text = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.add_generation_prompt)
+        param = "messages"
+    else:
+        text, param = body.prompt, "prompt"
+    check_prompt_chars(state, text, param)
+    return state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+
 def _respond(result: Any) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
@@ -287,7 +289,7 @@ def _log_affinity(request: Request) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    install_error_handlers(app)
+    install_error_handlers(app)  # the shared ones; then what only a worker meets
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:

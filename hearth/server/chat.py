@@ -24,9 +24,11 @@ Content-part arrays are joined text parts; any other part type is a 400 (text-on
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
+from hearth.engine.chat_template import render_chat_template
 from hearth.server.protocol import ChatMessage, Tool, bad_request
 
 TOOL_SECTION_HEADER = "# Tools"
@@ -138,6 +140,23 @@ def uses_builtin_tool_format(tokenizer: Any, messages: list[ChatMessage], tools:
     return bool(tools) or has_tool_turns
 
 
+def reserved_template_kwargs(tokenizer: Any) -> set[str]:
+    """Names `chat_template_kwargs` may not use: the render call's own arguments (those of the
+    tokenizer's `apply_chat_template` and of the renderer under it), which the call sets."""
+    names = {"self", "messages", "tools", "add_generation_prompt", "special_tokens"}
+    for fn in (tokenizer.apply_chat_template, render_chat_template):
+        names |= {p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
+
+
+def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:
+    clashes = sorted(set(template_kwargs or ()) & reserved_template_kwargs(tokenizer))
+    if clashes:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clashes)} (set by the request "
+                          "itself)", param="chat_template_kwargs")
+
+
 def render_chat_prompt(
     tokenizer: Any,
     messages: list[ChatMessage],
@@ -146,6 +165,7 @@ def render_chat_prompt(
     template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text; raises APIError(400) for unsupported content or a template failure."""
+    check_template_kwargs(tokenizer, template_kwargs)
     kwargs = dict(template_kwargs or {})
     if uses_builtin_tool_format(tokenizer, messages, tools):
         rendered, template_tools = _hermes_messages(messages, tools), None

@@ -138,9 +138,15 @@ class EngineClient:
         of one HTTP request share one)."""
         if not self.is_ready:
             raise EngineDeadError(self.failure or "engine is not ready")
+        # Encode first: a message that cannot be encoded is refused before anything is registered.
+        frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), params, kv_transfer))
         accepted = asyncio.get_running_loop().create_future()
         self._requests[request_id] = _Pending(queue=queue, accepted=accepted)
-        self._send(AddRequest(request_id, list(prompt_token_ids), params, kv_transfer))
+        try:
+            self._write(frame)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
         return accepted
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -170,16 +176,23 @@ class EngineClient:
         if not self.is_ready:
             raise EngineDeadError(self.failure or "engine is not ready")
         query_id = next(self._query_ids)
+        frame = self._codec.encode(QueryLoad(query_id, check_pool, events_since))
         future = asyncio.get_running_loop().create_future()
         self._queries[query_id] = future
-        self._send(QueryLoad(query_id, check_pool, events_since))
-        return await future
+        try:  # answered, failed, or cancelled (the caller left): the entry goes either way
+            self._write(frame)
+            return await future
+        finally:
+            self._queries.pop(query_id, None)
 
     # ---- socket ---------------------------------------------------------------------------
 
     def _send(self, message) -> None:
+        self._write(self._codec.encode(message))
+
+    def _write(self, frame: bytes) -> None:
         assert self._writer is not None
-        self._writer.write(self._codec.encode(message))
+        self._writer.write(frame)
 
     async def _read_loop(self) -> None:
         assert self._reader is not None

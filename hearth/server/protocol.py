@@ -12,7 +12,7 @@ Extensions beyond the OpenAI fields: `top_k`, `min_p`, `repetition_penalty`, `ig
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,6 +32,15 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+# Integer ranges every field keeps, so a value always fits the typed messages to the engine
+# (msgpack carries 64-bit integers) and the block hash (32-bit token ids).
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]  # OpenAI's own bound on `seed`
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]  # the vocabulary is checked by the worker
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
@@ -114,20 +123,22 @@ class _SamplingFields(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # token id (as a string) -> bias in [-100, 100]; ids are checked against the vocabulary
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
     # Extensions (vLLM / llama.cpp spellings).
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Prefill/decode hop spec (docs/pd_protocol.md); validated by hearth.disagg.http_fields.
@@ -136,9 +147,9 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -148,9 +159,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: int | None = 16  # the Completions API's own default
-    logprobs: int | None = None  # the legacy API: number of top logprobs per token
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy: top logprobs per token
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -168,7 +179,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def parse_request(model: type[BaseModel], payload: Any) -> Any:

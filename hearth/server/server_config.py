@@ -15,5 +15,6 @@ class ServerConfig:
     max_body_bytes: int = 32 * 2**20  # request bodies larger than this: 413
     tool_call_parser: str = "auto"  # auto (by model family) | hermes | llama3_json
     guided_auto_tools: bool = True  # constrain tool-call arguments also under tool_choice "auto"
+    cpu_threads: int = 2  # threads for rendering/tokenizing off the event loop (edge.CpuPool)
     log_level: str = "info"
     exit_on_engine_failure: bool = True  # a worker whose engine died stops (exit code 1)

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
+from hearth.server.edge import CpuPool
 from hearth.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
 from hearth.server.metrics import ServerMetrics
 from hearth.server.protocol import APIError, ResponseFormat, bad_request
@@ -38,6 +39,8 @@ class ServerState:
     max_model_len: int
     tool_parser: str  # resolved parser name for template-rendered tools
     token_texts: TokenTexts
+    cpu: CpuPool  # rendering and tokenizing run here, off the event loop
+    max_token_chars: int  # the longest token's text (bounds the characters of a fitting prompt)
     role: str = "both"  # both | prefill | decode (kv_transfer hops, see hearth/server/pd.py)
 
 
@@ -49,6 +52,39 @@ def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
         raise bad_request(f"model {model!r} is not served here; this server serves {state.model_name!r}",
                           param="model", code="model_not_found")
+
+
+def check_token_ids(state: ServerState, token_ids: Any, param: str) -> None:
+    """Every id a client sends (prompt, stop_token_ids, logit_bias keys) is in the vocabulary."""
+    vocab_size = state.tokenizer.vocab_size
+    if not all(0 <= t < vocab_size for t in token_ids):
+        raise bad_request(f"{param}: token id outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def check_prompt_chars(state: ServerState, text: str, param: str) -> None:
+    """Refuse, before tokenizing it, a text too long to fit the context whatever its tokens:
+    no token covers more than `max_token_chars` characters (x2 for normalisation), so a longer
+    text has more than max_model_len tokens. Keeps tokenizer time and memory bounded."""
+    max_chars = 2 * state.max_token_chars * state.max_model_len
+    if len(text) > max_chars:
+        raise bad_request(
+            f"this model's maximum context length is {state.max_model_len} tokens; a text of "
+            f"{len(text)} characters cannot fit (at most {max_chars})", param=param,
+            code="context_length_exceeded")
+
+
+def _logit_bias_ids(state: ServerState, logit_bias: dict[str, float] | None) -> None:
+    ids = []
+    for key in logit_bias or {}:
+        if not key.isdigit() or len(key) > 10:
+            raise bad_request(f"logit_bias: key {key[:20]!r} is not a token id", param="logit_bias")
+        ids.append(int(key))
+    check_token_ids(state, ids, "logit_bias")
+
+
+def wrap_int64(value: int) -> int:
+    """A seed plus a choice offset, kept in int64 (the engine's typed messages carry 64 bits)."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def check_n(n: int) -> None:
@@ -80,6 +116,8 @@ def sampling_params(state: ServerState, request: Any, num_prompt_tokens: int, ma
             param="max_tokens" if max_tokens is not None and room > 0 else "messages",
             code="context_length_exceeded")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    check_token_ids(state, request.stop_token_ids or (), "stop_token_ids")
+    _logit_bias_ids(state, request.logit_bias)
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else room,
@@ -87,7 +125,7 @@ def sampling_params(state: ServerState, request: Any, num_prompt_tokens: int, ma
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
             min_p=request.min_p or 0.0,
-            seed=None if request.seed is None else request.seed + seed_offset,
+            seed=None if request.seed is None else wrap_int64(request.seed + seed_offset),
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
@@ -152,19 +190,21 @@ class RequestRun:
         engine step; all or nothing (on any refusal, or cancellation, the others are aborted)."""
         self.admit(len(prompts))
         accepted = []  # registered and sent before any await: admission sees them at once
-        for index, (prompt_ids, choice_params) in enumerate(zip(prompts, params)):
-            request_id = f"{self.response_id}-{index}"
-            self._index_of[request_id] = index
-            # (a decode hop's first token was sampled by the prefill worker but is its output)
-            self.choices.append(ChoiceProgress(arrival=time.monotonic(),
-                                               num_prompt_tokens=len(prompt_ids),
-                                               num_output_tokens=num_output_tokens))
-            accepted.append(self.state.engine.add_nowait(request_id, prompt_ids, choice_params,
-                                                         self._queue, kv_transfer))
         try:
+            for index, (prompt_ids, choice_params) in enumerate(zip(prompts, params)):
+                request_id = f"{self.response_id}-{index}"
+                self._index_of[request_id] = index
+                # (a decode hop's first token was sampled by the prefill worker but is its output)
+                self.choices.append(ChoiceProgress(arrival=time.monotonic(),
+                                                   num_prompt_tokens=len(prompt_ids),
+                                                   num_output_tokens=num_output_tokens))
+                accepted.append(self.state.engine.add_nowait(request_id, prompt_ids, choice_params,
+                                                             self._queue, kv_transfer))
             results = await asyncio.gather(*accepted, return_exceptions=True)
-        except BaseException:
+        except BaseException as exc:  # no path leaves an engine request registered
             self.abort_unfinished()
+            if isinstance(exc, EngineDeadError):
+                raise _as_api_error(exc) from None
             raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

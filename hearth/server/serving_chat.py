@@ -29,6 +29,7 @@ from hearth.server.serving import (
     ServerState,
     check_model,
     check_n,
+    check_prompt_chars,
     new_id,
     raise_if_failed,
     response_format_guidance,
@@ -73,7 +74,7 @@ def finish_reason(choice: ChatChoice, engine_reason: str | None) -> str:
 
 def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
           ) -> tuple[list[int], list, str | None]:
-    """(prompt ids, per-choice SamplingParams, tool parser name or None)."""
+    """(prompt ids, per-choice SamplingParams, tool parser name or None); runs on the CPU pool."""
     check_model(state, request.model)
     tools = request.tools or None
     tool_choice = request.tool_choice or ("auto" if tools else "none")
@@ -84,8 +85,11 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
         parser = "hermes" if builtin else state.tool_parser
     prompt = render_chat_prompt(state.tokenizer, request.messages, active_tools,
                                 request.add_generation_prompt, request.chat_template_kwargs)
-    # a decode hop continues the prefill worker's prompt exactly as that worker tokenized it
-    prompt_ids = hop.hop.prompt_token_ids if hop and hop.is_decode else state.tokenizer.encode(prompt)
+    if hop and hop.is_decode:  # continue the prefill worker's prompt exactly as it tokenized it
+        prompt_ids = hop.hop.prompt_token_ids
+    else:
+        check_prompt_chars(state, prompt, "messages")
+        prompt_ids = state.tokenizer.encode(prompt)
     guided = None
     if parser is not None and (tool_choice != "auto" or state.config.guided_auto_tools):
         guided = tool_choice_guidance(tools, tool_choice, request.parallel_tool_calls, parser)
@@ -93,7 +97,8 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
         raise bad_request("tool_choice requires tools", param="tool_choice")
     if guided is None:
         guided = response_format_guidance(request.response_format)
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
+                  else request.max_tokens)
     top = request.top_logprobs or 0
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -111,7 +116,8 @@ async def create_chat_completion(
 ) -> dict | AsyncIterator[str]:
     check_n(request.n)
     hop = parse_hop(state.role, request.kv_transfer, request.n)
-    prompt_ids, params, parser_name = _plan(state, request, hop)
+    # rendering and tokenizing are CPU work: off the event loop
+    prompt_ids, params, parser_name = await state.cpu.run(_plan, state, request, hop)
     run = RequestRun(state, new_id("chatcmpl"), None if request.stream else is_disconnected)
     await run.submit([prompt_ids] * request.n, params, hop.spec if hop else None,
                      num_output_tokens=1 if hop and hop.is_decode else 0)

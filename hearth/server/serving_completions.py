@@ -20,6 +20,8 @@ from hearth.server.serving import (
     ServerState,
     check_model,
     check_n,
+    check_prompt_chars,
+    check_token_ids,
     new_id,
     raise_if_failed,
     response_format_guidance,
@@ -28,7 +30,7 @@ from hearth.server.serving import (
 
 
 def _prompts(state: ServerState, request: CompletionRequest) -> list[tuple[list[int], str]]:
-    """Each prompt as (token ids, text for echo)."""
+    """Each prompt as (token ids, text for echo); runs on the CPU pool."""
     prompt = request.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -41,10 +43,10 @@ def _prompts(state: ServerState, request: CompletionRequest) -> list[tuple[list[
     prompts = []
     for item in items:
         if isinstance(item, str):
+            check_prompt_chars(state, item, "prompt")
             prompts.append((state.tokenizer.encode(item), item))
         else:
-            if not all(0 <= t < state.tokenizer.vocab_size for t in item):
-                raise bad_request("prompt token id outside the vocabulary", param="prompt")
+            check_token_ids(state, item, "prompt")
             prompts.append((list(item), state.tokenizer.decode(item) if request.echo else ""))
     return prompts
 
@@ -69,7 +71,7 @@ async def create_completion(
     if hop is not None and hop.is_decode:
         prompts = [(list(hop.hop.prompt_token_ids), "")]  # exactly as the prefill side had it
     else:
-        prompts = _prompts(state, request)
+        prompts = await state.cpu.run(_prompts, state, request)
     if hop is not None and len(prompts) != 1:
         raise bad_request("kv_transfer: a disaggregated request has one prompt", param="prompt")
     if len(prompts) * request.n > MAX_CHOICES:

@@ -24,7 +24,11 @@ ANY_OBJECT = {"type": "object"}
 
 
 def _call_tag(tool: Tool, parser: str) -> dict:
-    schema = bounded_strings_as_patterns(tool.function.parameters or ANY_OBJECT)
+    try:
+        schema = bounded_strings_as_patterns(tool.function.parameters or ANY_OBJECT)
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. "minLength": "two"
+        raise bad_request(f"tools: function {tool.function.name!r} has an invalid parameters "
+                          f"schema: {exc}", param="tools") from None
     name = json.dumps(tool.function.name, ensure_ascii=False)
     content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
     if parser == "llama3_json":

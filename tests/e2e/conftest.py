@@ -115,3 +115,40 @@ def server(tmp_path_factory) -> Server:
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     return server.client()
+
+
+def start_router(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
+    """`hearth route` on loopback with `flags` (its endpoints, --model ...); ready once every
+    endpoint it lists is healthy."""
+    port = free_port()
+    log_path = tmp_dir / f"router-{port}.log"
+    cmd = [sys.executable, "-m", "hearth.router.launch", "--port", str(port),
+           "--health-interval", "0.5", "--log-level", "info", *flags]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    router = Server(process, f"http://127.0.0.1:{port}", api_key, log_path)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"router exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            view = httpx.get(router.url + "/load", headers=router.headers(), timeout=2).json()
+            if view["endpoints"] and all(e["healthy"] for e in view["endpoints"]) \
+                    and httpx.get(router.url + "/health", timeout=2).status_code == 200:
+                return router
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.3)
+    router.stop()
+    raise RuntimeError(f"router endpoints not healthy:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def edge_router(tmp_path_factory, server) -> Server:
+    """A router with its own tokenizer and no client key in front of the session server."""
+    srv = start_router(tmp_path_factory.mktemp("router"), "--worker", server.url,
+                       "--worker-api-key", API_KEY, "--model", MODEL, "--max-body-mb", "1")
+    yield srv
+    srv.stop()

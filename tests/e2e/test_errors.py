@@ -162,3 +162,22 @@ def test_full_waiting_queue_is_429_and_recovers(tiny_queue_server):
     response = httpx.post(server.url + CHAT, json=HELLO, timeout=60)
     assert response.status_code == 200  # capacity is back once the burst is done
     assert server.wait_idle_and_whole()["kv_pool_is_whole"] is True
+
+
+BAD_VALUES = [  # each used to pass the edge, then fail to encode after the request was queued
+    ("seed", 2**70), ("seed", -(2**64)), ("top_k", 2**70), ("stop_token_ids", [2**64]),
+    ("stop_token_ids", [10**9]), ("logit_bias", {"1": 1e6}), ("logit_bias", {str(2**70): 1}),
+]
+
+
+@pytest.mark.parametrize("field, value", BAD_VALUES)
+def test_out_of_range_values_are_400_and_never_hold_a_queue_slot(tiny_queue_server, field, value):
+    server = tiny_queue_server  # --max-waiting 1: a single leaked slot would make every request 429
+    for _ in range(3):
+        assert_error(post(server, CHAT, {**HELLO, field: value}), 400, code=None)
+    response = httpx.get(server.url + "/load", params={"events_since": 10**30}, timeout=30)
+    assert_error(response, 400)
+    assert post(server, CHAT, HELLO).status_code == 200
+    report = server.wait_idle_and_whole()
+    assert (report["num_requests_inflight"], report["num_waiting"], report["num_running"]) == (0, 0, 0)
+    assert report["kv_pool_is_whole"] is True

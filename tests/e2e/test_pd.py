@@ -36,7 +36,7 @@ def start_router(tmp: Path, *flags: str) -> Server:
     port = free_port()
     log_path = tmp / f"router-{port}.log"
     cmd = [sys.executable, "-m", "hearth.router.launch", "--port", str(port), "--model", MODEL,
-           "--health-interval", "0.5", *flags]
+           "--health-interval", "0.5", "--show-worker-urls", *flags]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     router = Server(process, f"http://127.0.0.1:{port}", None, log_path)
