@@ -39,6 +39,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class GuidedConfig:
+    """Limits on structured output (json_schema, tool grammars, regex), checked before a compile.
+
+    Compiles run on `num_compile_threads` threads off the engine loop. String lengths and regex
+    repetition counts unroll into automaton states (compile time grows faster than linearly:
+    1024 takes about 0.5 s, 4096 about 11 s), so they have a tighter bound than item counts.
+    """
+
+    max_spec_bytes: int = 131072  # JSON text of a schema or tool set, or a regex / grammar
+    max_schema_depth: int = 64  # nesting of the schema document (objects and arrays)
+    max_length_bound: int = 1024  # each minLength / maxLength and regex {m,n} count
+    max_total_length_bound: int = 8192  # their sum over one spec
+    max_count_bound: int = 4096  # each min/maxItems, min/maxProperties, min/maxContains
+    compile_timeout_s: float = 20.0  # a request whose grammar takes longer fails (400)
+    num_compile_threads: int = 2
+    max_compiles_in_flight: int = 8  # queued + running (timed-out ones count until done)
+    cache_size: int = 256  # compiled grammars kept, least recently used evicted
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -79,3 +99,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    guided: GuidedConfig = field(default_factory=GuidedConfig)

@@ -9,6 +9,10 @@ or a new request waits at most one step; with no work the loop blocks on the soc
 An exception that escapes `engine.step()` (the engine isolates per-request failures itself) ends
 the requests in flight with an error and the loop goes on: one bad request never takes the
 process down. The process exits when the server closes the socket or sends Shutdown.
+
+A guided request whose grammar is still compiling gets its AddResult only when the compile ends
+(the engine's `admissions`): a bad or too-slow grammar is then a rejection (a 400), and the
+server sees every AddResult before any output of that request.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class EngineCore:
         self.engine = engine
         self.channel = channel
         self.live_request_ids: set[str] = set()
+        self.unanswered_ids: set[str] = set()  # added, AddResult deferred until the grammar compiles
         self.running = True
 
     def handle(self, message: ToCore) -> None:
@@ -87,7 +92,10 @@ class EngineCore:
             self.channel.send(AddResult(message.request_id, error=f"internal error: {exc}"))
             return
         self.live_request_ids.add(message.request_id)
-        self.channel.send(AddResult(message.request_id))
+        if self.engine.is_waiting_for_grammar(message.request_id):
+            self.unanswered_ids.add(message.request_id)
+        else:
+            self.channel.send(AddResult(message.request_id))
 
     def step(self) -> None:
         try:
@@ -96,11 +104,29 @@ class EngineCore:
             log.exception("engine step failed; ending the %d requests in flight",
                           len(self.live_request_ids))
             outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
+        outputs = self._answer_deferred(outputs)
         for output in outputs:
             if output.finished:
                 self.live_request_ids.discard(output.request_id)
         if outputs:
             self.channel.send(StepOutputs(outputs, stats_view(self.engine)))
+
+    def _answer_deferred(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Send the deferred AddResults of requests whose grammar wait ended (a rejection
+        replaces the request's error output) or that finish anyway (aborted meanwhile)."""
+        for request_id, error in self.engine.admissions:
+            if request_id not in self.unanswered_ids:
+                continue
+            self.unanswered_ids.discard(request_id)
+            self.channel.send(AddResult(request_id, error=error))
+            if error is not None:
+                self.live_request_ids.discard(request_id)
+                outputs = [o for o in outputs if o.request_id != request_id]
+        for output in outputs:
+            if output.request_id in self.unanswered_ids:
+                self.unanswered_ids.discard(output.request_id)
+                self.channel.send(AddResult(output.request_id))
+        return outputs
 
     def _fail_all(self, error: str) -> list[RequestOutput]:
         failed = []

@@ -4,6 +4,11 @@
 deltas. A failure while running a batch is isolated: each request of the batch is retried alone,
 and only the ones that fail alone are finished with an error. Every finish path frees the request's
 KV blocks (see `_finish`).
+
+A guided request whose grammar is not cached waits outside the scheduler (no KV blocks, never
+scheduled) while the grammar pool compiles it on another thread; each step admits the ones whose
+compile ended, or fails them (bad spec, timeout). `admissions` reports those outcomes so the
+engine core can accept or reject such a request only once its grammar is known.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +25,7 @@ from hearth.engine.block_pool import BlockPool
 from hearth.engine.connector import ConnectorFactory, KVCacheGeometry, KVTransfer
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.kv_cache import KVCacheManager, cdiv
+from hearth.engine.grammar_pool import GrammarPool, GrammarTicket
 from hearth.engine.kv_transfer import KVTransferDriver
 from hearth.engine.request import Request, RequestOutput, RequestStatus
 from hearth.engine.executor import RankFailedError, make_executor
@@ -50,6 +57,18 @@ class EngineStats:
     num_transferred_blocks: int = 0
     num_transferred_bytes: int = 0
     num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
+    num_waiting_for_grammar: int = 0  # guided requests whose grammar is compiling (in num_waiting)
+    num_grammars_compiling: int = 0  # compiles queued or running (timed-out ones until they end)
+
+
+@dataclass
+class GrammarWait:
+    """A request parked until its grammar compiles, with what admission still needs."""
+
+    request: Request
+    ticket: GrammarTicket
+    kv_transfer: KVTransfer | None
+    kv_handle: Any
 
 
 class LLMEngine:
@@ -78,7 +97,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
-        self._grammar = None
+        self._grammars: GrammarPool | None = None  # built on the first guided request
+        self._grammar_waits: dict[str, GrammarWait] = {}
+        # (request_id, rejection or None) of each grammar wait the last step ended; a rejected
+        # request also had a finished "error" output in that step.
+        self.admissions: list[tuple[str, str | None]] = []
         self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0, computed_prompt=0)
         self.pd: KVTransferDriver | None = None
         if connector_factory is not None:
@@ -110,22 +133,53 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, kv_transfer: KVTransfer | None = None) -> Request:
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._grammar_waits:
             raise ValueError(f"request_id: {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
         kv_handle = self._check_kv_transfer(kv_transfer, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
-        if params.guided is not None:
-            req.grammar = self.grammar_compiler().matcher(params.guided)
+        ticket = self.grammar_pool().submit(params.guided) if params.guided is not None else None
+        if ticket is not None and ticket.is_compiled():  # a cached grammar
+            req.grammar = self._grammars.matcher(ticket)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output)
+        if ticket is not None and req.grammar is None:
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._grammar_waits[request_id] = GrammarWait(req, ticket, kv_transfer, kv_handle)
+            return req
+        self._enqueue(req, kv_transfer, kv_handle)
+        return req
+
+    def _enqueue(self, req: Request, kv_transfer: KVTransfer | None, kv_handle) -> None:
         if kv_transfer is not None:
             self._attach_kv_transfer(req, kv_transfer, kv_handle)
         self.scheduler.add(req)
-        return req
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar is ready into the scheduler; fail those whose compile
+        failed or timed out (their outputs are the finished errors)."""
+        outputs = []
+        now = time.monotonic()
+        for request_id, wait in list(self._grammar_waits.items()):
+            if not wait.ticket.is_resolved(now):
+                continue
+            del self._grammar_waits[request_id]
+            req = wait.request
+            try:
+                req.grammar = self._grammars.matcher(wait.ticket)
+                req.status = RequestStatus.WAITING
+                self._enqueue(req, wait.kv_transfer, wait.kv_handle)
+            except ValueError as exc:
+                req.status, req.error = RequestStatus.FINISHED_ERROR, str(exc)
+                outputs.append(self._finish_output(req))
+            self.admissions.append((request_id, req.error))
+        return outputs
+
+    def is_waiting_for_grammar(self, request_id: str) -> bool:
+        return request_id in self._grammar_waits
 
     def _check_kv_transfer(self, kv_transfer, prompt_token_ids, params) -> object | None:
         if kv_transfer is None:
@@ -145,13 +199,20 @@ class LLMEngine:
             # needs it as context (and for stop strings that span it).
             self._detok[req.request_id].push([kv_transfer.first_token_id])
 
-    def grammar_compiler(self):
-        if self._grammar is None:
+    def grammar_pool(self) -> GrammarPool:
+        if self._grammars is None:
             from hearth.engine.guided import GrammarCompiler
-            self._grammar = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        return self._grammar
+            compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+            self._grammars = GrammarPool(compiler, self.config.guided)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
+        wait = self._grammar_waits.pop(request_id, None)
+        if wait is not None:  # never reached the scheduler: it holds no blocks
+            self._grammars.release(wait.ticket)
+            wait.request.status = RequestStatus.FINISHED_ABORTED
+            self._aborted.append(wait.request)
+            return
         req = self.scheduler.requests.get(request_id)
         if req is not None:
             if self.pd is not None:
@@ -160,7 +221,8 @@ class LLMEngine:
             self._aborted.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+        return (self.scheduler.num_unfinished > 0 or bool(self._aborted)
+                or bool(self._grammar_waits))
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -168,6 +230,9 @@ class LLMEngine:
             self.pd.poll()  # free released leases, resume requests whose KV arrived
         outputs = [self._make_output(r, [], "") for r in self._aborted]
         self._aborted = []
+        self.admissions = []
+        if self._grammar_waits:
+            outputs += self._admit_compiled()
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self.counters["preemptions"] += 1
@@ -180,6 +245,8 @@ class LLMEngine:
         if sched.empty:
             if self.pd is not None:
                 self.pd.wait(0.005)  # only KV transfers are in flight: don't spin
+            elif self._grammar_waits:
+                self._grammars.wait(0.005)  # only compiles are in flight
             return outputs
         sampled = self._execute_isolated(sched, outputs)
         by_req = {s.request.request_id: s for s in sampled}
@@ -298,7 +365,7 @@ class LLMEngine:
         s = self.scheduler
         pd = self.pd.counters if self.pd is not None else {}
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(self._grammar_waits),
             num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
             num_prefill_tokens_inflight=s.num_prefill_tokens_inflight(),
             num_decode_tokens_active=s.num_decode_tokens_active(),
@@ -312,6 +379,8 @@ class LLMEngine:
             num_transferred_blocks=pd.get("transferred_blocks", 0),
             num_transferred_bytes=pd.get("transferred_bytes", 0),
             num_kv_transfer_failures=pd.get("transfer_failures", 0),
+            num_waiting_for_grammar=len(self._grammar_waits),
+            num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
         )
 
     def block_events_since(self, cursor: int) -> tuple[int, list[int], list[int]]:
@@ -330,4 +399,6 @@ class LLMEngine:
         executor (a T x P rank set shuts its processes down)."""
         if self.pd is not None:
             self.pd.close()
+        if self._grammars is not None:
+            self._grammars.close()
         self.runner.close()

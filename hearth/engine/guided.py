@@ -145,6 +145,14 @@ class GrammarCompiler:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def fork(self) -> GrammarCompiler:
+        """A compiler sharing this one's vocabulary, for another thread (one xgrammar
+        compiler per thread; the cache lives in `GrammarPool`, so xgrammar's is off)."""
+        other = object.__new__(GrammarCompiler)
+        other._info, other._vocab_size = self._info, self._vocab_size
+        other._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        return other
+
     def matcher(self, spec: GuidedSpec) -> Matcher:
         """A fresh matcher for `spec`. Raises ValueError naming what is wrong with the spec."""
         return Matcher(self.compile(spec), self._vocab_size)

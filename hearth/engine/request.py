@@ -21,6 +21,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks allocated, a transfer is filling them
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # not in the scheduler: its grammar compiles
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length
     FINISHED_ABORTED = "abort"

@@ -37,6 +37,10 @@ class ScriptedEngine:
         self.requests: dict[str, int] = {}
         self.aborted: list[str] = []
         self.explode_once = False
+        self.admissions = []  # this stand-in never defers a request for its grammar
+
+    def is_waiting_for_grammar(self, request_id):
+        return False
 
     def add_request(self, request_id, prompt_token_ids, params):
         if not prompt_token_ids:
