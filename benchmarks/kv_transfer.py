@@ -61,7 +61,7 @@ class Bench:
     def tcp(self, src_ids: list[int], dst_ids: list[int]) -> float:
         tid = self._lease(src_ids)
         t0 = time.perf_counter()
-        with self.client.connect("127.0.0.1", self.server.port) as sock:
+        with self.client.connect("127.0.0.1", self.server.port, tid) as sock:
             self.client.pull(sock, tid, list(range(len(src_ids))), self.dst_mem.buffers(dst_ids),
                              self.dst_mem.bytes_per_block)
             self.client.finish(sock, tid)
@@ -74,7 +74,7 @@ class Bench:
             self.mooncake(src_ids[:1], dst_ids[:1])  # first contact opens the segment
         tid = self._lease(src_ids)
         t0 = time.perf_counter()
-        with self.client.connect("127.0.0.1", self.server.port) as sock:
+        with self.client.connect("127.0.0.1", self.server.port, tid) as sock:
             self.client.open(sock, tid)
             self.mooncake_dst.read(self.mooncake_src.session, self.src_mem.base_address,
                                    self.src_mem.num_blocks, src_ids, dst_ids)

@@ -51,6 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-secret", default="", help="shared secret of the KV transfer handshake")
     kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
                     help="how long exported KV blocks wait for the decode worker")
+    kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
+                    "comma-separated host:port or host (default: loopback only)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -69,7 +71,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                 **_launcher_rendezvous(a)),
         kv_transfer=KVTransferConfig(role=a.role, transport=a.kv_transport, host=a.kv_host,
                                      port=a.kv_port, advertise_host=a.kv_advertise_host,
-                                     secret=a.kv_secret, lease_seconds=a.kv_lease_seconds),
+                                     secret=a.kv_secret, lease_seconds=a.kv_lease_seconds,
+                                     peers=tuple(p for p in a.kv_peers.split(",") if p.strip())),
     )
 
 

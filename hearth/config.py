@@ -84,9 +84,16 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # interface the transfer server binds (prefill side)
     port: int = 0  # transfer server port; 0 picks a free one
     advertise_host: str | None = None  # address written into descriptors; None: `host`
-    secret: str = ""  # shared secret checked in the transfer handshake (HMAC challenge)
+    secret: str = ""  # shared secret both sides prove in the transfer handshake (HMAC)
+    # KV servers a decode worker may connect to: "host:port" or "host" (any port); empty:
+    # loopback only. Descriptors naming any other peer are not contacted (recompute instead).
+    peers: tuple[str, ...] = ()
     lease_seconds: float = 30.0  # how long exported blocks wait for the decode side
+    # Leased blocks past this fraction of the pool end the oldest leases first, so exports
+    # whose decode hop never comes cannot starve new prefills.
+    max_leased_fraction: float = 0.5
     io_timeout_seconds: float = 30.0  # a socket stalled this long is dropped
+    handshake_timeout_seconds: float = 2.0  # a connection must authenticate within this
     num_transfer_threads: int = 4  # concurrent imports on the decode side
 
 

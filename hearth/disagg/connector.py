@@ -6,8 +6,12 @@ a small pool of transfer threads; each import connects to the descriptor's serve
 missing blocks straight into the local KV tensor (TCP) or reads them one-sided (Mooncake, when
 both sides run it) and acknowledges. Results reach the engine only through `poll`.
 
-Failure handling (decode side): any error (peer gone, lease unknown or expired, layout
-mismatch, timeout) reports the import as failed after the thread stopped writing; the engine
+Trust (decode side): a descriptor arrives in a decode hop's body, so its host:port is checked
+against the peer allowlist (`hearth.disagg.peers`, `--kv-peers`) before any socket is opened,
+and the transfer server must prove the shared secret for this transfer before any request.
+
+Failure handling (decode side): any error (peer gone or not trusted, lease unknown or expired,
+layout mismatch, timeout) reports the import as failed after the thread stopped writing; the engine
 then recomputes the missing prompt tokens locally. The prefill side's lease then ends on its own
 (expiry), or at once when the peer could still answer and was sent a REJECT.
 """
@@ -15,6 +19,7 @@ then recomputes the missing prompt tokens locally. The prefill side's lease then
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +33,7 @@ from hearth.disagg.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, check_ag
                                       descriptor_to_json, tokens_hash)
 from hearth.disagg.kv_memory import KVMemory
 from hearth.disagg.leases import LeaseManager
+from hearth.disagg.peers import PeerAllowlist, normalize_host
 from hearth.disagg.tcp_transport import TransferClient, TransferServer
 from hearth.disagg.wire import WireError
 from hearth.engine.connector import ConnectorEvents, ImportResult, KVCacheGeometry, KVTransfer
@@ -53,7 +59,9 @@ class DisaggConnector:
         self.geometry = geometry
         self.wall_clock = wall_clock
         self.memory = KVMemory(kv_cache)
-        self.leases = LeaseManager(config.lease_seconds, clock)
+        self.leases = LeaseManager(config.lease_seconds, clock, max_blocks=max(
+            1, int(config.max_leased_fraction * geometry.num_blocks)))
+        self.peers = PeerAllowlist.parse(config.peers)
         self.client = TransferClient(config.secret, config.io_timeout_seconds)
         self.mooncake = None
         if config.transport == "mooncake":
@@ -62,7 +70,8 @@ class DisaggConnector:
         self.server = None
         if config.role in ("prefill", "both"):
             self.server = TransferServer(config.host, config.port, config.secret, self.leases,
-                                         self.memory, config.io_timeout_seconds)
+                                         self.memory, config.io_timeout_seconds,
+                                         handshake_timeout=config.handshake_timeout_seconds)
         self._pool = None
         if config.role in ("decode", "both"):
             self._pool = ThreadPoolExecutor(config.num_transfer_threads,
@@ -141,7 +150,7 @@ class DisaggConnector:
     def _transfer(self, d: KVDescriptor, positions: list[int], block_ids: list[int]) -> int:
         """Move the blocks and acknowledge; returns the bytes received. Raises on failure, after
         the last write to the blocks."""
-        with self.client.connect(d.host, d.port) as sock:
+        with self._connect(d) as sock:
             num_bytes = 0
             try:
                 if positions and self.mooncake is not None and d.mooncake_session:
@@ -164,10 +173,24 @@ class DisaggConnector:
 
     def _reject(self, d: KVDescriptor) -> None:
         try:
-            with self.client.connect(d.host, d.port) as sock:
+            with self._connect(d) as sock:
                 self.client.finish(sock, d.transfer_id, ack=False)
-        except (OSError, WireError) as exc:
+        except (OSError, WireError, UntrustedPeer) as exc:
             log.info("reject of transfer %s not delivered: %s", d.transfer_id, exc)
+
+    def _connect(self, d: KVDescriptor) -> socket.socket:
+        """An authenticated connection for `d`'s transfer, to an allowed peer only: a descriptor
+        comes from whoever posted the decode hop, so no socket is opened to anywhere else."""
+        if not self.peers.allows(d.host, d.port):
+            log.warning("KV descriptor names %s:%s, which is not a trusted KV peer (%s; set "
+                        "--kv-peers); recomputing instead", d.host, d.port, self.peers.describe())
+            raise UntrustedPeer(f"{d.host}:{d.port} is not in the KV peer allowlist")
+        if d.mooncake_session and self.mooncake is not None:
+            session_host = d.mooncake_session.rpartition(":")[0]
+            if normalize_host(session_host) != normalize_host(d.host):
+                raise UntrustedPeer(f"mooncake session {d.mooncake_session!r} is not on the "
+                                    f"descriptor's host {d.host}")
+        return self.client.connect(d.host, d.port, d.transfer_id)
 
     # ---- engine loop ----------------------------------------------------------------------
     def poll(self) -> ConnectorEvents:
@@ -191,6 +214,10 @@ class DisaggConnector:
         if self.mooncake is not None:
             self.mooncake.close()
         self.leases.close()
+
+
+class UntrustedPeer(Exception):
+    """A descriptor named a KV server this worker is not configured to trust."""
 
 
 def make_connector(config: KVTransferConfig, kv_cache: torch.Tensor,

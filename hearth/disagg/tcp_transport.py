@@ -1,11 +1,17 @@
 """hearth's own KV transport: blocking sockets, scatter/gather I/O, leases checked per read.
 
 Server (prefill worker): one thread accepts, one thread serves each connection. A connection
-starts with a challenge (HELLO nonce -> AUTH HMAC(secret, nonce) -> OK), then carries any number
-of PULL / OPEN / ACK / REJECT requests (see `wire`). A protocol error is answered with ERROR and
-ends that connection only; the server thread and every other connection carry on. Blocks are
-read only under a lease's read guard, held for the length of a PULL, or from OPEN until
+starts with the mutual handshake (client HELLO -> server HELLO -> client AUTH -> server OK, see
+`wire`), which binds it to one transfer id, then carries any number of PULL / OPEN / ACK /
+REJECT requests for that transfer. A protocol error is answered with ERROR and ends that
+connection only; the server thread and every other connection carry on. Blocks are read only
+under a lease's read guard, held for the length of a PULL, or from OPEN until
 ACK/REJECT/disconnect on that connection (one-sided transports read in between).
+
+Slots: a connection takes one of `max_connections` only once it has authenticated. Before
+that it must finish the handshake within `handshake_timeout`, and unauthenticated connections
+are capped per peer IP and in total, the oldest dropped first; so idle or slow sockets cannot
+keep a real decode worker out.
 
 Client (decode worker): `TransferClient.connect` + `pull`/`open`/`finish`, called from the
 connector's transfer threads. Every socket has a timeout, so a dead peer fails a transfer
@@ -19,26 +25,36 @@ import os
 import socket
 import struct
 import threading
+import time
+from collections import OrderedDict
 
 from hearth.disagg.kv_memory import KVMemory
 from hearth.disagg.leases import LeaseManager
-from hearth.disagg.wire import (MAX_PULL_BLOCKS, Header, MsgType, Status, WireError, auth_ok,
-                                auth_tag, expect, recv_buffers, recv_exact, recv_header,
-                                send_buffers, send_error, send_header)
+from hearth.disagg.wire import (CLIENT, MAX_PULL_BLOCKS, NONCE_BYTES, SERVER, Header, MsgType,
+                                Status, WireError, expect, proof, proof_ok, recv_buffers,
+                                recv_exact, recv_header, send_buffers, send_error, send_header)
 
 log = logging.getLogger("hearth.disagg.tcp")
 
 
 class TransferServer:
     def __init__(self, host: str, port: int, secret: str, leases: LeaseManager,
-                 memory: KVMemory, io_timeout: float = 30.0, max_connections: int = 64) -> None:
+                 memory: KVMemory, io_timeout: float = 30.0, max_connections: int = 64,
+                 handshake_timeout: float = 2.0, max_unauthenticated: int = 128,
+                 max_unauthenticated_per_peer: int = 8) -> None:
         self.secret = secret
         self.leases = leases
         self.memory = memory
         self.io_timeout = io_timeout
         self.max_connections = max_connections
-        self._listener = socket.create_server((host, port), backlog=64)
+        self.handshake_timeout = handshake_timeout
+        self.max_unauthenticated = max_unauthenticated
+        self.max_unauthenticated_per_peer = max_unauthenticated_per_peer
+        self._listener = socket.create_server((host, port), backlog=128)
         self.host, self.port = self._listener.getsockname()[:2]
+        # Connections still in their handshake, oldest first (socket -> peer IP), and the ones
+        # past it. Only the latter count against max_connections.
+        self._pending: OrderedDict[socket.socket, str] = OrderedDict()
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -50,71 +66,115 @@ class TransferServer:
         """Stop accepting, drop every connection (their read guards end), join the acceptor."""
         self._closed = True
         for sock in [self._listener, *self._snapshot()]:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shutdown(sock)
         self._listener.close()
         self._thread.join(timeout=5)
 
     def _snapshot(self) -> list[socket.socket]:
         with self._lock:
-            return list(self._connections)
+            return [*self._pending, *self._connections]
+
+    def num_connections(self) -> tuple[int, int]:
+        """(authenticated, still in the handshake)."""
+        with self._lock:
+            return len(self._connections), len(self._pending)
 
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 if self._closed:
                     return
                 continue
             with self._lock:
-                busy = len(self._connections) >= self.max_connections
-                if not busy:
-                    self._connections.add(conn)
-            if busy:
-                _close_with_error(conn, Status.BUSY, "too many transfer connections")
-                continue
+                evicted = self._admit(conn, address[0])
+            for old in evicted:  # its thread sees the shutdown and ends
+                _shutdown(old)
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="hearth-kv-conn").start()
+
+    def _admit(self, conn: socket.socket, peer_ip: str) -> list[socket.socket]:
+        """Under the lock: register a new unauthenticated connection; past the per-peer or total
+        limit the *oldest* unauthenticated ones make room (they had the longest to speak), so
+        idle sockets cannot keep a real peer from connecting."""
+        self._pending[conn] = peer_ip
+        evicted = []
+        same_peer = [c for c, ip in self._pending.items() if ip == peer_ip]
+        for old in same_peer[:max(0, len(same_peer) - self.max_unauthenticated_per_peer)]:
+            evicted.append(old)
+            del self._pending[old]
+        while len(self._pending) > self.max_unauthenticated:
+            evicted.append(self._pending.popitem(last=False)[0])
+        if evicted:
+            log.warning("KV transfer server: dropped %d connections that had not authenticated "
+                        "(newest from %s)", len(evicted), peer_ip)
+        return evicted
 
     def _serve(self, conn: socket.socket) -> None:
         guards: set[str] = set()  # leases this connection holds open (OPEN .. ACK/REJECT)
         try:
-            conn.settimeout(self.io_timeout)
+            conn.settimeout(self.handshake_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._handshake(conn):
-                while not self._closed and self._handle(conn, recv_header(conn), guards):
+            transfer_id = self._handshake(conn)
+            if transfer_id is not None and self._promote(conn):
+                conn.settimeout(self.io_timeout)
+                while not self._closed and self._handle(conn, recv_header(conn), guards,
+                                                        transfer_id):
                     pass
         except WireError as exc:
             log.warning("KV transfer peer broke the protocol: %s", exc)
             _close_with_error(conn, exc.status, str(exc))
-        except (OSError, ConnectionError) as exc:  # peer gone or timed out: nothing to answer
+        except (OSError, ConnectionError) as exc:  # peer gone, timed out or evicted
             log.debug("KV transfer connection ended: %s", exc)
         except Exception:
             log.exception("KV transfer connection failed")
         finally:
-            for transfer_id in guards:
-                self.leases.end_read(transfer_id)
+            for tid in guards:
+                self.leases.end_read(tid)
             with self._lock:
+                self._pending.pop(conn, None)
                 self._connections.discard(conn)
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        nonce = os.urandom(32)
-        send_header(conn, Header(MsgType.HELLO, auth=nonce))
-        header = recv_header(conn)
-        if header.msg_type != MsgType.AUTH or not auth_ok(self.secret, nonce, header.auth):
+    def _handshake(self, conn: socket.socket) -> str | None:
+        """The server's half of the mutual handshake (`wire.proof`), all of it within
+        `handshake_timeout`; the transfer id the connection is bound to, or None."""
+        deadline = time.monotonic() + self.handshake_timeout
+        hello = recv_header(conn, deadline)
+        if hello.msg_type != MsgType.HELLO or hello.payload_bytes or not hello.transfer_id:
+            raise WireError(Status.BAD_REQUEST, "the handshake starts with HELLO(transfer id)")
+        tid, client_nonce, server_nonce = hello.transfer_id, hello.auth, os.urandom(NONCE_BYTES)
+        send_header(conn, Header(MsgType.HELLO, transfer_id=tid, auth=server_nonce))
+        auth = recv_header(conn, deadline)
+        if auth.msg_type != MsgType.AUTH or not proof_ok(self.secret, CLIENT, client_nonce,
+                                                         server_nonce, tid, auth.auth):
             log.warning("KV transfer peer %s failed authentication", _peer(conn))
             _close_with_error(conn, Status.BAD_AUTH, "authentication failed")
-            return False
-        send_header(conn, Header(MsgType.OK))
-        return True
+            return None
+        send_header(conn, Header(MsgType.OK, transfer_id=tid,
+                                 auth=proof(self.secret, SERVER, client_nonce, server_nonce, tid)))
+        return tid
 
-    def _handle(self, conn: socket.socket, header: Header, guards: set[str]) -> bool:
+    def _promote(self, conn: socket.socket) -> bool:
+        """An authenticated connection takes a slot, or is told BUSY."""
+        with self._lock:
+            if self._pending.pop(conn, None) is None:  # evicted meanwhile
+                return False
+            busy = len(self._connections) >= self.max_connections
+            if not busy:
+                self._connections.add(conn)
+        if busy:
+            _close_with_error(conn, Status.BUSY, "too many transfer connections")
+        return not busy
+
+    def _handle(self, conn: socket.socket, header: Header, guards: set[str],
+                bound_id: str) -> bool:
         """Serve one request; False ends the connection."""
         kind, tid = header.msg_type, header.transfer_id
+        if tid != bound_id:
+            raise WireError(Status.BAD_REQUEST, f"this connection authenticated for transfer "
+                                                f"{bound_id!r}, not {tid!r}")
         if kind == MsgType.PULL:
             self._pull(conn, header)
         elif kind == MsgType.OPEN and header.payload_bytes == 0:
@@ -170,13 +230,24 @@ class TransferClient:
         self.secret = secret
         self.io_timeout = io_timeout
 
-    def connect(self, host: str, port: int) -> socket.socket:
+    def connect(self, host: str, port: int, transfer_id: str) -> socket.socket:
+        """A connection authenticated both ways for `transfer_id` (`wire.proof`): nothing is
+        requested from a server that has not proven it holds the secret."""
         sock = socket.create_connection((host, port), timeout=self.io_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_nonce = os.urandom(NONCE_BYTES)
+            send_header(sock, Header(MsgType.HELLO, transfer_id=transfer_id, auth=client_nonce))
             hello = expect(sock, MsgType.HELLO)
-            send_header(sock, Header(MsgType.AUTH, auth=auth_tag(self.secret, hello.auth)))
-            expect(sock, MsgType.OK)
+            if hello.transfer_id != transfer_id:
+                raise WireError(Status.BAD_AUTH, "the KV peer answered for another transfer")
+            server_nonce = hello.auth
+            send_header(sock, Header(MsgType.AUTH, transfer_id=transfer_id, auth=proof(
+                self.secret, CLIENT, client_nonce, server_nonce, transfer_id)))
+            ok = expect(sock, MsgType.OK)
+            if not proof_ok(self.secret, SERVER, client_nonce, server_nonce, transfer_id, ok.auth):
+                raise WireError(Status.BAD_AUTH, f"the KV peer {host}:{port} did not prove the "
+                                                 f"shared secret")
         except BaseException:
             sock.close()
             raise
@@ -221,6 +292,13 @@ def _close_with_error(conn: socket.socket, status: Status, message: str) -> None
         pass
     try:
         conn.close()
+    except OSError:
+        pass
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
 

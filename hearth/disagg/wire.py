@@ -10,7 +10,12 @@
         16    8 bytes_per_block  PULL: the reader's layout check; DATA: the sender's
         24    8 payload_bytes    bytes that follow the header
         32   64 transfer_id      UTF-8, NUL-padded
-        96   32 auth             HELLO: server nonce; AUTH: HMAC-SHA256(secret, nonce)
+        96   32 auth             handshake only: a nonce (HELLO) or a proof (AUTH, OK)
+
+The handshake is mutual and bound to one transfer (see `proof`): the client (decode side) sends
+HELLO(transfer_id, its nonce), the server answers HELLO(transfer_id, its nonce), the client
+proves the secret in AUTH, the server checks it and proves the secret in OK, and the client
+checks that before it sends a request. The connection then serves that transfer id only.
 
 Payloads: PULL carries num_blocks u32 block positions (indices into the descriptor's block list);
 DATA carries the blocks as `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
@@ -26,10 +31,11 @@ import hashlib
 import hmac
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 MAGIC = b"HKVX"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: mutual handshake bound to the transfer id
 HEADER = struct.Struct("!4sHHHHIQQ64s32s")
 HEADER_BYTES = HEADER.size  # 128
 MAX_PULL_BLOCKS = 1 << 20
@@ -38,14 +44,14 @@ IOV_MAX = 1024  # Linux limit on buffers per sendmsg/recvmsg call
 
 
 class MsgType(enum.IntEnum):
-    HELLO = 1  # server -> client on connect: the auth nonce
-    AUTH = 2  # client -> server: HMAC of the nonce
+    HELLO = 1  # both ways, client first: transfer id + a fresh nonce
+    AUTH = 2  # client -> server: the client's proof
     PULL = 3  # client -> server: send me these block positions of a lease
     DATA = 4  # server -> client: the blocks
     OPEN = 5  # client -> server: guard a lease for one-sided reads (mooncake) on this connection
     ACK = 6  # client -> server: all blocks received, release the lease
     REJECT = 7  # client -> server: won't use the blocks, release the lease
-    OK = 8  # server -> client
+    OK = 8  # server -> client (the one ending the handshake carries the server's proof)
     ERROR = 9  # server -> client: status + message
 
 
@@ -97,12 +103,25 @@ class Header:
         return cls(kind, code, num_blocks, bpb, payload, transfer_id, auth)
 
 
-def auth_tag(secret: str, nonce: bytes) -> bytes:
-    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
+NONCE_BYTES = 32
+PROOF_LABEL = b"hearth-kv/2 "
+CLIENT, SERVER = b"client", b"server"  # who proves: a proof of one side never passes as the other's
 
 
-def auth_ok(secret: str, nonce: bytes, tag: bytes) -> bool:
-    return hmac.compare_digest(auth_tag(secret, nonce), tag)
+def proof(secret: str, side: bytes, client_nonce: bytes, server_nonce: bytes,
+          transfer_id: str) -> bytes:
+    """HMAC-SHA256(secret, label | side | client nonce | server nonce | transfer id).
+
+    Both fresh nonces make a proof good for one connection only; the transfer id binds it to one
+    lease; the side label stops a peer from reflecting the other side's proof back at it."""
+    message = (PROOF_LABEL + side + b"\0" + client_nonce + server_nonce
+               + transfer_id.encode())
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+
+
+def proof_ok(secret: str, side: bytes, client_nonce: bytes, server_nonce: bytes,
+             transfer_id: str, tag: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, side, client_nonce, server_nonce, transfer_id), tag)
 
 
 def send_header(sock: socket.socket, header: Header, payload: bytes = b"") -> None:
@@ -115,14 +134,14 @@ def send_error(sock: socket.socket, status: Status, message: str, transfer_id: s
                              transfer_id=transfer_id), body)
 
 
-def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+def recv_exact(sock: socket.socket, num_bytes: int, deadline: float | None = None) -> bytes:
     buf = bytearray(num_bytes)
-    recv_buffers(sock, [memoryview(buf)])
+    recv_buffers(sock, [memoryview(buf)], deadline)
     return bytes(buf)
 
 
-def recv_header(sock: socket.socket) -> Header:
-    return Header.unpack(recv_exact(sock, HEADER_BYTES))
+def recv_header(sock: socket.socket, deadline: float | None = None) -> Header:
+    return Header.unpack(recv_exact(sock, HEADER_BYTES, deadline))
 
 
 def expect(sock: socket.socket, msg_type: MsgType) -> Header:
@@ -144,10 +163,18 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
         i = _advance(pending, i, sent)
 
 
-def recv_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Fill every buffer from the socket, in order; EOF first raises ConnectionError."""
+def recv_buffers(sock: socket.socket, buffers: list[memoryview],
+                 deadline: float | None = None) -> None:
+    """Fill every buffer from the socket, in order; EOF first raises ConnectionError. With a
+    `deadline` (time.monotonic) the whole read must end by then (socket.timeout), however slowly
+    the peer trickles bytes in."""
     pending, i = list(buffers), 0
     while i < len(pending):
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("deadline passed")
+            sock.settimeout(remaining)
         got = sock.recvmsg_into(pending[i:i + IOV_MAX])[0]
         if got == 0:
             raise ConnectionError("peer closed the connection mid-transfer")

@@ -18,7 +18,8 @@ import pytest
 from hearth.config import KVTransferConfig
 from hearth.disagg.connector import DisaggConnector
 from hearth.disagg.tcp_transport import TransferClient
-from hearth.disagg.wire import HEADER_BYTES, Header, MsgType, recv_exact, send_header
+from hearth.disagg.peers import PeerAllowlist
+from hearth.disagg.wire import SERVER, HEADER_BYTES, Header, MsgType, proof, recv_exact, send_header
 from hearth.engine.connector import KVTransfer
 from hearth.engine.engine import LLMEngine
 from hearth.engine.kv_cache import cdiv
@@ -199,7 +200,7 @@ def test_explicit_reject_and_abort_before_pull_release_the_lease(fresh):
     assert prefill.stats().num_leases_active == 2
     descriptor = firsts["a"].kv_descriptor
     client = TransferClient(SECRET)
-    with client.connect(descriptor["host"], descriptor["port"]) as sock:
+    with client.connect(descriptor["host"], descriptor["port"], "x-a") as sock:
         client.finish(sock, "x-a", ack=False)
     assert prefill.stats().num_leases_active == 1
     # a decode request aborted before its transfer starts rejects the lease in the background
@@ -256,6 +257,68 @@ def test_wrong_secret_is_refused_and_decode_recomputes(fresh):
     assert prefill.kv_pool_is_whole() and decode.kv_pool_is_whole()
 
 
+def test_untrusted_peer_is_never_contacted_and_decode_recomputes(fresh):
+    """A decode hop's descriptor names where the decode worker connects: one naming a peer
+    off the allowlist gets no connection at all (the listener below is never dialled), and the
+    request recomputes its prompt as after any failed pull."""
+    prefill, decode, clock = fresh
+    case = CASES[7]
+    prompts = {"u": case["prompt_ids"]}
+    firsts = prefill_all(prefill, prompts)
+    real = firsts["u"].kv_descriptor
+    connector = decode.pd.connector
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    good, connector.peers = connector.peers, PeerAllowlist.parse((f"127.0.0.1:{real['port']}",))
+    try:
+        firsts["u"].kv_descriptor = dict(real, port=listener.getsockname()[1])
+        before = decode.stats()
+        (tokens, final), = decode_all(decode, prompts, firsts, 5).values()
+        assert tokens == case["output_ids"][:5] and final.num_transferred_blocks == 0
+        assert decode.stats().num_kv_transfer_failures == before.num_kv_transfer_failures + 1
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+        # the same allowlist lets the configured peer through
+        firsts["u"].kv_descriptor = real
+        decode.pool.reset_cache()
+        (tokens, final), = decode_all(decode, prompts, firsts, 5).values()
+        assert tokens == case["output_ids"][:5]
+        assert final.num_transferred_blocks == cdiv(len(case["prompt_ids"]), BLOCK)
+    finally:
+        connector.peers = good
+        listener.close()
+    assert prefill.kv_pool_is_whole() and decode.kv_pool_is_whole()
+
+
+def test_leases_whose_decode_hop_never_comes_cannot_starve_new_prefills(fresh):
+    """Exports nobody pulls (clients that left after the first token) hold at most
+    max_leased_fraction of the pool: the oldest lease makes room, new prefills keep running,
+    and a decode hop that comes late for an evicted lease recomputes."""
+    prefill, decode, clock = fresh
+    leases = prefill.pd.connector.leases
+    long_prompts = {f"s{i}": [t for c in CASES[i:] + CASES[:i] for t in c["prompt_ids"]][:200]
+                    for i in range(8)}  # 13 blocks each; 8 of them would need 104 of 96
+    firsts = {}
+    for rid, ids in long_prompts.items():
+        prefill.add_request(rid, ids, greedy(1), KVTransfer("prefill", transfer_id=f"x-{rid}"))
+        for _ in range(1000):  # bounded: a starved prefill would wait here for ever
+            if not prefill.has_unfinished():
+                break
+            for out in prefill.step():
+                firsts[out.request_id] = out
+        assert firsts[rid].finished and firsts[rid].kv_descriptor is not None, rid
+        assert leases.num_held_blocks <= leases.max_blocks == 48
+    assert leases.counts["evicted"] > 0 and not leases.contains("x-s0") and leases.contains("x-s7")
+    late = {"s0": long_prompts["s0"], "s7": long_prompts["s7"]}
+    before = decode.stats()
+    results = decode_all(decode, late, {rid: firsts[rid] for rid in late}, 3)
+    assert results["s0"][1].num_transferred_blocks == 0  # evicted: recomputed
+    assert results["s7"][1].num_transferred_blocks == 13  # still leased: pulled
+    assert decode.stats().num_kv_transfer_failures == before.num_kv_transfer_failures + 1
+    clock.now += 31
+    assert prefill.kv_pool_is_whole() and decode.kv_pool_is_whole()
+
+
 def test_bad_specs_are_refused_at_add_request(fresh):
     prefill, decode, _ = fresh
     ids = CASES[0]["prompt_ids"]
@@ -277,7 +340,7 @@ def test_bad_specs_are_refused_at_add_request(fresh):
         prefill.add_request("q2", ids, greedy(1), KVTransfer("prefill", transfer_id="x-q"))
     assert decode.kv_pool_is_whole()
     client = TransferClient(SECRET)
-    with client.connect(d["host"], d["port"]) as sock:
+    with client.connect(d["host"], d["port"], "x-q") as sock:
         client.finish(sock, "x-q", ack=False)
     assert prefill.kv_pool_is_whole()
 
@@ -292,14 +355,17 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
 
 
 def serve_half_then_die(bytes_per_block: int):
-    """A transfer peer that authenticates anyone, sends half of the DATA, then hangs up."""
+    """A transfer peer that knows the secret, sends half of the DATA, then hangs up."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve():
         conn, _ = listener.accept()
-        send_header(conn, Header(MsgType.HELLO, auth=b"n" * 32))
+        hello = Header.unpack(recv_exact(conn, HEADER_BYTES))
+        tid, nonce = hello.transfer_id, b"n" * 32
+        send_header(conn, Header(MsgType.HELLO, transfer_id=tid, auth=nonce))
         recv_exact(conn, HEADER_BYTES)
-        send_header(conn, Header(MsgType.OK))
+        send_header(conn, Header(MsgType.OK, transfer_id=tid,
+                                 auth=proof(SECRET, SERVER, hello.auth, nonce, tid)))
         pull = Header.unpack(recv_exact(conn, HEADER_BYTES))
         recv_exact(conn, pull.payload_bytes)
         size = pull.num_blocks * bytes_per_block

@@ -55,7 +55,7 @@ def test_guarded_one_sided_read_lands_exact_blocks():
     try:
         leases.create("t", [6, 7, 2])
         client = TransferClient("s")
-        with client.connect("127.0.0.1", server.port) as sock:
+        with client.connect("127.0.0.1", server.port, "t") as sock:
             client.open(sock, "t")
             n = dst_engine.read(src_engine.session, src_mem.base_address, src_mem.num_blocks,
                                 [6, 7, 2], [0, 1, 5])

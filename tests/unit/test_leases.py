@@ -108,3 +108,31 @@ def test_close_ends_every_lease():
 def test_lease_seconds_must_be_positive():
     with pytest.raises(ValueError):
         LeaseManager(0)
+
+
+def test_blocks_past_the_cap_end_the_oldest_unread_leases_first():
+    leases = LeaseManager(10.0, FakeClock(), max_blocks=6)
+    leases.create("a", [1, 2])
+    leases.create("b", [3, 4])
+    leases.create("c", [5, 6])
+    assert leases.take_released() == [] and leases.num_held_blocks == 6
+    assert leases.begin_read("a") == [1, 2]  # a transfer in progress is not cut short
+    leases.create("d", [7, 8, 9])  # 9 held: b and c go, in age order, a is being read
+    assert leases.take_released() == [[3, 4], [5, 6]]
+    assert leases.counts["evicted"] == 2 and leases.num_held_blocks == 5
+    assert leases.begin_read("b") is None  # an evicted lease answers like an unknown one
+    leases.end_read("a")
+    assert leases.release("a", "ack") and leases.take_released() == [[1, 2]]
+    assert leases.contains("d") and leases.num_held_blocks == 3
+
+
+def test_a_lease_larger_than_the_cap_is_kept_alone_and_shared_blocks_count_once():
+    leases = LeaseManager(10.0, FakeClock(), max_blocks=4)
+    leases.create("a", [1, 2, 3])
+    leases.create("b", [1, 2, 3, 4])  # the same prompt's blocks plus one: 4 distinct, fits
+    assert leases.take_released() == [] and leases.num_held_blocks == 4
+    leases.create("big", [10, 11, 12, 13, 14])  # over the cap on its own: everything else goes
+    assert leases.take_released() == [[1, 2, 3], [1, 2, 3, 4]]
+    assert leases.num_active == 1 and leases.num_held_blocks == 5
+    leases.release("big", "ack")
+    assert leases.take_released() == [[10, 11, 12, 13, 14]] and leases.num_held_blocks == 0
