@@ -3,6 +3,11 @@
 Flags map onto the frozen configs in `hearth/config.py` here and nowhere else; so does the
 torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): under a launcher,
 rank 0 runs the command as the driver and every other rank serves the driver's steps instead.
+
+Secrets (`--api-key`, `--worker-api-key`, `--kv-secret`) are read here too, by `read_secrets`:
+from `--NAME-file`, else from the environment (`SECRET_ENV`), else from the flag itself, which
+works but is visible to every local user in `ps` (so it logs a warning). `hearth up` hands its
+workers their secrets through the environment, never on their command lines.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, KVTransferConfig,
                            ModelConfig, ParallelConfig, SchedulerConfig)
@@ -48,7 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-port", type=int, default=0, help="KV transfer port (0: any free one)")
     kv.add_argument("--kv-advertise-host", default=None,
                     help="address put in KV descriptors (default: --kv-host)")
-    kv.add_argument("--kv-secret", default="", help="shared secret of the KV transfer handshake")
+    kv.add_argument("--kv-secret", default=None,
+                    help="shared secret of the KV transfer handshake (visible in ps: prefer "
+                         "$HEARTH_KV_SECRET or --kv-secret-file)")
+    kv.add_argument("--kv-secret-file", default=None, metavar="PATH",
+                    help="read the KV secret from this file")
     kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
                     help="how long exported KV blocks wait for the decode worker")
     kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
@@ -71,7 +81,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                 **_launcher_rendezvous(a)),
         kv_transfer=KVTransferConfig(role=a.role, transport=a.kv_transport, host=a.kv_host,
                                      port=a.kv_port, advertise_host=a.kv_advertise_host,
-                                     secret=a.kv_secret, lease_seconds=a.kv_lease_seconds,
+                                     secret=a.kv_secret or "", lease_seconds=a.kv_lease_seconds,
                                      peers=tuple(p for p in a.kv_peers.split(",") if p.strip())),
     )
 
@@ -124,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        read_secrets(a)
+    except ValueError as exc:
+        print(f"hearth: error: {exc}", file=sys.stderr)
+        return 2
     a.launcher = _torchrun_env(os.environ) if hasattr(a, "tensor_parallel_size") else None
     if a.launcher is not None and a.launcher["rank"] != 0:
         return _serve_rank(a)
@@ -132,6 +147,39 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"hearth: error: {exc}", file=sys.stderr)
         return 2
+
+
+# The secret flags (argparse dests) and the environment variable each one falls back to.
+SECRET_ENV = {"api_key": "HEARTH_API_KEY", "worker_api_key": "HEARTH_WORKER_API_KEY",
+              "kv_secret": "HEARTH_KV_SECRET"}
+
+
+def read_secrets(a: argparse.Namespace, environ=None) -> None:
+    """Fill every secret flag `a` has (see SECRET_ENV) from its file, its environment variable
+    or the flag itself; at most one of the flag and its file may be given. Sets `NAME` on `a`
+    (None when no source has it) and drops nothing else."""
+    environ = os.environ if environ is None else environ
+    for dest, env_name in SECRET_ENV.items():
+        if not hasattr(a, dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        value, path = getattr(a, dest), getattr(a, dest + "_file", None)
+        if value is not None and path is not None:
+            raise ValueError(f"give {flag} or {flag}-file, not both")
+        if path is not None:
+            try:
+                value = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"{flag}-file: cannot read {path}: {exc.strerror}") from None
+            if not value:
+                raise ValueError(f"{flag}-file: {path} is empty")
+        elif value is not None:
+            logging.getLogger("hearth").warning(
+                "%s on the command line is visible to every local user (ps); prefer $%s or "
+                "%s-file", flag, env_name, flag)
+        else:
+            value = environ.get(env_name) or None
+        setattr(a, dest, value)
 
 
 def _torchrun_env(environ) -> dict | None:

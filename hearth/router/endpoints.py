@@ -74,7 +74,7 @@ class Endpoint:
     healthy: bool = False
     ejected_until: float = 0.0  # passive ejection: not re-admitted before this (monotonic)
     last_error: str | None = None
-    num_slow_checks: int = 0  # consecutive /load timeouts (busy is not dead)
+    num_slow_checks: int = 0  # slow /load polls in a row: the report is stale (busy is not dead)
     own_prefill_tokens: int = 0  # predictions of in-flight requests the router sent here
     own_decode_tokens: int = 0
     own_requests: int = 0

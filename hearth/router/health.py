@@ -1,10 +1,18 @@
 """Active health checks: poll every endpoint's `/load`, which also corrects the load estimates
 and the cache views.
 
-An endpoint is healthy when `/load` answers 200 (a worker answers 503 while its model loads or
-after its engine died). A passively ejected endpoint (a hop failed on it) is not re-admitted
-before its ejection pause is over, even if `/load` answers, so a flapping worker cannot take
-every retry. The first successful check also learns the served model name.
+What takes an endpoint out, and what does not:
+  * out at once: a refused or reset connection, a connect timeout, or a non-200 answer (a worker
+    answers 503 while its model loads or after its engine died);
+  * never out: a slow answer. A worker answers /load between engine steps, so under load (or a
+    saturated CPU) a poll can take seconds while requests still flow. A poll past
+    `HealthConfig.timeout_seconds` only marks the load report stale (`num_slow_checks`) and backs
+    the poll interval off; requests in flight are untouched. A worker that is wedged for real is
+    taken out by the request path's own failures (`Endpoint.mark_failed`), and is not re-admitted
+    until a poll answers again.
+A passively ejected endpoint (a hop failed on it) is not re-admitted before its ejection pause is
+over, even if `/load` answers, so a flapping worker cannot take every retry. The first successful
+check also learns the served model name.
 """
 
 from __future__ import annotations
@@ -17,12 +25,11 @@ from dataclasses import dataclass
 import httpx
 
 from hearth.router.endpoints import Endpoint, EndpointPool
+from hearth.router.router_config import HealthConfig
 
 log = logging.getLogger("hearth.router.health")
 
 CONNECT_TIMEOUT = 1.0  # a live worker on the network accepts at once; refused or silent: down
-READ_TIMEOUT = 10.0
-MAX_SLOW_CHECKS = 3  # consecutive /load timeouts before a worker that accepts counts as down
 
 
 @dataclass
@@ -34,9 +41,10 @@ class ModelInfo:
 
 
 class HealthChecker:
-    def __init__(self, pool: EndpointPool, client: httpx.AsyncClient, interval: float,
+    def __init__(self, pool: EndpointPool, client: httpx.AsyncClient, config: HealthConfig,
                  worker_api_key: str | None, model: ModelInfo) -> None:
-        self.pool, self.client, self.interval, self.model = pool, client, interval, model
+        self.pool, self.client, self.config, self.model = pool, client, config, model
+        self.timeout = httpx.Timeout(config.timeout_seconds, connect=CONNECT_TIMEOUT)
         self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
 
     async def check(self, endpoint: Endpoint) -> None:
@@ -44,22 +52,22 @@ class HealthChecker:
         try:
             response = await self.client.get(
                 endpoint.url + "/load", params={"events_since": endpoint.events_cursor},
-                headers=self.headers, timeout=httpx.Timeout(READ_TIMEOUT, connect=CONNECT_TIMEOUT))
+                headers=self.headers, timeout=self.timeout)
             body = response.json() if response.status_code == 200 else None
             error = None if body is not None else f"/load answered {response.status_code}"
         except httpx.ConnectTimeout:
             body, error = None, "connect timeout"
         except httpx.TimeoutException:
-            # A worker answers /load between engine steps: slow under load is not dead.
-            endpoint.num_slow_checks += 1
-            if endpoint.num_slow_checks < MAX_SLOW_CHECKS:
-                return
-            body, error = None, f"/load timed out {endpoint.num_slow_checks} times in a row"
+            self._slow(endpoint)
+            return
         except (httpx.HTTPError, ValueError) as exc:
             body, error = None, f"{type(exc).__name__}: {exc}"
         if body is None:
             self._down(endpoint, error)
             return
+        if endpoint.num_slow_checks:
+            log.info("endpoint %s answers /load again after %d slow polls", endpoint.url,
+                     endpoint.num_slow_checks)
         endpoint.num_slow_checks = 0
         endpoint.apply_report(body, own)
         if not endpoint.healthy and time.monotonic() >= endpoint.ejected_until:
@@ -67,6 +75,19 @@ class HealthChecker:
             endpoint.healthy, endpoint.last_error = True, None
         if self.model.name is None:
             await self._learn_model(endpoint)
+
+    def _slow(self, endpoint: Endpoint) -> None:
+        """A stale load report, not a dead worker: keep the endpoint as it is, poll less often."""
+        endpoint.num_slow_checks += 1
+        if endpoint.num_slow_checks == 1:
+            log.warning("endpoint %s: /load slower than %.1fs; keeping it (load report stale), "
+                        "polling it less often", endpoint.url, self.config.timeout_seconds)
+
+    def poll_interval(self, endpoint: Endpoint) -> float:
+        """The pause before the next poll: doubled per slow poll in a row, capped."""
+        backoff = 2.0 ** min(endpoint.num_slow_checks, 16)
+        return min(self.config.interval_seconds * backoff,
+                   max(self.config.interval_seconds, self.config.max_interval_seconds))
 
     def _down(self, endpoint: Endpoint, error: str | None) -> None:
         if endpoint.healthy:
@@ -94,4 +115,4 @@ class HealthChecker:
     async def _loop(self, endpoint: Endpoint) -> None:
         while True:
             await self.check(endpoint)
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.poll_interval(endpoint))

@@ -29,7 +29,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=defaults.host)
     g.add_argument("--port", type=int, default=defaults.port)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                        "$HEARTH_API_KEY or --api-key-file)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
     g.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
                    help="auto (by model family) | hermes | llama3_json")
     g.add_argument("--no-guided-auto-tools", action="store_true",
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_serve_args(argparse.ArgumentParser(prog="hearth serve", description=__doc__))
     args = parser.parse_args(argv)
     try:
+        _cli().read_secrets(args)
         return serve_main(args, _cli().engine_config(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"hearth serve: error: {exc}", file=sys.stderr)
