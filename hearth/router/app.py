@@ -55,12 +55,12 @@ class Router:
         self.pool = EndpointPool(list(config.prefill), list(config.decode), list(config.workers))
         self.metrics = RouterMetrics()
         self.cpu = CpuPool(config.cpu_threads)
-        self.prompts = PromptTokens(tokenizer, self.cpu)
+        self.model = ModelInfo()
+        self.prompts = PromptTokens(tokenizer, self.cpu, self.model)
         # Fresh connections per hop: a worker that died never leaves a stale pooled socket.
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0,
                                                             max_connections=None))
         self.sessions = SessionTable(config.session_capacity)
-        self.model = ModelInfo()
         self.health = HealthChecker(self.pool, self.client, config.health,
                                     config.worker_api_key, self.model)
         self.orchestrator = Orchestrator(config, self.pool, self.sessions, self.metrics, self.client,

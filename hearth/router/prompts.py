@@ -13,24 +13,37 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
+from hearth.router.health import ModelInfo
 from hearth.server.chat import render_chat_prompt
-from hearth.server.edge import CpuPool
+from hearth.server.edge import CpuPool, longest_token_chars
 from hearth.server.protocol import ChatCompletionRequest, CompletionRequest, bad_request
 
 AskWorker = Callable[[dict], Awaitable[dict]]  # POST /tokenize to some healthy worker
 
 
 class PromptTokens:
-    def __init__(self, tokenizer: Any | None, cpu: CpuPool) -> None:
+    def __init__(self, tokenizer: Any | None, cpu: CpuPool, model: ModelInfo) -> None:
         self.tokenizer = tokenizer  # hearth.engine.tokenizer.Tokenizer, or None
         self.cpu = cpu
+        self.model = model  # max_model_len, once a worker has reported it
+        self._max_token_chars: int | None = None
 
-    def _render_and_encode(self, request: ChatCompletionRequest, tools: list | None) -> list[int]:
+    def _encode(self, text: str) -> list[int] | None:
+        """(on the CPU pool) The ids, or None for a text too long to fit the context: the
+        worker refuses it without tokenizing, so neither process spends time or memory on it."""
+        if self._max_token_chars is None:
+            self._max_token_chars = longest_token_chars(self.tokenizer)
+        limit = self.model.max_model_len
+        if limit is not None and len(text) > 2 * self._max_token_chars * limit:
+            return None
+        return self.tokenizer.encode(text)
+
+    def _render_and_encode(self, request: ChatCompletionRequest, tools: list | None) -> list[int] | None:
         prompt = render_chat_prompt(self.tokenizer, request.messages, tools,
                                     request.add_generation_prompt, request.chat_template_kwargs)
-        return self.tokenizer.encode(prompt)
+        return self._encode(prompt)
 
-    async def chat(self, request: ChatCompletionRequest, raw: dict, ask: AskWorker) -> list[int]:
+    async def chat(self, request: ChatCompletionRequest, raw: dict, ask: AskWorker) -> list[int] | None:
         tools = request.tools if request.tool_choice != "none" else None
         if self.tokenizer is not None:
             return await self.cpu.run(self._render_and_encode, request, tools or None)
@@ -44,7 +57,7 @@ class PromptTokens:
         prompt = request.prompt
         if isinstance(prompt, str):
             if self.tokenizer is not None:
-                return await self.cpu.run(self.tokenizer.encode, prompt)
+                return await self.cpu.run(self._encode, prompt)
             return list((await ask({"prompt": prompt}))["tokens"])
         if prompt and all(isinstance(t, int) for t in prompt):
             self._check_vocabulary(prompt)

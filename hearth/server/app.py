@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.config import EngineConfig
 from hearth.server.chat import render_chat_prompt
-from hearth.server.edge import CpuPool, bearer_matches, read_json
+from hearth.server.edge import CpuPool, bearer_matches, longest_token_chars, read_json
 from hearth.server.engine_client import EngineClient, EngineDeadError
 from hearth.server.errors import install_error_handlers
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -67,12 +67,6 @@ def resolve_tool_parser(name: str, tokenizer: Any) -> str:
     if name not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser: unknown {name!r}; one of auto, {', '.join(TOOL_PARSERS)}")
     return name
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """Characters of the vocabulary's longest token (its surface form, an upper bound on the
-    text one token covers)."""
-    return max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size)) or 1
 
 
 class Worker:

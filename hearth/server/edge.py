@@ -120,6 +120,13 @@ async def read_json(request: Request, limit: int, pool: CpuPool) -> Any:
     return await pool.run(decode_json, body)
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token (its surface form, an upper bound on the
+    text one token covers): a text longer than 2 x this x the context cannot fit, whatever its
+    tokens (x2 leaves room for normalisation), so it is refused before it is tokenized."""
+    return max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size)) or 1
+
+
 def bearer_matches(authorization: str, key: str) -> bool:
     """Whether an Authorization header carries `Bearer <key>`, compared in constant time over
     bytes (the header as sent, latin-1 per HTTP; the key as UTF-8), so any header is a 401 or
