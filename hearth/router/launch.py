@@ -24,7 +24,8 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
     g.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
                         "$HEARTH_API_KEY or --api-key-file)")
-    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file")
     g.add_argument("--policy", default=policy.name, choices=POLICIES,
                    help="cost: token- and cache-aware (default); round_robin: the cache-blind baseline")
     if with_block_size:

@@ -87,7 +87,9 @@ class Supervisor:
                 self._spawn(worker)
 
     def watch(self, on_give_up: Callable[[], None]) -> None:
-        """Supervise from a background thread from now on."""
+        """Supervise from a background thread from now on. Restarted workers are that thread's
+        children, and PR_SET_PDEATHSIG fires when the forking *thread* ends: it ends only at
+        `stop()` or after giving up, when every worker is being stopped anyway."""
         self._on_give_up = on_give_up
         threading.Thread(target=self._watch, name="hearth-supervisor", daemon=True).start()
 

@@ -32,7 +32,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
                         "$HEARTH_API_KEY or --api-key-file)")
-    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file")
     g.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
                    help="auto (by model family) | hermes | llama3_json")
     g.add_argument("--no-guided-auto-tools", action="store_true",

@@ -76,8 +76,8 @@ def test_slow_load_polls_keep_the_worker_in_and_requests_flowing(stack):
 
     httpx.post(proxy + "/_proxy/slow", params={"seconds": LOAD_DELAY}, timeout=5)
     # More slow polls than the router ever tolerated before (3), each past --health-timeout.
-    wait_for(lambda: httpx.get(proxy + "/_proxy/stats", timeout=5).json()["num_slow_load_polls"] >= 5,
-             "five slow /load polls", router.log_path)
+    stats = lambda: httpx.get(proxy + "/_proxy/stats", timeout=5).json()  # noqa: E731
+    wait_for(lambda: stats()["num_slow_load_polls"] >= 5, "five slow /load polls", router.log_path)
 
     chunks = [first, *stream]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

@@ -65,7 +65,7 @@ class Stack:
 
 
 def wait_for(condition, what: str, stack: Stack, timeout: float = DEADLINE):
-    """Poll `condition()` until it returns something truthy; fail with the log tail at the deadline."""
+    """Poll `condition()` until it returns something truthy; at the deadline fail with the log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -78,7 +78,8 @@ def wait_for(condition, what: str, stack: Stack, timeout: float = DEADLINE):
     pytest.fail(f"{what}: not seen after {timeout:.0f}s\n{stack.log_path.read_text()[-4000:]}")
 
 
-def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None, wait: bool = True) -> Stack:
+def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None,
+             wait: bool = True) -> Stack:
     port = free_port()
     log_path = tmp / f"up-{port}.log"
     cmd = [sys.executable, "-m", "hearth.cli", "up", "--model", model, "--port", str(port),
@@ -122,7 +123,7 @@ def environ(pid: int) -> dict[str, str]:
 
 def worker_pids(stack: Stack, role: str | None = None) -> list[int]:
     """The stack's worker (HTTP) processes: all, or those of a prefill/decode role."""
-    pids = [pid for pid in process_tree(stack.process.pid) if "hearth.server.launch" in cmdline(pid)]
+    pids = [p for p in process_tree(stack.process.pid) if "hearth.server.launch" in cmdline(p)]
     return [pid for pid in pids if role is None or f"--role {role} " in cmdline(pid)]
 
 
