@@ -173,3 +173,24 @@ def test_structural_tag_tool_call(compiler, tokenizer):
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
     call = json.loads(text[len("<tool_call>\n") : -len("\n</tool_call>")])
     assert call["name"] == "get_weather" and isinstance(call["arguments"]["days"], int)
+
+
+def test_pool_caches_by_canonical_json_keeping_key_order(compiler):
+    from hearth.config import GuidedConfig
+    from hearth.engine.grammar_pool import GrammarPool
+
+    pool = GrammarPool(compiler, GuidedConfig(num_compile_threads=1))
+    try:
+        first = pool.submit(GuidedSpec("json_schema", json.dumps(SCHEMA)))
+        first.entry.future.result()  # the compile ends
+        spaced = pool.submit(GuidedSpec("json_schema", json.dumps(SCHEMA, indent=4)))
+        assert spaced.entry is first.entry and spaced.is_compiled()
+        reordered = dict(reversed(list(SCHEMA.items())))  # same keys: a different grammar
+        other = pool.submit(GuidedSpec("json_schema", json.dumps(reordered)))
+        assert other.entry is not first.entry
+        assert pool.counters["hits"] == 1 and pool.counters["misses"] == 2
+        for ticket in (first, spaced):
+            assert pool.matcher(ticket).accept_text('{"city": "Oslo", "days": 2, "unit": "celsius"}')
+        pool.release(other)
+    finally:
+        pool.close()
