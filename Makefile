@@ -4,12 +4,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hearth-setup-stamp
+KERNELS := hearth/ops/_build/probe.json
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: setup serve test test-unit bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +25,11 @@ $(STAMP): pyproject.toml Makefile
 	  echo "warning: could not install Mooncake's system libraries"
 	$(BIN)/pip install --quiet -e '.[mooncake]' || echo "warning: Mooncake not installed"
 	touch $(STAMP)
+
+# hearth's CPU kernels (AVX-512 and AVX2 builds, each probed in a child process); without them
+# hearth runs the plain-torch paths.
+$(KERNELS): $(STAMP) hearth/ops/csrc/cpu_kernels.cpp hearth/ops/build_kernels.py
+	$(BIN)/python -m hearth.ops.build_kernels || echo "warning: CPU kernels not built; plain torch paths"
 
 serve: setup
 	$(BIN)/hearth up --prefill 1 --decode 1 --host $(HOST) --port $(PORT)

@@ -29,6 +29,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint folder, .gguf file, or built-in name (default: %(default)s)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "q8_0"],
+                   help="decode-path weights: gguf = the file's own blocks (Q4_0/Q4_1/Q8_0), "
+                        "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
+                        "kernels run here (docs/formats.md)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache storage (auto: the model dtype)")
+    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512", "avx2", "off"],
+                   help="hearth's compiled CPU kernels (built by make setup)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
@@ -68,8 +77,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                          served_model_name=a.served_model_name, seed=a.seed),
+                          served_model_name=a.served_model_name, seed=a.seed,
+                          quantization=a.quantization, cpu_kernels=a.cpu_kernels),
         cache=CacheConfig(block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                          kv_cache_dtype=a.kv_cache_dtype,
                           num_blocks=a.num_kv_blocks,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,

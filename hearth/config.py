@@ -17,6 +17,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 class ModelConfig:
     model: str = DEFAULT_MODEL  # HF folder, GGUF file, or a built-in name
     dtype: str = "float32"  # float32 (exact reference) | bfloat16 | float16
+    # Decode-path weights (hearth/models/quant.py): none | gguf (the file's own blocks) | q8_0 |
+    # auto (gguf for a GGUF file when the CPU kernels run here, else none).
+    quantization: str = "none"
+    cpu_kernels: str = "auto"  # auto (best build that runs here) | avx512 | avx2 | off
     max_model_len: int | None = None  # None: the model's own context length
     served_model_name: str | None = None
     tokenizer: str | None = None  # override: folder with tokenizer.json
@@ -29,6 +33,7 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0  # memory budget for the KV pool
     num_blocks: int | None = None  # explicit override of the budget (tests)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
 
 
 @dataclass(frozen=True)

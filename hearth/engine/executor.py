@@ -11,16 +11,22 @@ processes (`hearth.engine.parallel.executor.ParallelExecutor`). Only the ModelRu
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hearth.config import CacheConfig, EngineConfig, ParallelConfig
 from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank
 from hearth.engine.runner import DTYPES, ModelRunner
 from hearth.models.arch import ModelArch
+from hearth.models.quant import QUANTIZATIONS, quantize_model
 from hearth.models.weights import build_model
+from hearth.ops.cpu_kernels import load_cpu_kernels
 from hearth.ops.distributed import RankFailedError
 
-__all__ = ["RankFailedError", "make_executor", "num_kv_blocks"]
+__all__ = ["RankFailedError", "make_executor", "num_kv_blocks", "resolve_formats"]
+
+log = logging.getLogger("hearth.engine")
 
 
 def num_kv_blocks(cache: CacheConfig, arch: ModelArch, parallel: ParallelConfig,
@@ -35,16 +41,53 @@ def num_kv_blocks(cache: CacheConfig, arch: ModelArch, parallel: ParallelConfig,
     return max(4, int(cache.kv_cache_memory_gb * 2**30) // per_block)
 
 
-def make_executor(config: EngineConfig, checkpoint):
-    mc, pc = config.model, config.parallel
+def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torch.dtype, str, object]:
+    """(model dtype, KV cache dtype, quantization, CpuKernels or None) with every 'auto' decided
+    for this machine and checkpoint."""
+    mc, cc, pc = config.model, config.cache, config.parallel
     if mc.dtype not in DTYPES:
         raise ValueError(f"dtype: unsupported {mc.dtype!r}; choose from {', '.join(DTYPES)}")
     dtype = DTYPES[mc.dtype]
+    if cc.kv_cache_dtype != "auto" and cc.kv_cache_dtype not in DTYPES:
+        raise ValueError(f"kv_cache_dtype: unsupported {cc.kv_cache_dtype!r}; "
+                         f"choose from auto, {', '.join(DTYPES)}")
+    kv_dtype = dtype if cc.kv_cache_dtype == "auto" else DTYPES[cc.kv_cache_dtype]
+    kernels = None
+    if (mc.cpu_kernels != "off" and pc.device == "cpu" and dtype == torch.float32
+            and pc.world_size == 1):  # rank processes do not load the kernels yet
+        kernels = load_cpu_kernels(mc.cpu_kernels)
+    quantization = mc.quantization
+    if quantization == "auto":
+        quantization = ("gguf" if kernels is not None and hasattr(checkpoint, "raw_blocks")
+                        else "none")
+    elif quantization not in ("none", *QUANTIZATIONS):
+        raise ValueError(f"quantization: unsupported {quantization!r}; "
+                         f"choose from auto, {', '.join(QUANTIZATIONS)}")
+    if quantization != "none" and kernels is None:
+        raise ValueError(f"quantization {quantization!r} needs hearth's CPU kernels in float32 "
+                         f"on the CPU (device={pc.device}, dtype={mc.dtype}, kernels "
+                         f"{'off' if mc.cpu_kernels == 'off' else 'not built: run make setup'})")
+    return dtype, kv_dtype, quantization, kernels
+
+
+def make_executor(config: EngineConfig, checkpoint):
+    mc, pc = config.model, config.parallel
+    dtype, kv_dtype, quantization, kernels = resolve_formats(config, checkpoint)
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size)
-    num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, dtype)
+    num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, kv_dtype)
     if pc.world_size == 1:
         model = build_model(checkpoint, dtype, pc.device)
-        return ModelRunner(model, num_blocks, config.cache.block_size, dtype, pc.device, mc.seed)
+        if kernels is not None:
+            model.use_kernels(kernels)
+            quantize_model(model, checkpoint, quantization, kernels)
+        log.info("formats: weights %s (decode: %s), KV cache %s, CPU kernels %s", mc.dtype,
+                 quantization, str(kv_dtype).removeprefix("torch."),
+                 kernels.variant if kernels else "off")
+        return ModelRunner(model, num_blocks, config.cache.block_size, kv_dtype, pc.device,
+                           mc.seed)
+    if quantization != "none" or kv_dtype != dtype:
+        raise ValueError("quantization and a KV cache dtype other than the model's are not yet "
+                         "supported with tensor/pipeline parallelism")
     from hearth.engine.parallel.executor import ParallelExecutor
 
     return ParallelExecutor(config, checkpoint, num_blocks)

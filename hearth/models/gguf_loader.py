@@ -123,6 +123,21 @@ class GGUFCheckpoint(Checkpoint):
             tensor = unpermute_qk(tensor, num_heads)
         return take_shard(tensor, shard, name)
 
+    def raw_blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
+        """(ggml type, `[rows, row_bytes]` uint8) of a 2-D tensor as stored, rows in HF order
+        (Q/K rows un-permuted: whole rows of blocks move, so no value changes), or None when the
+        tensor is not stored in a block format the CPU kernels read (see hearth.ops.cpu_kernels)."""
+        from hearth.ops.cpu_kernels import QTYPES
+
+        info = self.file.tensors.get(self._hf_to_gguf.get(name, ""))
+        if info is None or len(info.shape) != 2 or info.ggml_type not in QTYPES:
+            return None
+        rows = self.file.raw(info.name).view(info.shape[0], -1)
+        num_heads = self._permuted_heads(name)
+        if num_heads is not None:
+            rows = unpermute_qk(rows, num_heads)
+        return info.ggml_type, rows.contiguous()
+
     def _permuted_heads(self, name: str) -> int | None:
         """Number of heads whose rows the converter permuted in this tensor (None: not permuted)."""
         if not self._permuted_qk:

@@ -18,20 +18,55 @@ from torch import nn
 from hearth.ops.parallel import ParallelGroup
 
 
+# A step with at most this many rows multiplies through the quantized weights (decode: bound by
+# reading weights); more rows (prefill chunks) go through the float GEMM (bound by FLOPs).
+QLINEAR_MAX_ROWS = 16
+
+
+class QuantizedWeight:
+    """Mixin for linear layers: an optional ggml-block copy of `weight` for few-row steps."""
+
+    qweight: torch.Tensor | None = None
+    qtype: int = 0
+    kernels = None
+
+    def set_quantized(self, qtype: int, qweight: torch.Tensor, kernels) -> None:
+        self.qtype, self.qweight, self.kernels = qtype, qweight, kernels
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (self.qweight is not None and x.shape[0] <= QLINEAR_MAX_ROWS
+                and x.dtype == torch.float32):
+            out = self.kernels.qlinear(x, self.qweight, self.qtype, self.weight.shape[0],
+                                       self.weight.shape[1])
+            return out if bias is None else out + bias
+        return F.linear(x, self.weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.kernels = None  # CpuKernels: one fused pass instead of six torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self.kernels.ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the fused kernel updates `residual` in place."""
+        if (self.kernels is not None and x.dtype == torch.float32 and residual.is_contiguous()
+                and x.device.type == "cpu"):
+            return self.kernels.ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
-class ColumnParallelLinear(nn.Module):
+
+class ColumnParallelLinear(QuantizedWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup):
         super().__init__()
         assert out_features % group.size == 0, (out_features, group.size)
@@ -42,10 +77,10 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizedWeight, nn.Module):
     def __init__(self, in_features: int, out_features: int, group: ParallelGroup):
         super().__init__()
         assert in_features % group.size == 0, (in_features, group.size)
@@ -54,7 +89,7 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(self.matmul(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -75,7 +110,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.group.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(QuantizedWeight, nn.Module):
     """Vocab-parallel output projection; `forward` returns full-vocab logits on every rank."""
 
     def __init__(self, vocab_size: int, dim: int, group: ParallelGroup):
@@ -86,7 +121,7 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         return self.group.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 

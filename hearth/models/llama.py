@@ -41,6 +41,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
+        self.kernels = None  # CpuKernels, set by `use_kernels`
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -48,10 +49,18 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.kernels is not None and self.q_norm is None and qkv.is_contiguous():
+            # One pass: RoPE on q and k in place, then k and v into their cache slots.
+            self.kernels.ops.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin,
+                                           kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                           self.num_heads, self.num_kv_heads, self.head_dim)
+            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                self.kernels, kv_written=True)
+            return self.o_proj(o.reshape(-1, self.q_size))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -62,9 +71,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * arch.intermediate_size,
                                                  False, tp)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
+        self.kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dtype == torch.float32:
+            return self.down_proj(self.kernels.ops.silu_mul(gate_up))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -78,10 +91,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, meta, kv_cache):
         # The residual stream is carried separately so a pipeline stage can hand both on.
-        residual = x if residual is None else residual + x
-        h = self.self_attn(self.input_layernorm(residual), positions, meta, kv_cache)
-        residual = residual + h
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(normed, positions, meta, kv_cache)
+        normed, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,8 +128,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, positions, meta, kv_cache)
         if self.is_last:
-            return self.norm(hidden + residual), None
+            return self.norm.add_forward(hidden, residual)[0], None
         return hidden, residual
+
+    def use_kernels(self, kernels) -> None:
+        """Route norms, RoPE + cache writes, SiLU-mul and decode attention through `kernels`."""
+        for module in self.modules():
+            if hasattr(module, "kernels") and not hasattr(module, "set_quantized"):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -36,6 +36,8 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
     num_tokens: int = 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32 (the CPU kernel's input)
+    decode_block_table_i32: torch.Tensor | None = None  # decode_block_table as int32
 
     @property
     def num_decodes(self) -> int:
@@ -84,6 +86,8 @@ def build_attention_metadata(
         decode_block_table=table.to(device),
         decode_mask=mask[:, None, None, :].to(device),
         num_tokens=start,
+        decode_context_lens=ctx.to(torch.int32).to(device),
+        decode_block_table_i32=table.to(torch.int32).to(device),
     )
 
 
@@ -103,9 +107,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernels=None,  # CpuKernels: decodes attend over the cache in place (no gather)
+    kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
+    The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read."""
+    if not kv_written:
+        write_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+    if (kernels is not None and meta.num_decodes == meta.num_tokens and q.device.type == "cpu"
+            and q.dtype == torch.float32):
+        # Only decodes in this step: the kernel's output is the whole result.
+        return kernels.ops.decode_attention(q, k_cache, v_cache, meta.decode_block_table_i32,
+                                            meta.decode_context_lens, scale, kernels.decode_split)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
@@ -115,8 +128,8 @@ def paged_attention(
             ki, vi = k[start : start + q_len], v[start : start + q_len]
             mask, causal = None, True
         else:
-            ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len]
-            vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len]
+            ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
+            vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
             offset = ctx_len - q_len
             rows = torch.arange(q_len, device=q.device)[:, None] + offset
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
@@ -128,11 +141,15 @@ def paged_attention(
             is_causal=causal, scale=scale, enable_gqa=True,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
-    if meta.num_decodes:
+    if meta.num_decodes and kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+        out[meta.decode_token_index] = kernels.ops.decode_attention(
+            q[meta.decode_token_index], k_cache, v_cache, meta.decode_block_table_i32,
+            meta.decode_context_lens, scale, kernels.decode_split)
+    elif meta.num_decodes:
         num_decodes = meta.num_decodes
         qd = q[meta.decode_token_index].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
-        vd = v_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim)
+        kd = k_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim).to(q.dtype)
+        vd = v_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim).to(q.dtype)
         o = F.scaled_dot_product_attention(
             qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
             scale=scale, enable_gqa=True,

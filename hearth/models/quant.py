@@ -1,0 +1,96 @@
+"""Weight formats for the decode path: give each linear layer a copy of its weight in a ggml block
+format that hearth's CPU kernels read directly (`qlinear`).
+
+    none   float weights only (the exact reference)
+    gguf   the GGUF file's own blocks where the kernels read that format (Q8_0, Q4_0, Q4_1):
+           the same numbers the float reference dequantizes, at 4.5-8.5 bits per weight;
+           other tensors (K-quants, float files) are requantized to Q8_0
+    q8_0   every linear requantized to Q8_0 (32-element blocks, one fp16 scale): any checkpoint
+
+The float weights stay: a layer multiplies through `qlinear` when a step has few rows (decode,
+weight-bandwidth bound) and through the float GEMM when it has many (prefill, compute bound).
+Invariant: a layer's `qweight`, dequantized, equals (gguf) or approximates to 8 bits (q8_0) its
+float `weight`, row for row, including merged QKV / gate-up rows and TP shards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES
+
+log = logging.getLogger("hearth.models")
+
+QUANTIZATIONS = ("none", "gguf", "q8_0")
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> [N, K/32 * 34] uint8 ggml Q8_0 blocks (d = max|w| / 127, q = round(w / d))."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127.0).half()
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d.float()))
+    q = (blocks * inv).round().clamp(-127, 127).to(torch.int8)
+    packed = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2), q.view(torch.uint8)], -1)
+    return packed.reshape(n, -1).contiguous()
+
+
+def _merged_raw(checkpoint, names: list[str]) -> tuple[int, torch.Tensor] | None:
+    """Rows of several stored tensors stacked (QKV, gate/up), if all share one kernel format."""
+    raw_blocks = getattr(checkpoint, "raw_blocks", None)
+    if raw_blocks is None:
+        return None
+    parts = [raw_blocks(n) for n in names]
+    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        return None
+    return parts[0][0], torch.cat([p[1] for p in parts])
+
+
+def _linear_sources(model) -> list[tuple[torch.nn.Module, list[str]]]:
+    """Each linear module of the model with the HF tensors its rows come from, in row order."""
+    out = []
+    for local, layer in enumerate(model.layers):
+        p = f"model.layers.{model.layer_start + local}."
+        out.append((layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]))
+        out.append((layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"]))
+        out.append((layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+        out.append((layer.mlp.down_proj, [p + "mlp.down_proj.weight"]))
+    if model.lm_head is not None:
+        out.append((model.lm_head, []))  # its source depends on tied embeddings: see below
+    return out
+
+
+def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
+    """Attach `qweight`/`qtype` to every linear layer that can take one; returns a count of
+    layers per format (for the log and the tests)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: unsupported {quantization!r}; "
+                         f"choose from {', '.join(QUANTIZATIONS)} (or auto)")
+    counts: dict[str, int] = {}
+    if quantization == "none":
+        return counts
+    names = set(checkpoint.tensor_names())
+    single_rank = model.tp.size == 1
+    for module, sources in _linear_sources(model):
+        weight = module.weight.data
+        if weight.shape[1] % 32:
+            counts["none"] = counts.get("none", 0) + 1
+            continue
+        packed = None
+        if quantization == "gguf" and single_rank:
+            if module is model.lm_head:
+                head = ("lm_head.weight" if "lm_head.weight" in names
+                        and not model.arch.tie_word_embeddings else "model.embed_tokens.weight")
+                sources = [head]
+            packed = _merged_raw(checkpoint, sources)
+            if packed is not None and packed[1].shape[0] != weight.shape[0]:
+                packed = None  # e.g. a vocabulary padded for TP
+        if packed is None:
+            packed = (QTYPE_IDS["q8_0"], quantize_q8_0(weight))
+        module.set_quantized(packed[0], packed[1], kernels)
+        name = QTYPES[packed[0]][1]
+        counts[name] = counts.get(name, 0) + 1
+    log.info("decode weights: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
+    return counts

@@ -1,0 +1,111 @@
+"""Build hearth's CPU kernels (hearth/ops/csrc/cpu_kernels.cpp) for this machine.
+
+    python -m hearth.ops.build_kernels     (run by `make setup`; idempotent)
+
+The source is compiled twice, for AVX-512 and for AVX2, into `hearth/ops/_build/` under names that
+carry a hash of the source and the torch version, so a stale build is never loaded. Each build is
+then run once in a child process on a small self-check (its results against plain torch): a CPU
+that lists an instruction set it cannot execute kills only the child, and that build is marked
+unusable in `probe.json`. `hearth.ops.cpu_kernels` loads the best usable build at run time and
+falls back to plain torch when there is none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+BUILD_DIR = Path(__file__).parent / "_build"
+VARIANTS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+PROBE_FILE = BUILD_DIR / "probe.json"
+
+
+def build_key() -> str:
+    import torch
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:12]
+
+
+def library_path(variant: str) -> Path:
+    return BUILD_DIR / f"hearth_cpu_{variant}_{build_key()}.so"
+
+
+def compile_variant(variant: str) -> Path:
+    import torch
+    from torch.utils import cpp_extension
+
+    out = library_path(variant)
+    if out.exists():
+        return out
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    torch_lib = Path(torch.__file__).parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd = ["g++", "-O3", "-std=c++20", "-w", "-shared", "-fPIC", "-fopenmp", "-DNDEBUG",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *VARIANTS[variant], *includes, f"-I{sysconfig.get_paths()['include']}",
+           str(SOURCE), "-o", str(out) + ".tmp",
+           f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+    subprocess.run(cmd, check=True)
+    Path(str(out) + ".tmp").rename(out)
+    return out
+
+
+SELF_CHECK = r"""
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+h = torch.ops.hearth
+assert h.isa() == int(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+x = torch.randn(5, 64, generator=g)
+w = torch.randn(8, 64, generator=g)
+d = w.reshape(8, 2, 32).abs().amax(-1, keepdim=True) / 127
+d = d.half().float()
+q = (w.reshape(8, 2, 32) / d).round().clamp(-127, 127).to(torch.int8)
+blocks = torch.cat([d.half().view(torch.uint8).reshape(8, 2, 2), q.view(torch.uint8)], -1)
+qw = blocks.reshape(8, 68).contiguous()
+ref = x @ (q.float() * d.half().float()).reshape(8, 64).T
+assert torch.allclose(h.qlinear(x, qw, 8, 8, 64), ref, atol=1e-4), "qlinear"
+r = torch.randn(5, 64, generator=g)
+n = h.add_rms_norm(x, r.clone(), torch.ones(64), 1e-5)
+ref_n = (r + x) * torch.rsqrt((r + x).pow(2).mean(-1, keepdim=True) + 1e-5)
+assert torch.allclose(n, ref_n, atol=1e-5), "add_rms_norm"
+print("ok")
+"""
+
+
+def probe(variant: str, path: Path) -> bool:
+    isa = "512" if variant == "avx512" else "256"
+    proc = subprocess.run([sys.executable, "-c", SELF_CHECK, str(path), isa],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode == 0 and proc.stdout.strip() == "ok"
+
+
+def main() -> int:
+    results = {}
+    for variant in VARIANTS:
+        try:
+            path = compile_variant(variant)
+        except (subprocess.CalledProcessError, OSError) as e:
+            print(f"hearth kernels: {variant} build failed: {e}", file=sys.stderr)
+            results[variant] = {"usable": False, "path": None}
+            continue
+        ok = probe(variant, path)
+        results[variant] = {"usable": ok, "path": path.name}
+        print(f"hearth kernels: {variant}: {'usable' if ok else 'NOT usable on this CPU'}")
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    PROBE_FILE.write_text(json.dumps({"key": build_key(), "variants": results}, indent=1))
+    return 0 if any(v["usable"] for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""hearth's compiled CPU kernels, and the handle the model calls them through.
+
+`load_cpu_kernels()` returns a `CpuKernels` for the best build that passed its probe on this
+machine (see hearth/ops/build_kernels.py), or None when none is built or usable: callers then
+take the plain-torch path, which computes the same math. Nothing is loaded at import time; the
+handle is made once in the executor and handed to the model (no global "current backend").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hearth.ops import build_kernels
+
+log = logging.getLogger("hearth.ops")
+
+# ggml block formats the kernels read directly: type id -> (bytes per 32-element block, name)
+QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0")}
+QTYPE_IDS = {name: qtype for qtype, (_, name) in QTYPES.items()}
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The ops of one loaded build (`torch.ops.hearth.*`) and which instruction set it uses."""
+
+    variant: str  # avx512 | avx2
+    decode_split: int = 512  # context tokens per decode-attention work item
+
+    @property
+    def ops(self):
+        return torch.ops.hearth
+
+    def qlinear(self, x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
+                in_features: int) -> torch.Tensor:
+        return torch.ops.hearth.qlinear(x, qweight, qtype, out_features, in_features)
+
+
+def available_variants() -> list[str]:
+    """Usable builds on this machine, best first (empty when none is built)."""
+    try:
+        probe = json.loads(build_kernels.PROBE_FILE.read_text())
+    except (OSError, ValueError):
+        return []
+    if probe.get("key") != build_kernels.build_key():
+        return []
+    return [v for v in build_kernels.VARIANTS
+            if probe["variants"].get(v, {}).get("usable")
+            and build_kernels.library_path(v).exists()]
+
+
+def load_cpu_kernels(variant: str = "auto") -> CpuKernels | None:
+    """Load one build ('auto': the best usable one). Returns None when there is none."""
+    variants = available_variants()
+    if variant != "auto":
+        if variant not in variants:
+            raise ValueError(f"CPU kernels {variant!r} are not built or not usable here "
+                             f"(usable: {', '.join(variants) or 'none'}; run `make setup`)")
+        variants = [variant]
+    if not variants:
+        return None
+    chosen = variants[0]
+    if not hasattr(torch.ops.hearth, "qlinear"):
+        torch.ops.load_library(str(build_kernels.library_path(chosen)))
+    loaded = "avx512" if torch.ops.hearth.isa() == 512 else "avx2"
+    return CpuKernels(loaded)

@@ -1,0 +1,166 @@
+"""hearth's compiled CPU kernels against the plain-torch math they replace, every build usable here.
+
+The kernels are built by `make setup` (hearth/ops/build_kernels.py). A build the CPU cannot run is
+marked unusable by its probe and skipped here; on CI's machines at least one build must load, so
+`test_some_build_is_usable` fails rather than skipping everything silently.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hearth.models.dequant import dequantize
+from hearth.models.layers import RotaryEmbedding
+from hearth.models.quant import quantize_q8_0
+from hearth.ops.attention import build_attention_metadata, paged_attention, write_kv
+from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels
+
+VARIANTS = available_variants()
+
+
+def test_some_build_is_usable():
+    if os.environ.get("HEARTH_ALLOW_NO_KERNELS"):
+        pytest.skip("HEARTH_ALLOW_NO_KERNELS set")
+    assert VARIANTS, "no CPU kernel build is usable: run `make setup` (hearth/ops/build_kernels.py)"
+
+
+# One build per process (torch.ops holds one library named `hearth`): this process tests the
+# best build; `test_other_builds_in_a_child_process` runs this file again for each other one.
+TESTED = os.environ.get("HEARTH_TEST_KERNEL_VARIANT") or (VARIANTS[0] if VARIANTS else None)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if TESTED is None:
+        pytest.skip("no CPU kernel build is usable here")
+    k = load_cpu_kernels(TESTED)
+    assert k.variant == TESTED
+    return k
+
+
+@pytest.mark.parametrize("variant", VARIANTS[1:])
+def test_other_builds_in_a_child_process(variant):
+    if os.environ.get("HEARTH_TEST_KERNEL_VARIANT"):
+        pytest.skip("already in a child")
+    env = {**os.environ, "HEARTH_TEST_KERNEL_VARIANT": variant}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def make_q4_blocks(n: int, k: int, with_min: bool, gen) -> torch.Tensor:
+    """Random ggml Q4_0/Q4_1 blocks: [n, k/32 * (18|20)] uint8."""
+    nb = k // 32
+    d = (torch.rand(n, nb, 1, generator=gen) * 0.1 + 0.01).half()
+    parts = [d.view(torch.uint8).reshape(n, nb, 2)]
+    if with_min:
+        m = (torch.randn(n, nb, 1, generator=gen) * 0.05).half()
+        parts.append(m.view(torch.uint8).reshape(n, nb, 2))
+    parts.append(torch.randint(0, 256, (n, nb, 16), generator=gen, dtype=torch.uint8))
+    return torch.cat(parts, -1).reshape(n, -1).contiguous()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_qlinear_equals_dequantized_matmul(kernels, fmt, rows):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 70, 96  # n not a multiple of the 4-row tile
+    if fmt == "q8_0":
+        blocks = quantize_q8_0(torch.randn(n, k, generator=gen))
+    else:
+        blocks = make_q4_blocks(n, k, fmt == "q4_1", gen)
+    qtype = QTYPE_IDS[fmt]
+    weight = dequantize(blocks.reshape(-1), qtype, (n, k))
+    x = torch.randn(rows, k, generator=gen)
+    got = kernels.qlinear(x, blocks, qtype, n, k)
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_qlinear_rejects_bad_shapes(kernels):
+    blocks = quantize_q8_0(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="in_features"):
+        kernels.qlinear(torch.randn(2, 64), blocks, QTYPE_IDS["q8_0"], 8, 48)
+    with pytest.raises(RuntimeError, match="ggml layout"):
+        kernels.qlinear(torch.randn(2, 96), blocks, QTYPE_IDS["q8_0"], 8, 96)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        kernels.qlinear(torch.randn(2, 64), blocks, 12, 8, 64)
+
+
+def test_q8_0_quantization_error_is_within_half_a_step():
+    w = torch.randn(16, 64)
+    blocks = quantize_q8_0(w)
+    back = dequantize(blocks.reshape(-1), QTYPE_IDS["q8_0"], (16, 64))
+    step = w.reshape(16, 2, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((back - w).reshape(16, 2, 32).abs() <= step * 0.5 + 1e-3 * step).all()
+
+
+def test_norms_and_silu(kernels):
+    gen = torch.Generator().manual_seed(1)
+    x, r, w = (torch.randn(7, 40, generator=gen) for _ in range(3))
+    w = w[0]
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(kernels.ops.rms_norm(x, w, 1e-6), ref)
+    residual = r.clone()
+    got = kernels.ops.add_rms_norm(x, residual, w, 1e-6)
+    s = r + x
+    torch.testing.assert_close(residual, s)
+    torch.testing.assert_close(got, w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    gu = torch.randn(5, 2 * 24, generator=gen) * 4
+    torch.testing.assert_close(kernels.ops.silu_mul(gu), F.silu(gu[:, :24]) * gu[:, 24:])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_equals_rotary_then_write(kernels, cache_dtype):
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 6
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([0, 5, 9, 3, 40, 63])
+    slots = torch.tensor([7, 0, 12, 3, 31, 20])
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    ref_q, ref_k = rope(positions, q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim))
+    ref_kc = torch.zeros(4, 8, kv_heads, dim, dtype=cache_dtype)
+    ref_vc = torch.zeros_like(ref_kc)
+    write_kv(ref_k.to(cache_dtype), v.reshape(tokens, kv_heads, dim).to(cache_dtype), ref_kc,
+             ref_vc, slots)
+    kc, vc = torch.zeros_like(ref_kc), torch.zeros_like(ref_vc)
+    kernels.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads,
+                              kv_heads, dim)
+    torch.testing.assert_close(qkv[:, : heads * dim].reshape(tokens, heads, dim), ref_q)
+    torch.testing.assert_close(kc, ref_kc)
+    torch.testing.assert_close(vc, ref_vc)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [16, 512])  # many context splits, and one
+def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, split):
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 16, 4, 64
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    # A mixed step: a prefill chunk over a cached prefix, then three decodes of different lengths.
+    query_lens, context_lens = [5, 1, 1, 1], [13, 1, 30, 57]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // block_size)
+        tables.append(perm[used : used + n])
+        used += n
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen)
+    ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.25)
+    fast = type(kernels)(kernels.variant, decode_split=split)
+    got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.25, fast)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    # Decodes only: the kernel's output is returned whole.
+    dmeta = build_attention_metadata([1, 1], [30, 57], tables[2:], block_size)
+    ref = paged_attention(q[:2], k[:2], v[:2], kc.clone(), vc.clone(), dmeta, 0.25)
+    got = paged_attention(q[:2], k[:2], v[:2], kc.clone(), vc.clone(), dmeta, 0.25, fast)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
