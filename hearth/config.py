@@ -19,7 +19,7 @@ class ModelConfig:
     dtype: str = "float32"  # float32 (exact reference) | bfloat16 | float16
     # Decode-path weights (hearth/models/quant.py): none | gguf (the file's own blocks) | q8_0 |
     # auto (gguf for a GGUF file when the CPU kernels run here, else none).
-    quantization: str = "none"
+    quantization: str = "auto"
     cpu_kernels: str = "auto"  # auto (best build that runs here) | avx512 | avx2 | off
     max_model_len: int | None = None  # None: the model's own context length
     served_model_name: str | None = None
@@ -33,7 +33,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0  # memory budget for the KV pool
     num_blocks: int | None = None  # explicit override of the budget (tests)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
+    # auto: bfloat16 where hearth's CPU kernels run (they read it natively), else the model dtype.
+    # The exact float32 reference: quantization="none", kv_cache_dtype="float32".
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
 
 
 @dataclass(frozen=True)

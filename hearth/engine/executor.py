@@ -51,11 +51,16 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     if cc.kv_cache_dtype != "auto" and cc.kv_cache_dtype not in DTYPES:
         raise ValueError(f"kv_cache_dtype: unsupported {cc.kv_cache_dtype!r}; "
                          f"choose from auto, {', '.join(DTYPES)}")
-    kv_dtype = dtype if cc.kv_cache_dtype == "auto" else DTYPES[cc.kv_cache_dtype]
     kernels = None
     if (mc.cpu_kernels != "off" and pc.device == "cpu" and dtype == torch.float32
             and pc.world_size == 1):  # rank processes do not load the kernels yet
         kernels = load_cpu_kernels(mc.cpu_kernels)
+    # auto KV: bfloat16 where the CPU kernels read it (half the bytes per decode step; its
+    # accuracy against float32 is held by tests/model/test_formats.py), else the model dtype.
+    if cc.kv_cache_dtype == "auto":
+        kv_dtype = torch.bfloat16 if kernels is not None else dtype
+    else:
+        kv_dtype = DTYPES[cc.kv_cache_dtype]
     quantization = mc.quantization
     if quantization == "auto":
         quantization = ("gguf" if kernels is not None and hasattr(checkpoint, "raw_blocks")
