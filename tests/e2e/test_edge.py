@@ -5,6 +5,7 @@ loop, a client that leaves a non-streamed request is a quiet 499, and /load hide
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -72,9 +73,13 @@ def test_non_ascii_bearer_token_is_401(server, edge_router):
             assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("prompt", [[2**31], [2**40], [-1], [49152], [[1, 2], [2**31]]])
-def test_prompt_token_ids_outside_the_vocabulary_are_400(server, edge_router, prompt):
-    for target in (server, edge_router):
+FULL_BLOCKS = [1] * 40  # the router hashes full blocks (16 tokens) of the prompt to route it
+
+
+@pytest.mark.parametrize("bad_id", [2**31, 2**40, -1, 49152])
+def test_prompt_token_ids_outside_the_vocabulary_are_400(server, edge_router, bad_id):
+    for target, prompt in itertools.product((server, edge_router),
+                                            ([bad_id, *FULL_BLOCKS], [FULL_BLOCKS, [bad_id, *FULL_BLOCKS]])):
         assert_error(post(target, "/v1/completions", {"model": MODEL, "prompt": prompt,
                                                       "max_tokens": 2}), 400, param="prompt")
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tests.e2e.conftest import MODEL, Server
 
-EXAMPLES = 20
+EXAMPLES = 25
 REQUEST_TIMEOUT = 60  # an answer slower than this is counted as a hang
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -115,7 +115,8 @@ COMPLETION_FIELDS = {
     **SAMPLING,
     "prompt": (TEXT | TOKEN_IDS | st.lists(TEXT, min_size=1, max_size=2)
                | st.lists(TOKEN_IDS, min_size=1, max_size=2),
-               st.lists(st.integers(-2, 2 * VOCAB) | HUGE, max_size=6) | ANY),
+               st.lists(st.integers(-2, 2 * VOCAB) | HUGE, max_size=6)
+               | st.lists(st.integers(0, VOCAB - 1) | HUGE, min_size=16, max_size=20) | ANY),
     "max_tokens": MAX_TOKENS,
     "echo": (st.booleans(), ANY), "logprobs": (st.integers(0, 3), INTS | ANY),
     "suffix": (st.none(), TEXT | ANY), "best_of": (st.none(), INTS | ANY),
