@@ -85,6 +85,8 @@ def make_executor(config: EngineConfig, checkpoint):
         if kernels is not None:
             model.use_kernels(kernels)
             quantize_model(model, checkpoint, quantization, kernels)
+            for layer in model.layers:
+                layer.enable_fused_decode()
         log.info("formats: weights %s (decode: %s), KV cache %s, CPU kernels %s", mc.dtype,
                  quantization, str(kv_dtype).removeprefix("torch."),
                  kernels.variant if kernels else "off")

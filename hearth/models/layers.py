@@ -26,18 +26,16 @@ QLINEAR_MAX_ROWS = 16
 class QuantizedWeight:
     """Mixin for linear layers: an optional ggml-block copy of `weight` for few-row steps."""
 
-    qweight: torch.Tensor | None = None
-    qtype: int = 0
+    qweight = None  # hearth.ops.cpu_kernels.PackedWeight
     kernels = None
 
-    def set_quantized(self, qtype: int, qweight: torch.Tensor, kernels) -> None:
-        self.qtype, self.qweight, self.kernels = qtype, qweight, kernels
+    def set_quantized(self, qweight, kernels) -> None:
+        self.qweight, self.kernels = qweight, kernels
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if (self.qweight is not None and x.shape[0] <= QLINEAR_MAX_ROWS
                 and x.dtype == torch.float32):
-            out = self.kernels.qlinear(x, self.qweight, self.qtype, self.weight.shape[0],
-                                       self.weight.shape[1])
+            out = self.kernels.qlinear(x, self.qweight)
             return out if bias is None else out + bias
         return F.linear(x, self.weight, bias)
 

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from hearth.models.arch import ModelArch
-from hearth.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
-                                  RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from hearth.models.layers import (QLINEAR_MAX_ROWS, ColumnParallelLinear, ParallelLMHead,
+                                  RMSNorm, RotaryEmbedding, RowParallelLinear,
+                                  VocabParallelEmbedding)
 from hearth.ops.attention import AttentionMetadata, paged_attention
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
@@ -89,8 +90,36 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
+    def enable_fused_decode(self) -> bool:
+        """Decode-only steps go through one fused kernel call (`decode_layer`) when every part
+        of this layer is one the kernel does: quantized weights, no biases or q/k norms, one
+        rank. Returns whether it is enabled."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kernels = attn.kernels
+        if (kernels is None or attn.q_norm is not None or attn.qkv_proj.bias is not None
+                or attn.o_proj.group.size > 1 or any(m.qweight is None for m in linears)):
+            self._fused = None
+            return False
+        weights = [t for m in linears for t in (m.qweight.qs, m.qweight.d, m.qweight.m)]
+        self._fused = (kernels.ops.decode_layer, weights, [m.qweight.qtype for m in linears],
+                       kernels.decode_split)
+        return True
+
+    _fused = None
+
     def forward(self, x, residual, positions, meta, kv_cache):
         # The residual stream is carried separately so a pipeline stage can hand both on.
+        if (self._fused is not None and meta.num_decodes == meta.num_tokens
+                and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32):
+            op, weights, types, split = self._fused
+            attn = self.self_attn
+            return op(x, x if residual is None else residual, residual is not None,
+                      self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                      self.input_layernorm.eps, weights, types, attn.rotary.cos, attn.rotary.sin,
+                      positions, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                      meta.decode_block_table_i32, meta.decode_context_lens, attn.num_heads,
+                      attn.num_kv_heads, attn.head_dim, self.mlp.inter, attn.scale, split)
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:

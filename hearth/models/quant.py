@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES
+from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml
 
 log = logging.getLogger("hearth.models")
 
@@ -89,7 +89,7 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
                 packed = None  # e.g. a vocabulary padded for TP
         if packed is None:
             packed = (QTYPE_IDS["q8_0"], quantize_q8_0(weight))
-        module.set_quantized(packed[0], packed[1], kernels)
+        module.set_quantized(pack_ggml(*packed), kernels)
         name = QTYPES[packed[0]][1]
         counts[name] = counts.get(name, 0) + 1
     log.info("decode weights: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))

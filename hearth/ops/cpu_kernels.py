@@ -24,6 +24,36 @@ QTYPE_IDS = {name: qtype for qtype, (_, name) in QTYPES.items()}
 
 
 @dataclass(frozen=True)
+class PackedWeight:
+    """A `[out_features, in_features]` weight in a ggml block format, repacked for `qlinear`:
+    the block bytes with the fp16 scales (and Q4_1 offsets) moved into their own arrays."""
+
+    qtype: int
+    qs: torch.Tensor  # [N, K/2] uint8 nibbles (Q4_0/Q4_1) or [N, K] int8 as uint8 (Q8_0)
+    d: torch.Tensor  # [N, K/32] float16 scales
+    m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1), else empty
+    out_features: int
+    in_features: int
+
+
+def pack_ggml(qtype: int, blocks: torch.Tensor) -> PackedWeight:
+    """`[N, K/32 * block_bytes]` uint8 ggml rows -> PackedWeight (same bytes, rearranged)."""
+    if qtype not in QTYPES:
+        raise ValueError(f"ggml type {qtype} is not one the CPU kernels read ({QTYPES})")
+    bbytes = QTYPES[qtype][0]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, bbytes)
+    nb = b.shape[1]
+    head = 4 if qtype == 3 else 2
+    d = b[:, :, 0:2].contiguous().view(torch.float16).reshape(n, nb)
+    m = (b[:, :, 2:4].contiguous().view(torch.float16).reshape(n, nb) if qtype == 3
+         else torch.empty(0, dtype=torch.float16))
+    qs = b[:, :, head:].reshape(n, -1).contiguous()
+    in_features = nb * 32
+    return PackedWeight(qtype, qs, d, m, n, in_features)
+
+
+@dataclass(frozen=True)
 class CpuKernels:
     """The ops of one loaded build (`torch.ops.hearth.*`) and which instruction set it uses."""
 
@@ -34,9 +64,9 @@ class CpuKernels:
     def ops(self):
         return torch.ops.hearth
 
-    def qlinear(self, x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
-                in_features: int) -> torch.Tensor:
-        return torch.ops.hearth.qlinear(x, qweight, qtype, out_features, in_features)
+    def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
+                                        w.in_features)
 
 
 def available_variants() -> list[str]:

@@ -17,7 +17,7 @@ from hearth.models.dequant import dequantize
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.quant import quantize_q8_0
 from hearth.ops.attention import build_attention_metadata, paged_attention, write_kv
-from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels
+from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels, pack_ggml
 
 VARIANTS = available_variants()
 
@@ -76,18 +76,23 @@ def test_qlinear_equals_dequantized_matmul(kernels, fmt, rows):
     qtype = QTYPE_IDS[fmt]
     weight = dequantize(blocks.reshape(-1), qtype, (n, k))
     x = torch.randn(rows, k, generator=gen)
-    got = kernels.qlinear(x, blocks, qtype, n, k)
+    got = kernels.qlinear(x, pack_ggml(qtype, blocks))
     torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_qlinear_rejects_bad_shapes(kernels):
-    blocks = quantize_q8_0(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="in_features"):
-        kernels.qlinear(torch.randn(2, 64), blocks, QTYPE_IDS["q8_0"], 8, 48)
-    with pytest.raises(RuntimeError, match="ggml layout"):
-        kernels.qlinear(torch.randn(2, 96), blocks, QTYPE_IDS["q8_0"], 8, 96)
+    w = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(torch.randn(8, 64)))
+    op = kernels.ops.qlinear
+    with pytest.raises(RuntimeError, match="last dim"):
+        op(torch.randn(2, 96), w.qs, w.d, w.m, w.qtype, 8, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(torch.randn(2, 48), w.qs, w.d, w.m, w.qtype, 8, 48)
+    with pytest.raises(RuntimeError, match="repacked ggml layout"):
+        op(torch.randn(2, 64), w.qs, w.d, w.m, w.qtype, 4, 64)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        kernels.qlinear(torch.randn(2, 64), blocks, 12, 8, 64)
+        op(torch.randn(2, 64), w.qs, w.d, w.m, 12, 8, 64)
+    with pytest.raises(RuntimeError, match="Q4_1 needs m"):
+        op(torch.randn(2, 64), w.qs[:, :32].contiguous(), w.d, w.m, QTYPE_IDS["q4_1"], 8, 64)
 
 
 def test_q8_0_quantization_error_is_within_half_a_step():
@@ -137,9 +142,13 @@ def test_rope_write_kv_equals_rotary_then_write(kernels, cache_dtype):
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [16, 512])  # many context splits, and one
-def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, split):
+# head_dim 16 takes the generic loops; 64 and 128 the AVX-512 ones (with 9 query heads per KV
+# head: more than the 8 whose outputs stay in registers).
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (18, 2, 128)])
+def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, split, heads,
+                                                        kv_heads, dim):
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 16, 4, 64
+    block_size, num_blocks = 4, 64
     kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     # A mixed step: a prefill chunk over a cached prefix, then three decodes of different lengths.
@@ -163,4 +172,28 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
     dmeta = build_attention_metadata([1, 1], [30, 57], tables[2:], block_size)
     ref = paged_attention(q[:2], k[:2], v[:2], kc.clone(), vc.clone(), dmeta, 0.25)
     got = paged_attention(q[:2], k[:2], v[:2], kc.clone(), vc.clone(), dmeta, 0.25, fast)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    context_lens = [700, 1500, 33]  # over the serial threshold; uneven splits
+    num_blocks = sum(-(-c // block_size) for c in context_lens)
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // block_size)
+        tables.append(perm[used : used + n])
+        used += n
+    meta = build_attention_metadata([1, 1, 1], context_lens, tables, block_size)
+    q = torch.randn(3, heads, dim, generator=gen)
+    k = torch.randn(3, kv_heads, dim, generator=gen)
+    v = torch.randn(3, kv_heads, dim, generator=gen)
+    ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    fast = type(kernels)(kernels.variant, decode_split=256)
+    got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125, fast)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)

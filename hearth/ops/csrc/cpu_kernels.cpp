@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,21 +34,6 @@ namespace {
 constexpr int64_t kQK = 32;  // elements per ggml block
 // ggml type ids
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-  }
-  TORCH_CHECK(false, "qlinear: unsupported ggml type ", qtype);
-}
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -86,82 +72,134 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// ---------------------------------------------------------------------------------------------
-// qlinear: out[m, n] = sum_k x[m, k] * W[n, k]; W row n is K/32 ggml blocks.
-// A tile of NR weight rows x MT activation rows keeps NR * MT * 2 accumulators in registers, so
-// each dequantized block is used MT times and the FMA chains are independent.
-
-#if defined(__AVX512F__)
-inline void dequant_block(int64_t qtype, const uint8_t* blk, __m512& lo, __m512& hi) {
-  if (qtype == kQ8_0) {
-    const __m512 d = _mm512_set1_ps(half_to_float(blk));
-    const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+// Run f(0..n-1) on torch's OpenMP threads, each thread taking the next task from a shared
+// counter. at::parallel_for splits statically, so one thread preempted by another process (the
+// HTTP server, a neighbour) stalls the whole op at the barrier; here the other threads take over
+// its remaining tasks.
+template <typename F>
+void parallel_tasks(int64_t n, const F& f) {
+  if (n <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
-  const bool has_min = qtype == kQ4_1;
-  const __m512 d = _mm512_set1_ps(half_to_float(blk));
-  const __m512 m = has_min ? _mm512_set1_ps(half_to_float(blk + 2)) : _mm512_set1_ps(-8.0f * half_to_float(blk));
-  const __m512i bytes = _mm512_cvtepu8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (has_min ? 4 : 2))));
-  const __m512i mask = _mm512_set1_epi32(0xF);
-  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask)), d, m);
-  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+  std::atomic<int64_t> next{0};
+#pragma omp parallel
+  {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      f(i);
+  }
 }
 
+// ---------------------------------------------------------------------------------------------
+// qlinear: out[m, n] = sum_k x[m, k] * W[n, k], W in a ggml block format repacked by row:
+//
+//   qs [N, K/32 * 16] uint8 (Q4_0/Q4_1: block b's 32 nibbles, low nibbles = elements 0..15)
+//      or [N, K] int8 (Q8_0)
+//   d  [N, K/32] fp16 scale per block;  m [N, K/32] fp16 offset per block (Q4_1; Q4_0: -8 d)
+//   w[n, 32 b + j] = d[n, b] * q[n, b, j] + m[n, b]      (exactly ggml's dequantization)
+//
+// The bytes are ggml's, with the scales moved out of the blocks so a row's scales convert to
+// float in a few vector instructions and the block loop is loads, nibble unpacks and FMAs.
+// A tile of NR weight rows x MT activation rows keeps NR * MT * 2 accumulators in registers, so
+// each unpacked block is used MT times and the FMA chains are independent.
+
+struct QWeight {
+  int64_t qtype, N, K, nb;
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // null unless Q4_1
+  int64_t qs_row() const { return qtype == kQ8_0 ? K : K / 2; }
+};
+
+// The NR rows' scales (and offsets) starting at row n, as float: sd[r * nb + b].
+inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm) {
+  const int64_t count = NR * w.nb;  // the NR rows' scales are contiguous
+  const uint16_t* d = w.d + n * w.nb;
+  const uint16_t* m = w.m ? w.m + n * w.nb : nullptr;
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 mask = count - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m512 df = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + i));
+    _mm512_mask_storeu_ps(sd + i, mask, df);
+    const __m512 mf = m ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + i))
+                        : (w.qtype == kQ4_0 ? _mm512_mul_ps(df, _mm512_set1_ps(-8.0f)) : _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(sm + i, mask, mf);
+  }
+#else
+  for (int64_t i = 0; i < count; ++i) {
+    sd[i] = _cvtsh_ss(d[i]);
+    sm[i] = m ? _cvtsh_ss(m[i]) : (w.qtype == kQ4_0 ? -8.0f * sd[i] : 0.0f);
+  }
+#endif
+}
+
+#if defined(__AVX512F__)
 template <int NR, int MT>
-void qlinear_tile(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x,
-                  int64_t ldx, float* out, int64_t ldo, int64_t bbytes) {
-  __m512 acc[NR][MT][2];
+void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm, const float* x,
+                  int64_t ldx, float* out, int64_t ldo, const float* xsum) {
+  // Q4: sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j, so the block loop does the
+  // integer-valued dot product and one FMA by d; the m terms come from per-block sums of x.
+  const int64_t qb = w.qtype == kQ8_0 ? 32 : 16, row = w.qs_row();
+  const uint8_t* q0 = w.qs + n * row;
+  const bool q8 = w.qtype == kQ8_0;
+  __m512 acc[NR][MT];
+  float macc[NR][MT] = {};
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi32(0xF);
+  for (int64_t b = 0; b < w.nb; ++b) {
     __m512 xl[MT], xh[MT];
     for (int i = 0; i < MT; ++i) {
       xl[i] = _mm512_loadu_ps(x + i * ldx + b * kQK);
       xh[i] = _mm512_loadu_ps(x + i * ldx + b * kQK + 16);
     }
     for (int r = 0; r < NR; ++r) {
+      const uint8_t* q = q0 + r * row + b * qb;
       __m512 lo, hi;
-      dequant_block(qtype, w + r * row_bytes + b * bbytes, lo, hi);
+      if (q8) {
+        const __m128i* p = reinterpret_cast<const __m128i*>(q);
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nib));
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      }
+      const __m512 d = _mm512_set1_ps(sd[r * w.nb + b]);
+      const float m = sm[r * w.nb + b];
       for (int i = 0; i < MT; ++i) {
-        acc[r][i][0] = _mm512_fmadd_ps(lo, xl[i], acc[r][i][0]);
-        acc[r][i][1] = _mm512_fmadd_ps(hi, xh[i], acc[r][i][1]);
+        const __m512 t = _mm512_fmadd_ps(hi, xh[i], _mm512_mul_ps(lo, xl[i]));
+        acc[r][i] = _mm512_fmadd_ps(t, d, acc[r][i]);
+        macc[r][i] += m * xsum[i * w.nb + b];
       }
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i)
-      out[i * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][i][0], acc[r][i][1]));
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) + macc[r][i];
 }
 #else
-inline void dequant_block(int64_t qtype, const uint8_t* blk, float* wf) {
-  const float d = half_to_float(blk);
-  if (qtype == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-#pragma omp simd
-    for (int j = 0; j < 32; ++j) wf[j] = static_cast<float>(q[j]) * d;
-    return;
-  }
-  const bool has_min = qtype == kQ4_1;
-  const float m = has_min ? half_to_float(blk + 2) : -8.0f * d;
-  const uint8_t* q = blk + (has_min ? 4 : 2);
-#pragma omp simd
-  for (int j = 0; j < 16; ++j) {
-    wf[j] = static_cast<float>(q[j] & 0xF) * d + m;
-    wf[j + 16] = static_cast<float>(q[j] >> 4) * d + m;
-  }
-}
-
 template <int NR, int MT>
-void qlinear_tile(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x,
-                  int64_t ldx, float* out, int64_t ldo, int64_t bbytes) {
+void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm, const float* x,
+                  int64_t ldx, float* out, int64_t ldo, const float*) {
+  const int64_t qb = w.qtype == kQ8_0 ? 32 : 16, row = w.qs_row();
   float acc[NR][MT][8] = {};
   alignas(64) float wf[32];
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < w.nb; ++b) {
     for (int r = 0; r < NR; ++r) {
-      dequant_block(qtype, w + r * row_bytes + b * bbytes, wf);
+      const uint8_t* q = w.qs + (n + r) * row + b * qb;
+      const float d = sd[r * w.nb + b], m = sm[r * w.nb + b];
+      if (w.qtype == kQ8_0) {
+        const int8_t* q8 = reinterpret_cast<const int8_t*>(q);
+#pragma omp simd
+        for (int j = 0; j < 32; ++j) wf[j] = static_cast<float>(q8[j]) * d;
+      } else {
+#pragma omp simd
+        for (int j = 0; j < 16; ++j) {
+          wf[j] = static_cast<float>(q[j] & 0xF) * d + m;
+          wf[j + 16] = static_cast<float>(q[j] >> 4) * d + m;
+        }
+      }
       for (int i = 0; i < MT; ++i) {
         const float* xi = x + i * ldx + b * kQK;
         for (int c = 0; c < 4; ++c) {
@@ -181,71 +219,60 @@ void qlinear_tile(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t nb
 #endif
 
 template <int NR>
-void qlinear_rows(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x,
-                  int64_t M, int64_t K, float* out, int64_t N, int64_t bbytes) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4)
-    qlinear_tile<NR, 4>(qtype, w, row_bytes, nb, x + m * K, K, out + m * N, N, bbytes);
-  for (; m < M; ++m)
-    qlinear_tile<NR, 1>(qtype, w, row_bytes, nb, x + m * K, K, out + m * N, N, bbytes);
+void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float* out,
+                  const float* xsum) {
+  thread_local std::vector<float> scales;
+  scales.resize(2 * NR * w.nb);
+  float* sd = scales.data();
+  float* sm = sd + NR * w.nb;
+  row_scales(w, n, NR, sd, sm);
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4)
+    qlinear_tile<NR, 4>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N, xsum + i * w.nb);
+  for (; i < M; ++i)
+    qlinear_tile<NR, 1>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N, xsum + i * w.nb);
 }
 
-at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qweight, int64_t qtype,
-                   int64_t out_features, int64_t in_features) {
+at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                   const at::Tensor& m, int64_t qtype, int64_t out_features, int64_t in_features) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "qlinear: activations must be float32");
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2, "qlinear: qweight uint8 [N, bytes]");
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported ggml type ", qtype);
   TORCH_CHECK(in_features % kQK == 0, "qlinear: in_features must be a multiple of 32");
-  const int64_t bbytes = block_bytes(qtype);
-  const int64_t nb = in_features / kQK;
-  TORCH_CHECK(qweight.size(0) == out_features && qweight.size(1) == nb * bbytes,
-              "qlinear: qweight shape does not match the ggml layout");
   TORCH_CHECK(x_in.size(-1) == in_features, "qlinear: last dim of x must be in_features");
+  const int64_t nb = in_features / kQK, N = out_features;
+  const int64_t qs_row = qtype == kQ8_0 ? in_features : in_features / 2;
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 &&
+                  qs.size(0) == N && qs.size(1) == qs_row,
+              "qlinear: qs does not match the repacked ggml layout");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb,
+              "qlinear: d must be float16 [N, K/32]");
+  TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.is_contiguous() && m.numel() == N * nb),
+              "qlinear: Q4_1 needs m float16 [N, K/32]");
   at::Tensor x = x_in.reshape({-1, in_features}).contiguous();
-  at::Tensor w = qweight.contiguous();
-  const int64_t M = x.size(0), N = out_features, row_bytes = nb * bbytes;
+  const int64_t M = x.size(0);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
+  QWeight w{qtype, N, in_features, nb, qs.data_ptr<uint8_t>(),
+            reinterpret_cast<const uint16_t*>(d.data_ptr()),
+            qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
   const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  constexpr int64_t NR = 4;
+  std::vector<float> xsum(M * nb);  // per-block sums of x (the Q4_1 / Q4_0 offset terms)
+  for (int64_t i = 0; i < M * nb; ++i) {
+    float s = 0;
+    for (int j = 0; j < kQK; ++j) s += xp[i * kQK + j];
+    xsum[i] = s;
+  }
+  const float* xs = xsum.data();
+  constexpr int64_t NR = 4, kGroupsPerTask = 16;  // a task: 64 weight rows
   const int64_t num_groups = N / NR;
-  // Each task takes whole groups of NR rows; the grain keeps tasks large enough to amortize.
-  at::parallel_for(0, num_groups, 8, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      qlinear_rows<NR>(qtype, wp + g * NR * row_bytes, row_bytes, nb, xp, M, in_features,
-                       op + g * NR, N, bbytes);
+  parallel_tasks((num_groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t task) {
+    const int64_t g1 = std::min(num_groups, (task + 1) * kGroupsPerTask);
+    for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows<NR>(w, g * NR, xp, M, op, xs);
   });
-  for (int64_t n = num_groups * NR; n < N; ++n)
-    qlinear_rows<1>(qtype, wp + n * row_bytes, row_bytes, nb, xp, M, in_features, op + n, N, bbytes);
+  for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows<1>(w, n, xp, M, op, xs);
   return out.view(out_shape);
-}
-
-// Dequantize a whole ggml matrix to float32 (the prefill path multiplies with MKL).
-at::Tensor dequantize_rows(const at::Tensor& qweight, int64_t qtype, int64_t out_features,
-                           int64_t in_features) {
-  const int64_t bbytes = block_bytes(qtype), nb = in_features / kQK;
-  at::Tensor w = qweight.contiguous();
-  at::Tensor out = at::empty({out_features, in_features}, at::kFloat);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wp + n * nb * bbytes + b * bbytes;
-        float* dst = op + n * in_features + b * kQK;
-#if defined(__AVX512F__)
-        __m512 lo, hi;
-        dequant_block(qtype, blk, lo, hi);
-        _mm512_storeu_ps(dst, lo);
-        _mm512_storeu_ps(dst + 16, hi);
-#else
-        dequant_block(qtype, blk, dst);
-#endif
-      }
-  });
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -384,83 +411,174 @@ inline float load_kv<float>(const float* p, int64_t j) { return p[j]; }
 template <>
 inline float load_kv<uint16_t>(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
 
+// One work item: query heads [g*G, (g+1)*G) of request b over context tokens [t0, t1).
+// Writes per head: part[h] = (max score, sum of exp, unnormalized output[D]).
+template <typename KV>
+void attend_generic(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
+                    int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D, int64_t block_size,
+                    float scale, float* part, float* scores) {
+  const int64_t n = t1 - t0, pstride = D + 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    const KV* k = kc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qg + h * D;
+      float dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < D; ++j) dot += qh[j] * load_kv(k, j);
+      scores[h * n + (t - t0)] = dot * scale;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * n;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sc[i] = fast_exp(sc[i] - mx);
+      sum += sc[i];
+    }
+    part[h * pstride] = mx;
+    part[h * pstride + 1] = sum;
+    float* o = part + h * pstride + 2;
+    for (int64_t j = 0; j < D; ++j) o[j] = 0;
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    const KV* v = vc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const float p = scores[h * n + (t - t0)];
+      float* o = part + h * pstride + 2;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) o[j] += p * load_kv(v, j);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The same item with D = 16 * DV: each token's K (and V) row is loaded into registers once and
+// used by all G query heads; up to 8 heads' outputs stay in registers.
+template <typename KV, int DV>
+void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
+                   int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t block_size, float scale,
+                   float* part, float* scores) {
+  constexpr int64_t D = 16 * DV;
+  const int64_t n = t1 - t0, pstride = D + 2;
+  for (int64_t t = t0; t < t1; ++t) {
+    const KV* k = kc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+    __m512 kv[DV];
+    for (int c = 0; c < DV; ++c) kv[c] = load16(k + 16 * c);
+    for (int64_t h = 0; h < G; ++h) {
+      __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qg + h * D));
+      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qg + h * D + 16 * c), acc);
+      scores[h * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * n;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sc[i] = fast_exp(sc[i] - mx);
+      sum += sc[i];
+    }
+    part[h * pstride] = mx;
+    part[h * pstride + 1] = sum;
+  }
+  for (int64_t h0 = 0; h0 < G; h0 += 8) {
+    const int64_t hn = std::min<int64_t>(8, G - h0);
+    __m512 o[8][DV];
+    for (int64_t h = 0; h < hn; ++h)
+      for (int c = 0; c < DV; ++c) o[h][c] = _mm512_setzero_ps();
+    for (int64_t t = t0; t < t1; ++t) {
+      const KV* v = vc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+      __m512 vv[DV];
+      for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
+      for (int64_t h = 0; h < hn; ++h) {
+        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + (t - t0)]);
+        for (int c = 0; c < DV; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+      }
+    }
+    for (int64_t h = 0; h < hn; ++h)
+      for (int c = 0; c < DV; ++c) _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * c, o[h][c]);
+  }
+}
+#endif
+
+template <typename KV>
+void attend(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
+            int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D, int64_t block_size,
+            float scale, float* part, float* scores) {
+#if defined(__AVX512F__)
+  if (D == 64) return attend_avx512<KV, 4>(qg, kc, vc, table, t0, t1, G, KVH, g, block_size, scale, part, scores);
+  if (D == 128) return attend_avx512<KV, 8>(qg, kc, vc, table, t0, t1, G, KVH, g, block_size, scale, part, scores);
+#endif
+  attend_generic<KV>(qg, kc, vc, table, t0, t1, G, KVH, g, D, block_size, scale, part, scores);
+}
+
+// Merge the splits of query head h of request b into out[b, h].
+inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, int64_t D, float* o) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < num_splits; ++s) mx = std::max(mx, base[s * stride]);
+  for (int64_t j = 0; j < D; ++j) o[j] = 0;
+  float denom = 0;
+  for (int64_t s = 0; s < num_splits; ++s) {
+    const float* p = base + s * stride;
+    if (p[1] == 0) continue;
+    const float w = fast_exp(p[0] - mx);
+    denom += w * p[1];
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) o[j] += w * p[2 + j];
+  }
+  const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) o[j] *= inv;
+}
+
 template <typename KV>
 void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* tables,
                            const int32_t* ctx, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            int64_t block_size, int64_t max_blocks, float scale, int64_t split,
                            int64_t num_splits, float* partial, float* out) {
   const int64_t G = H / KVH, pstride = D + 2;
-  at::parallel_for(0, B * KVH * num_splits, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / (KVH * num_splits), g = (item / num_splits) % KVH, s = item % num_splits;
-      const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split);
-      float* part = partial + ((b * KVH + g) * num_splits + s) * G * pstride;
-      if (t0 >= t1) {
-        for (int64_t h = 0; h < G; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
-        continue;
-      }
-      const int64_t n = t1 - t0;
-      scores.resize(G * n);
-      const float* qg = q + (b * H + g * G) * D;
-      const int32_t* table = tables + b * max_blocks;
-      for (int64_t t = t0; t < t1; ++t) {
-        const KV* k = kc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
-        for (int64_t h = 0; h < G; ++h) {
-          const float* qh = qg + h * D;
-          float dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t j = 0; j < D; ++j) dot += qh[j] * load_kv(k, j);
-          scores[h * n + (t - t0)] = dot * scale;
-        }
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        float* sc = scores.data() + h * n;
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
-        float sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sc[i] = fast_exp(sc[i] - mx);
-          sum += sc[i];
-        }
-        part[h * pstride] = mx;
-        part[h * pstride + 1] = sum;
-        float* o = part + h * pstride + 2;
-        for (int64_t j = 0; j < D; ++j) o[j] = 0;
-      }
-      for (int64_t t = t0; t < t1; ++t) {
-        const KV* v = vc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
-        for (int64_t h = 0; h < G; ++h) {
-          const float p = scores[h * n + (t - t0)];
-          float* o = part + h * pstride + 2;
-#pragma omp simd
-          for (int64_t j = 0; j < D; ++j) o[j] += p * load_kv(v, j);
-        }
-      }
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += ctx[b];
+  auto item_fn = [&](int64_t item) {
+    thread_local std::vector<float> scores;
+    const int64_t b = item / (KVH * num_splits), g = (item / num_splits) % KVH, s = item % num_splits;
+    const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split);
+    float* part = partial + ((b * KVH + g) * num_splits + s) * G * pstride;
+    if (t0 >= t1) {
+      for (int64_t h = 0; h < G; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
+      return;
     }
-  });
-  at::parallel_for(0, B * H, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / H, h = r % H, g = h / G, hg = h % G;
-      const float* base = partial + (b * KVH + g) * num_splits * G * pstride + hg * pstride;
-      float mx = -INFINITY;
-      for (int64_t s = 0; s < num_splits; ++s) mx = std::max(mx, base[s * G * pstride]);
-      float* o = out + r * D;
-      for (int64_t j = 0; j < D; ++j) o[j] = 0;
-      float denom = 0;
-      for (int64_t s = 0; s < num_splits; ++s) {
-        const float* p = base + s * G * pstride;
-        if (p[1] == 0) continue;
-        const float w = fast_exp(p[0] - mx);
-        denom += w * p[1];
-#pragma omp simd
-        for (int64_t j = 0; j < D; ++j) o[j] += w * p[2 + j];
-      }
-      const float inv = denom > 0 ? 1.0f / denom : 0.0f;
-#pragma omp simd
-      for (int64_t j = 0; j < D; ++j) o[j] *= inv;
+    scores.resize(G * (t1 - t0));
+    attend<KV>(q + (b * H + g * G) * D, kc, vc, tables + b * max_blocks, t0, t1, G, KVH, g, D,
+               block_size, scale, part, scores.data());
+  };
+  const int64_t items = B * KVH * num_splits;
+  // A short context is less work than waking the thread team: run it on this thread.
+  if (total * H * D < (1 << 18)) {
+    for (int64_t i = 0; i < items; ++i) item_fn(i);
+    for (int64_t r = 0; r < B * H; ++r) {
+      const int64_t b = r / H, h = r % H;
+      merge_splits(partial + (b * KVH + h / G) * num_splits * G * pstride + (h % G) * pstride,
+                   num_splits, G * pstride, D, out + r * D);
     }
+    return;
+  }
+  parallel_tasks(items, item_fn);
+  parallel_tasks(B, [&](int64_t b) {
+    for (int64_t h = 0; h < H; ++h)
+      merge_splits(partial + (b * KVH + h / G) * num_splits * G * pstride + (h % G) * pstride,
+                   num_splits, G * pstride, D, out + (b * H + h) * D);
   });
 }
 
@@ -502,6 +620,38 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// One whole Llama decoder layer for a step of decodes only (one token per request), so a decode
+// step pays one Python call per layer instead of a dozen. The same ops as the module path, in
+// the same order; `residual` is updated in place (and is `x` itself for the first layer).
+//   w: [qkv.qs, qkv.d, qkv.m, o.qs, o.d, o.m, gate_up.qs, gate_up.d, gate_up.m,
+//       down.qs, down.d, down.m];  types: their ggml types
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual,
+    const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, at::TensorList w,
+    at::IntArrayRef types, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate, double scale, int64_t split) {
+  TORCH_CHECK(w.size() == 12 && types.size() == 4, "decode_layer: 4 packed weights");
+  const int64_t T = x.size(0), hidden = x.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor residual = has_residual ? residual_in : x;
+  at::Tensor normed = has_residual ? add_rms_norm(x, residual, in_norm, eps) : rms_norm(x, in_norm, eps);
+  at::Tensor qkv = qlinear(normed, w[0], w[1], w[2], types[0], q_size + 2 * kv_size, hidden);
+  rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                head_dim);
+  at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, num_heads, head_dim});
+  at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, split);
+  at::Tensor h = qlinear(attn.view({T, q_size}), w[3], w[4], w[5], types[1], hidden, q_size);
+  at::Tensor normed2 = add_rms_norm(h, residual, post_norm, eps);
+  at::Tensor gate_up = qlinear(normed2, w[6], w[7], w[8], types[2], 2 * intermediate, hidden);
+  at::Tensor act = silu_mul(gate_up);
+  at::Tensor out = qlinear(act, w[9], w[10], w[11], types[3], hidden, intermediate);
+  return {out, residual};
+}
+
 // Which instruction set this build was compiled for (the loader checks it against its choice).
 int64_t isa() {
 #if defined(__AVX512F__)
@@ -515,10 +665,9 @@ int64_t isa() {
 }  // namespace hearth
 
 TORCH_LIBRARY(hearth, m) {
-  m.def("qlinear(Tensor x, Tensor qweight, int qtype, int out_features, int in_features) -> Tensor",
+  m.def("qlinear(Tensor x, Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
+        "int in_features) -> Tensor",
         &hearth::qlinear);
-  m.def("dequantize_rows(Tensor qweight, int qtype, int out_features, int in_features) -> Tensor",
-        &hearth::dequantize_rows);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &hearth::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &hearth::add_rms_norm);
@@ -529,5 +678,11 @@ TORCH_LIBRARY(hearth, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int split) -> Tensor",
         &hearth::decode_attention);
+  m.def("decode_layer(Tensor x, Tensor(a!) residual, bool has_residual, Tensor in_norm, "
+        "Tensor post_norm, float eps, Tensor[] w, int[] types, Tensor cos, Tensor sin, "
+        "Tensor positions, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
+        "int head_dim, int intermediate, float scale, int split) -> (Tensor, Tensor)",
+        &hearth::decode_layer);
   m.def("isa() -> int", &hearth::isa);
 }
