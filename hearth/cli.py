@@ -35,8 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "kernels run here (docs/formats.md)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache storage (auto: bfloat16 where hearth's CPU kernels run, "
-                        "else the model dtype)")
+                   help="KV cache storage (auto: the model dtype; bfloat16 halves it)")
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512", "avx2", "off"],
                    help="hearth's compiled CPU kernels (built by make setup)")
     g.add_argument("--max-model-len", type=int, default=None)

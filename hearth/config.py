@@ -33,9 +33,7 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0  # memory budget for the KV pool
     num_blocks: int | None = None  # explicit override of the budget (tests)
     enable_prefix_caching: bool = True
-    # auto: bfloat16 where hearth's CPU kernels run (they read it natively), else the model dtype.
-    # The exact float32 reference: quantization="none", kv_cache_dtype="float32".
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,10 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     if (mc.cpu_kernels != "off" and pc.device == "cpu" and dtype == torch.float32
             and pc.world_size == 1):  # rank processes do not load the kernels yet
         kernels = load_cpu_kernels(mc.cpu_kernels)
-    # auto KV: bfloat16 where the CPU kernels read it (half the bytes per decode step; its
-    # accuracy against float32 is held by tests/model/test_formats.py), else the model dtype.
-    if cc.kv_cache_dtype == "auto":
-        kv_dtype = torch.bfloat16 if kernels is not None else dtype
-    else:
-        kv_dtype = DTYPES[cc.kv_cache_dtype]
+    # auto KV: the model dtype. bfloat16 KV (a flag) reads half the bytes per long-context
+    # decode step, but it changes numbers: under preemption a recomputed prefix attends to fp32
+    # K/V where the first pass read rounded ones, and greedy output drifts from the reference.
+    kv_dtype = dtype if cc.kv_cache_dtype == "auto" else DTYPES[cc.kv_cache_dtype]
     quantization = mc.quantization
     if quantization == "auto":
         quantization = ("gguf" if kernels is not None and hasattr(checkpoint, "raw_blocks")

@@ -31,7 +31,7 @@ BLOCK = 16
 
 
 @pytest.mark.parametrize("fmt", [
-    {"cpu_kernels": "off"},  # the exact float32 reference, plain torch
+    {"cpu_kernels": "off"},  # the float32 reference, plain torch (the parity tests run auto)
     {"quantization": "none", "kv_cache_dtype": "float32"},  # kernels, float32 throughout
     {"quantization": "gguf", "kv_cache_dtype": "float32"},
 ])
@@ -91,7 +91,7 @@ def reference(checkpoint):
     ({"quantization": "gguf", "kv_cache_dtype": "float32"}, 1.0, 1e-6),
     ({"quantization": "q8_0", "kv_cache_dtype": "float32"}, 0.95, 0.01),
     ({"quantization": "none", "kv_cache_dtype": "bfloat16"}, 0.98, 1e-3),
-    ({}, 0.98, 1e-3),  # auto: gguf blocks + bfloat16 KV
+    ({"kv_cache_dtype": "bfloat16"}, 0.98, 1e-3),  # with auto (gguf) weights
 ])
 def test_format_agrees_with_fp32(checkpoint, reference, fmt, min_top1, max_kl):
     runner = make_runner(checkpoint, **fmt)
