@@ -21,10 +21,14 @@ from collections import OrderedDict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from hearth.config import GuidedConfig
-from hearth.engine.guided import GrammarCompiler, Matcher
 from hearth.engine.guided_limits import param_of, spec_key
 from hearth.engine.sampling_params import GuidedSpec
+
+if TYPE_CHECKING:  # xgrammar (via guided) costs ~0.7 s to import: only once a grammar is needed
+    from hearth.engine.guided import GrammarCompiler, Matcher
 
 
 @dataclass
@@ -112,6 +116,8 @@ class GrammarPool:
                              f"{ticket.timeout_s:g} s; simplify the schema")
         param = param_of(ticket.key[0])
         try:
+            from hearth.engine.guided import Matcher
+
             return Matcher(future.result(), self._vocab_size)
         except CancelledError:
             raise ValueError(f"{param}: the grammar compile was cancelled") from None

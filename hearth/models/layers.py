@@ -125,7 +125,7 @@ class ParallelLMHead(QuantizedWeight, nn.Module):
 
 def _rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (and the attention-scale factor yarn asks for) per rope_scaling type."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in ("default", None):
         return inv_freq, 1.0
@@ -150,7 +150,7 @@ def _rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[t
 
         low = max(math.floor(dim_for(beta_fast)), 0)
         high = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3))
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3))
         extrapolate = 1 - ramp.clamp(0, 1)
         inv = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
         mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
@@ -166,7 +166,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         inv_freq, mscale = _rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        # Computed on the CPU even under a meta-device context: the meta path of arange costs ~1 s
+        # of one-time setup in torch, a third of a cold start.
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv_freq)
         self.register_buffer("cos", (freqs.cos() * mscale).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale).float(), persistent=False)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from hearth.engine.guided import MAX_JSON_WHITESPACE, bounded_strings_as_patterns
+from hearth.engine.json_schemas import MAX_JSON_WHITESPACE, bounded_strings_as_patterns
 from hearth.engine.sampling_params import GuidedSpec
 from hearth.server.protocol import NamedToolChoice, Tool, bad_request
 
