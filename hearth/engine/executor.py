@@ -89,7 +89,7 @@ def make_executor(config: EngineConfig, checkpoint):
                  quantization, str(kv_dtype).removeprefix("torch."),
                  kernels.variant if kernels else "off")
         return ModelRunner(model, num_blocks, config.cache.block_size, kv_dtype, pc.device,
-                           mc.seed)
+                           mc.seed, kernels)
     if quantization != "none" or kv_dtype != dtype:
         raise ValueError("quantization and a KV cache dtype other than the model's are not yet "
                          "supported with tensor/pipeline parallelism")

@@ -14,6 +14,7 @@ import torch
 from hearth.engine.request import Logprob, Request
 from hearth.engine.sampler import make_sampling_batch, sample
 from hearth.engine.scheduler import SchedulerOutput
+from hearth.engine.thread_tuner import ThreadTuner
 from hearth.ops.attention import build_attention_metadata
 
 
@@ -34,7 +35,7 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str = "cpu", seed: int = 0) -> None:
+                 device: str = "cpu", seed: int = 0, kernels=None) -> None:
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -45,6 +46,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(len(model.layers), 2, num_blocks, block_size, num_kv_heads,
                                     arch.head_dim, dtype=dtype, device=self.device)
         self.shared_generator = torch.Generator(device="cpu").manual_seed(seed)
+        # The kernels' thread count for decode-like steps, chosen by measurement (thread_tuner.py).
+        self.thread_tuner = (ThreadTuner(kernels.threads) if kernels is not None
+                             and torch.get_num_threads() > 1 else None)
 
     def close(self) -> None:
         """Nothing to release in one process (the parallel executor stops its ranks here)."""
@@ -70,7 +74,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         input_ids, positions, meta = self.prepare_inputs(out)
-        hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
+        if self.thread_tuner is None:
+            hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
+        else:
+            hidden, _ = self.thread_tuner.run(
+                meta.num_tokens, lambda: self.model(input_ids, positions, meta, self.kv_cache))
         return self.sample_from_hidden(out, hidden)
 
     def sample_from_hidden(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[SampledToken]:

@@ -118,7 +118,8 @@ def paged_attention(
             and q.dtype == torch.float32):
         # Only decodes in this step: the kernel's output is the whole result.
         return kernels.ops.decode_attention(q, k_cache, v_cache, meta.decode_block_table_i32,
-                                            meta.decode_context_lens, scale, kernels.decode_split)
+                                            meta.decode_context_lens, scale, kernels.decode_split,
+                                            kernels.threads.count)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
@@ -144,7 +145,7 @@ def paged_attention(
     if meta.num_decodes and kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32:
         out[meta.decode_token_index] = kernels.ops.decode_attention(
             q[meta.decode_token_index], k_cache, v_cache, meta.decode_block_table_i32,
-            meta.decode_context_lens, scale, kernels.decode_split)
+            meta.decode_context_lens, scale, kernels.decode_split, kernels.threads.count)
     elif meta.num_decodes:
         num_decodes = meta.num_decodes
         qd = q[meta.decode_token_index].unsqueeze(2)  # [B, H, 1, D]

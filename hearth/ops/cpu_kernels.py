@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,12 +53,21 @@ def pack_ggml(qtype: int, blocks: torch.Tensor) -> PackedWeight:
     return PackedWeight(qtype, qs, d, m, n, in_features)
 
 
+@dataclass
+class KernelThreads:
+    """How many threads the kernels' work-sharing ops use in the current step: the runner's
+    ThreadTuner sets it per step (1: run on the calling thread, no parallel region)."""
+
+    count: int = 64
+
+
 @dataclass(frozen=True)
 class CpuKernels:
     """The ops of one loaded build (`torch.ops.hearth.*`) and which instruction set it uses."""
 
     variant: str  # avx512 | avx2
     decode_split: int = 512  # context tokens per decode-attention work item
+    threads: KernelThreads = field(default_factory=KernelThreads)
 
     @property
     def ops(self):
@@ -66,7 +75,7 @@ class CpuKernels:
 
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
-                                        w.in_features)
+                                        w.in_features, self.threads.count)
 
 
 def available_variants() -> list[str]:

@@ -76,9 +76,12 @@ inline float fast_exp(float x) {
 // counter. at::parallel_for splits statically, so one thread preempted by another process (the
 // HTTP server, a neighbour) stalls the whole op at the barrier; here the other threads take over
 // its remaining tasks.
+// `threads` <= 1 runs the tasks on the calling thread: no parallel region, so no barrier that a
+// preempted thread can hold up (the engine picks this per step when another process competes
+// for the cores; hearth/engine/thread_tuner.py).
 template <typename F>
-void parallel_tasks(int64_t n, const F& f) {
-  if (n <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) {
+void parallel_tasks(int64_t n, const F& f, int64_t threads) {
+  if (n <= 1 || threads <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) {
     for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
@@ -234,7 +237,8 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
 }
 
 at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                   const at::Tensor& m, int64_t qtype, int64_t out_features, int64_t in_features) {
+                   const at::Tensor& m, int64_t qtype, int64_t out_features, int64_t in_features,
+                   int64_t threads) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "qlinear: activations must be float32");
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported ggml type ", qtype);
   TORCH_CHECK(in_features % kQK == 0, "qlinear: in_features must be a multiple of 32");
@@ -270,7 +274,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tenso
   parallel_tasks((num_groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t task) {
     const int64_t g1 = std::min(num_groups, (task + 1) * kGroupsPerTask);
     for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows<NR>(w, g * NR, xp, M, op, xs);
-  });
+  }, threads);
   for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows<1>(w, n, xp, M, op, xs);
   return out.view(out_shape);
 }
@@ -546,7 +550,7 @@ template <typename KV>
 void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* tables,
                            const int32_t* ctx, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            int64_t block_size, int64_t max_blocks, float scale, int64_t split,
-                           int64_t num_splits, float* partial, float* out) {
+                           int64_t num_splits, float* partial, float* out, int64_t threads) {
   const int64_t G = H / KVH, pstride = D + 2;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += ctx[b];
@@ -574,19 +578,20 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
     }
     return;
   }
-  parallel_tasks(items, item_fn);
+  parallel_tasks(items, item_fn, threads);
   parallel_tasks(B, [&](int64_t b) {
     for (int64_t h = 0; h < H; ++h)
       merge_splits(partial + (b * KVH + h / G) * num_splits * G * pstride + (h % G) * pstride,
                    num_splits, G * pstride, D, out + (b * H + h) * D);
-  });
+  }, threads);
 }
 
 // q [B, H, D] float32; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
 // int32; context_lens [B] int32. Returns [B, H, D].
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables_in,
-                            const at::Tensor& context_lens_in, double scale, int64_t split) {
+                            const at::Tensor& context_lens_in, double scale, int64_t split,
+                            int64_t threads) {
   at::Tensor q = q_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "decode_attention: q float32 [B, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
@@ -609,13 +614,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
         q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, B, H,
         KVH, D, block_size, max_blocks, static_cast<float>(scale), split, num_splits,
-        partial.data_ptr<float>(), out.data_ptr<float>());
+        partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "decode_attention: cache float32 or bfloat16");
     decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                  v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, B, H,
                                  KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
-                                 num_splits, partial.data_ptr<float>(), out.data_ptr<float>());
+                                 num_splits, partial.data_ptr<float>(), out.data_ptr<float>(),
+                                 threads);
   }
   return out;
 }
@@ -633,22 +639,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double scale, int64_t split) {
+    int64_t intermediate, double scale, int64_t split, int64_t threads) {
   TORCH_CHECK(w.size() == 12 && types.size() == 4, "decode_layer: 4 packed weights");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor residual = has_residual ? residual_in : x;
   at::Tensor normed = has_residual ? add_rms_norm(x, residual, in_norm, eps) : rms_norm(x, in_norm, eps);
-  at::Tensor qkv = qlinear(normed, w[0], w[1], w[2], types[0], q_size + 2 * kv_size, hidden);
+  at::Tensor qkv = qlinear(normed, w[0], w[1], w[2], types[0], q_size + 2 * kv_size, hidden, threads);
   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
                 head_dim);
   at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, num_heads, head_dim});
-  at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, split);
-  at::Tensor h = qlinear(attn.view({T, q_size}), w[3], w[4], w[5], types[1], hidden, q_size);
+  at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, split, threads);
+  at::Tensor h = qlinear(attn.view({T, q_size}), w[3], w[4], w[5], types[1], hidden, q_size, threads);
   at::Tensor normed2 = add_rms_norm(h, residual, post_norm, eps);
-  at::Tensor gate_up = qlinear(normed2, w[6], w[7], w[8], types[2], 2 * intermediate, hidden);
+  at::Tensor gate_up = qlinear(normed2, w[6], w[7], w[8], types[2], 2 * intermediate, hidden, threads);
   at::Tensor act = silu_mul(gate_up);
-  at::Tensor out = qlinear(act, w[9], w[10], w[11], types[3], hidden, intermediate);
+  at::Tensor out = qlinear(act, w[9], w[10], w[11], types[3], hidden, intermediate, threads);
   return {out, residual};
 }
 
@@ -666,7 +672,7 @@ int64_t isa() {
 
 TORCH_LIBRARY(hearth, m) {
   m.def("qlinear(Tensor x, Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
-        "int in_features) -> Tensor",
+        "int in_features, int threads=64) -> Tensor",
         &hearth::qlinear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &hearth::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
@@ -676,13 +682,13 @@ TORCH_LIBRARY(hearth, m) {
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> ()",
         &hearth::rope_write_kv);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int split) -> Tensor",
+        "Tensor context_lens, float scale, int split, int threads=64) -> Tensor",
         &hearth::decode_attention);
   m.def("decode_layer(Tensor x, Tensor(a!) residual, bool has_residual, Tensor in_norm, "
         "Tensor post_norm, float eps, Tensor[] w, int[] types, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "int head_dim, int intermediate, float scale, int split) -> (Tensor, Tensor)",
+        "int head_dim, int intermediate, float scale, int split, int threads=64) -> (Tensor, Tensor)",
         &hearth::decode_layer);
   m.def("isa() -> int", &hearth::isa);
 }
