@@ -554,20 +554,25 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
   const int64_t G = H / KVH, pstride = D + 2;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += ctx[b];
+  // One task per (request, context split), covering every KV head: a token's K/V rows of all
+  // heads are adjacent in the cache, so the heads read the split's bytes from DRAM once (one
+  // task per head re-read each cache line per head: 9 GB/s instead of ~20 at 6k tokens).
   auto item_fn = [&](int64_t item) {
     thread_local std::vector<float> scores;
-    const int64_t b = item / (KVH * num_splits), g = (item / num_splits) % KVH, s = item % num_splits;
+    const int64_t b = item / num_splits, s = item % num_splits;
     const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split);
-    float* part = partial + ((b * KVH + g) * num_splits + s) * G * pstride;
-    if (t0 >= t1) {
-      for (int64_t h = 0; h < G; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
-      return;
+    for (int64_t g = 0; g < KVH; ++g) {
+      float* part = partial + ((b * KVH + g) * num_splits + s) * G * pstride;
+      if (t0 >= t1) {
+        for (int64_t h = 0; h < G; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
+        continue;
+      }
+      scores.resize(G * (t1 - t0));
+      attend<KV>(q + (b * H + g * G) * D, kc, vc, tables + b * max_blocks, t0, t1, G, KVH, g, D,
+                 block_size, scale, part, scores.data());
     }
-    scores.resize(G * (t1 - t0));
-    attend<KV>(q + (b * H + g * G) * D, kc, vc, tables + b * max_blocks, t0, t1, G, KVH, g, D,
-               block_size, scale, part, scores.data());
   };
-  const int64_t items = B * KVH * num_splits;
+  const int64_t items = B * num_splits;
   // A short context is less work than waking the thread team: run it on this thread.
   if (total * H * D < (1 << 18)) {
     for (int64_t i = 0; i < items; ++i) item_fn(i);
