@@ -63,7 +63,7 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     if quantization == "auto":
         quantization = ("gguf" if kernels is not None and hasattr(checkpoint, "raw_blocks")
                         else "none")
-    elif quantization not in ("none", *QUANTIZATIONS):
+    elif quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unsupported {quantization!r}; "
                          f"choose from auto, {', '.join(QUANTIZATIONS)}")
     if quantization != "none" and kernels is None:

@@ -48,8 +48,9 @@ def _merged_raw(checkpoint, names: list[str]) -> tuple[int, torch.Tensor] | None
     return parts[0][0], torch.cat([p[1] for p in parts])
 
 
-def _linear_sources(model) -> list[tuple[torch.nn.Module, list[str]]]:
-    """Each linear module of the model with the HF tensors its rows come from, in row order."""
+def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[str]]]:
+    """Each linear module of the model with the HF tensors its rows come from, in row order
+    (`names`: the checkpoint's tensor names; a tied LM head reads the embedding)."""
     out = []
     for local, layer in enumerate(model.layers):
         p = f"model.layers.{model.layer_start + local}."
@@ -58,12 +59,13 @@ def _linear_sources(model) -> list[tuple[torch.nn.Module, list[str]]]:
         out.append((layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
         out.append((layer.mlp.down_proj, [p + "mlp.down_proj.weight"]))
     if model.lm_head is not None:
-        out.append((model.lm_head, []))  # its source depends on tied embeddings: see below
+        tied = model.arch.tie_word_embeddings or "lm_head.weight" not in names
+        out.append((model.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
     return out
 
 
 def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
-    """Attach `qweight`/`qtype` to every linear layer that can take one; returns a count of
+    """Attach a PackedWeight to every linear layer that can take one; returns the number of
     layers per format (for the log and the tests)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unsupported {quantization!r}; "
@@ -71,19 +73,14 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
     counts: dict[str, int] = {}
     if quantization == "none":
         return counts
-    names = set(checkpoint.tensor_names())
     single_rank = model.tp.size == 1
-    for module, sources in _linear_sources(model):
+    for module, sources in _linear_sources(model, set(checkpoint.tensor_names())):
         weight = module.weight.data
         if weight.shape[1] % 32:
             counts["none"] = counts.get("none", 0) + 1
             continue
         packed = None
         if quantization == "gguf" and single_rank:
-            if module is model.lm_head:
-                head = ("lm_head.weight" if "lm_head.weight" in names
-                        and not model.arch.tie_word_embeddings else "model.embed_tokens.weight")
-                sources = [head]
             packed = _merged_raw(checkpoint, sources)
             if packed is not None and packed[1].shape[0] != weight.shape[0]:
                 packed = None  # e.g. a vocabulary padded for TP
