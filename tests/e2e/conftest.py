@@ -152,3 +152,17 @@ def edge_router(tmp_path_factory, server) -> Server:
                        "--worker-api-key", API_KEY, "--model", MODEL, "--max-body-mb", "1")
     yield srv
     srv.stop()
+
+
+def wait_for(condition, what: str, log_path: Path, timeout: float = 120.0):
+    """Poll `condition()` until it returns something truthy; at the deadline fail with the log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except (httpx.HTTPError, ValueError, KeyError):
+            result = None
+        if result:
+            return result
+        time.sleep(0.2)
+    pytest.fail(f"{what}: not seen after {timeout:.0f}s\n{log_path.read_text()[-4000:]}")

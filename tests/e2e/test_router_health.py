@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,24 +15,13 @@ import openai
 import pytest
 
 from hearth.models.random_checkpoint import write_random_checkpoint
-from tests.e2e.conftest import REPO, Server, free_port, start_server
+from tests.e2e.conftest import REPO, Server, free_port, start_server, wait_for
 
 HEALTH_TIMEOUT = 0.5  # the router's --health-timeout: polls slower than this are "slow"
 LOAD_DELAY = 3.0  # what the proxy makes every /load wait once slowed down
 PROMPT = " ".join(f"t{i}" for i in range(5, 25))
 
 
-def wait_for(condition, what: str, log_path: Path, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = condition()
-        except (httpx.HTTPError, ValueError, KeyError):
-            result = None
-        if result:
-            return result
-        time.sleep(0.2)
-    pytest.fail(f"{what}: not seen after {timeout:.0f}s\n{log_path.read_text()[-4000:]}")
 
 
 def start_process(cmd: list[str], log_path: Path) -> subprocess.Popen:

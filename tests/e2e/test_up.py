@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import openai
 import pytest
 
 from hearth.models.random_checkpoint import write_random_checkpoint
-from tests.e2e.conftest import REPO, free_port
+from tests.e2e.conftest import REPO, free_port, wait_for
 from tests.e2e.test_pd import process_tree
 
 CLIENT_KEY = "client-key-5f0e1c"
@@ -64,18 +63,6 @@ class Stack:
                 self.process.wait()
 
 
-def wait_for(condition, what: str, stack: Stack, timeout: float = DEADLINE):
-    """Poll `condition()` until it returns something truthy; at the deadline fail with the log."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            result = condition()
-        except (httpx.HTTPError, ValueError, KeyError):
-            result = None
-        if result:
-            return result
-        time.sleep(0.2)
-    pytest.fail(f"{what}: not seen after {timeout:.0f}s\n{stack.log_path.read_text()[-4000:]}")
 
 
 def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None,
@@ -89,7 +76,7 @@ def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None,
                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     stack = Stack(process, f"http://127.0.0.1:{port}", log_path, Path(model).name)
     if wait:
-        wait_for(lambda: stack.exited() or stack.health()[0] == 200, "stack healthy", stack)
+        wait_for(lambda: stack.exited() or stack.health()[0] == 200, "stack healthy", stack.log_path)
         assert process.poll() is None, f"hearth up exited:\n{log_path.read_text()[-4000:]}"
     return stack
 
@@ -182,7 +169,7 @@ def test_killed_worker_is_restarted_on_its_port_and_the_stack_serves_again(pd_st
                 and new and new[0] != pid and worker_url(new[0]) == url and worker_healthy(url)
                 and pd_stack.health()[0] == 200)
 
-    wait_for(restarted, "the decode worker restarted and healthy", pd_stack)
+    wait_for(restarted, "the decode worker restarted and healthy", pd_stack.log_path)
     response = pd_stack.complete()
     assert response.usage.completion_tokens >= 1
     assert "restarting it in" in pd_stack.log_path.read_text()
@@ -201,10 +188,10 @@ def test_worker_that_keeps_dying_makes_up_exit_non_zero(tmp_path, tiny):
             return (stack.supervised()["both-0"]["restarts"] == 1 and pids and pids[0] != first
                     and worker_healthy(worker_url(pids[0])) and pids[0])
 
-        second = wait_for(restarted_once, "the first restart", stack)
+        second = wait_for(restarted_once, "the first restart", stack.log_path)
         assert worker_url(second) == url
         os.kill(second, signal.SIGKILL)
-        wait_for(stack.exited, "hearth up exiting", stack)
+        wait_for(stack.exited, "hearth up exiting", stack.log_path)
         assert stack.process.returncode == 1
         assert "giving up" in stack.log_path.read_text()
     finally:
@@ -215,7 +202,7 @@ def test_worker_that_never_starts_makes_up_exit_non_zero(tmp_path):
     stack = start_up(tmp_path, str(tmp_path / "no-such-model"), "--prefill", "0", "--decode", "0",
                      "--workers", "1", wait=False)
     try:
-        wait_for(stack.exited, "hearth up exiting", stack)
+        wait_for(stack.exited, "hearth up exiting", stack.log_path)
         assert stack.process.returncode == 1
         log = stack.log_path.read_text()
         # One clear line with the worker's log tail, not a traceback of hearth up itself.

@@ -140,6 +140,17 @@ def test_rope_write_kv_equals_rotary_then_write(kernels, cache_dtype):
     torch.testing.assert_close(vc, ref_vc)
 
 
+def scattered_block_tables(context_lens, block_size, num_blocks, gen) -> list[list[int]]:
+    """One block table per request, over a random permutation of the pool (never adjacent)."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // block_size)
+        tables.append(perm[used : used + n])
+        used += n
+    return tables
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [16, 512])  # many context splits, and one
 # head_dim 16 takes the generic loops; 64 and 128 the AVX-512 ones (with 9 query heads per KV
@@ -153,12 +164,7 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
     vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     # A mixed step: a prefill chunk over a cached prefix, then three decodes of different lengths.
     query_lens, context_lens = [5, 1, 1, 1], [13, 1, 30, 57]
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for ctx in context_lens:
-        n = -(-ctx // block_size)
-        tables.append(perm[used : used + n])
-        used += n
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, dim, generator=gen)
@@ -183,12 +189,7 @@ def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     num_blocks = sum(-(-c // block_size) for c in context_lens)
     kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for ctx in context_lens:
-        n = -(-ctx // block_size)
-        tables.append(perm[used : used + n])
-        used += n
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
     meta = build_attention_metadata([1, 1, 1], context_lens, tables, block_size)
     q = torch.randn(3, heads, dim, generator=gen)
     k = torch.randn(3, kv_heads, dim, generator=gen)

@@ -415,6 +415,23 @@ inline float load_kv<float>(const float* p, int64_t j) { return p[j]; }
 template <>
 inline float load_kv<uint16_t>(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
 
+// Scores [G, n] -> exp(score - max) in place; part[h] gets (max, sum of exp) per query head.
+inline void softmax_scores(float* scores, int64_t n, int64_t G, float* part, int64_t pstride) {
+  for (int64_t h = 0; h < G; ++h) {
+    float* sc = scores + h * n;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sc[i] = fast_exp(sc[i] - mx);
+      sum += sc[i];
+    }
+    part[h * pstride] = mx;
+    part[h * pstride + 1] = sum;
+  }
+}
+
 // One work item: query heads [g*G, (g+1)*G) of request b over context tokens [t0, t1).
 // Writes per head: part[h] = (max score, sum of exp, unnormalized output[D]).
 template <typename KV>
@@ -432,21 +449,9 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int32_t* 
       scores[h * n + (t - t0)] = dot * scale;
     }
   }
-  for (int64_t h = 0; h < G; ++h) {
-    float* sc = scores + h * n;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      sc[i] = fast_exp(sc[i] - mx);
-      sum += sc[i];
-    }
-    part[h * pstride] = mx;
-    part[h * pstride + 1] = sum;
-    float* o = part + h * pstride + 2;
-    for (int64_t j = 0; j < D; ++j) o[j] = 0;
-  }
+  softmax_scores(scores, n, G, part, pstride);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t j = 0; j < D; ++j) part[h * pstride + 2 + j] = 0;
   for (int64_t t = t0; t < t1; ++t) {
     const KV* v = vc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
     for (int64_t h = 0; h < G; ++h) {
@@ -483,19 +488,7 @@ void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* t
       scores[h * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int64_t h = 0; h < G; ++h) {
-    float* sc = scores + h * n;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
-    float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      sc[i] = fast_exp(sc[i] - mx);
-      sum += sc[i];
-    }
-    part[h * pstride] = mx;
-    part[h * pstride + 1] = sum;
-  }
+  softmax_scores(scores, n, G, part, pstride);
   for (int64_t h0 = 0; h0 < G; h0 += 8) {
     const int64_t hn = std::min<int64_t>(8, G - h0);
     __m512 o[8][DV];
