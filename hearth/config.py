@@ -61,6 +61,9 @@ class GuidedConfig:
     num_compile_threads: int = 2
     max_compiles_in_flight: int = 8  # queued + running (timed-out ones count until done)
     cache_size: int = 256  # compiled grammars kept, least recently used evicted
+    # forced tokens (tool-call wrappers, keys) are appended without a decode step each; off:
+    # the mask forces the same tokens one step each (same output, the parity reference)
+    jump_forward: bool = True
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ class GrammarPool:
         try:
             from hearth.engine.guided import Matcher
 
-            return Matcher(future.result(), self._vocab_size)
+            return Matcher(future.result(), self._vocab_size, self.config.jump_forward)
         except CancelledError:
             raise ValueError(f"{param}: the grammar compile was cancelled") from None
         except ValueError as exc:

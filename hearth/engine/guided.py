@@ -14,11 +14,29 @@ constrained request ends with finish_reason "stop" (or "length" if max_tokens ru
 
 Vocabulary sizes: the model's logits row may be longer than the tokenizer's vocabulary (padded
 lm_head). Ids the tokenizer does not know are always disallowed.
+
+Forced tokens (jump-forward). Where the grammar admits exactly one continuation (a tool call's
+`<tool_call>\n{"name": "f", "arguments": ` wrapper, object keys, `":`), the matcher tokenizes it
+(xgrammar's `find_jump_forward_tokens`: longest vocabulary tokens, leaving out a last token that
+a longer one could extend) right after each *sampled* token. Those tokens are the only ones
+allowed until they are all accepted. With `jump_forward` the engine appends them at once
+(`forced_token_ids`: they enter the KV as one chunk, no decode step each); without it the mask
+allows only the next forced token, so the output is token-for-token the same, one decode step
+per token (the parity reference).
+
+    sampled t -> accept(t) -> forced = [f1, f2, f3]
+      jump_forward:  forced_token_ids() -> [f1, f2, f3]; the engine appends and accepts them
+      otherwise:     fill_mask -> only f1; accept(f1); fill_mask -> only f2; ...
+
+JSON in structural tags: a `json_schema` node that carries `"separators": [",", ":"]` (hearth's
+extension; the tool-call grammars use it) compiles with exactly those separators and no other
+whitespace, so the arguments come out compact and their keys and `":` are forced too.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from typing import Any
 
 import torch
@@ -77,16 +95,26 @@ def make_tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> Tokeni
 class Matcher:
     """The grammar state of one request. Not thread-safe; one per request."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int,
+                 jump_forward: bool = True) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
         self._vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
+        self.jump_forward = jump_forward
+        self._forced: deque[int] = deque()  # forced tokens not yet accepted
+        self._history: list[tuple[int, ...]] = []  # _forced before each accepted token (rollback)
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of tokens the grammar forbids next to -inf, in place.
 
         `logits_row`: 1-D float tensor, [model_vocab_size] (>= or < the tokenizer's vocab).
         """
+        if self._forced:  # exactly one token is allowed
+            forced = self._forced[0]
+            value = logits_row[forced].clone()
+            logits_row.fill_(float("-inf"))
+            logits_row[forced] = value
+            return
         self._matcher.fill_next_token_bitmask(self._bitmask)
         num_known = min(self._vocab_size, logits_row.shape[-1])
         mask = self._bitmask.to(logits_row.device, non_blocking=True)
@@ -103,11 +131,30 @@ class Matcher:
         """Advance past `token_id`; False (state unchanged) if the grammar did not allow it."""
         if not 0 <= token_id < self._vocab_size:
             return False
-        return bool(self._matcher.accept_token(int(token_id)))
+        if self._forced and token_id != self._forced[0]:
+            return False
+        if not self._matcher.accept_token(int(token_id)):
+            return False
+        self._history.append(tuple(self._forced))
+        if self._forced:
+            self._forced.popleft()
+        else:  # a sampled token: what does the grammar force after it?
+            self._forced.extend(self._matcher.find_jump_forward_tokens())
+        return True
+
+    def forced_token_ids(self) -> list[int]:
+        """With jump-forward: the tokens the grammar forces next (after the last sampled token),
+        for the engine to append without sampling; each is then `accept`ed like any token.
+        [] without jump-forward (the mask forces them, one per step) or when nothing is forced."""
+        return list(self._forced) if self.jump_forward else []
 
     def accept_text(self, text: str) -> bool:
-        """Advance past a string (used by tests and to force a known prefix)."""
-        return bool(self._matcher.accept_string(text))
+        """Advance past a string (tests only: it is one rollback step, not one per token)."""
+        if not self._matcher.accept_string(text):
+            return False
+        self._forced.clear()
+        self._history.append(())
+        return True
 
     def is_terminated(self) -> bool:
         """True once the grammar is complete and a stop token was accepted."""
@@ -121,6 +168,8 @@ class Matcher:
         """Undo the last `num_tokens` accepted tokens (speculative decoding, PD first token)."""
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
+            self._forced = deque(self._history[-num_tokens])
+            del self._history[-num_tokens:]
 
     def allowed_token_ids(self) -> list[int]:
         """The ids allowed next (tests and debugging; slow on purpose-free paths)."""
@@ -177,7 +226,7 @@ class GrammarCompiler:
             return self._compiler.compile_grammar(spec.value)
         tag = json.loads(spec.value)
         _check_nested_schemas(tag)
-        return self._compiler.compile_structural_tag(json.dumps(tag))
+        return self._compiler.compile_structural_tag(json.dumps(_fixed_separators(tag)))
 
 
 def _check_nested_schemas(node: Any) -> None:
@@ -190,6 +239,21 @@ def _check_nested_schemas(node: Any) -> None:
     elif isinstance(node, list):
         for value in node:
             _check_nested_schemas(value)
+
+
+def _fixed_separators(node: Any) -> Any:
+    """A copy of a structural tag where each `json_schema` node with `separators` is a grammar
+    node for that schema with exactly those separators and no other whitespace."""
+    if isinstance(node, list):
+        return [_fixed_separators(value) for value in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "separators" in node:
+        comma, colon = node["separators"]
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(node["json_schema"]), any_whitespace=False, separators=(comma, colon))
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: _fixed_separators(value) for key, value in node.items()}
 
 
 def _looks_like_lark(grammar: str) -> bool:

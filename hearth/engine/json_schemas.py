@@ -12,8 +12,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 # A tiny model left free to pick JSON whitespace can emit it forever. Plain JSON output uses the
-# canonical separators (", " and ": ", what models are trained on); formats embedded in
-# structural tags (tool calls) cap runs of whitespace instead.
+# canonical separators (", " and ": ", what models are trained on); user structural tags cap
+# runs of whitespace instead, and tool-call arguments are compact (guided._fixed_separators).
 MAX_JSON_WHITESPACE = 2
 
 
