@@ -19,6 +19,11 @@ Two formats:
 Streaming shape (as OpenAI sends it): per call, first ToolCallDelta(index, id, name, arguments="")
 then ToolCallDelta(index, arguments=fragment)... Whitespace right before or after a call is
 dropped; content that is only whitespace is dropped when the output has tool calls.
+
+Tool markup never reaches content. A call cut off (max_tokens) once its name is complete is
+reported with the arguments produced so far, as OpenAI reports a length stop; a call that never
+got a name (cut off early, or malformed) is dropped and counted in `num_dropped`, and so is a
+start tag cut off at the end of the output.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ class ToolParser:
         self._held_space = ""  # whitespace content waiting to see what follows it
         self._num_calls = 0
         self._after_call = False  # drop whitespace right after a call
+        self.num_dropped = 0  # calls (or cut-off start tags) dropped as unusable markup
 
     @property
     def num_calls(self) -> int:
@@ -140,6 +146,12 @@ class ToolParser:
         self._num_calls += 1
         self._after_call = True
 
+    def _drop_markup(self) -> None:
+        """A call that cannot be reported: neither a call nor content (nor the space around it)."""
+        self.num_dropped += 1
+        self._held_space = ""
+        self._after_call = True
+
     def _flush_held_space(self, events: list[Event]) -> None:
         if self._held_space and self._num_calls == 0:
             _append_content(events, self._held_space)
@@ -159,7 +171,6 @@ class HermesToolParser(ToolParser):
     def __init__(self, make_call_id: Callable[[], str] = random_call_id) -> None:
         super().__init__(make_call_id)
         self._call: _CallEmitter | None = None
-        self._raw_call = ""  # the call's text, returned as content if it never gets a name
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -181,7 +192,7 @@ class HermesToolParser(ToolParser):
             return False
         self._emit_content(self._pending[:at], events)
         self._pending = self._pending[at + len(self.START) :]
-        self._call, self._raw_call = self._start_call(), self.START
+        self._call = self._start_call()
         return True
 
     def _scan_call(self, events: list[Event]) -> bool:
@@ -190,7 +201,6 @@ class HermesToolParser(ToolParser):
         at = self._pending.find(self.END)
         body_len = at if at >= 0 else len(self._pending) - _partial_suffix(self._pending, self.END)
         body = self._pending[:body_len]
-        self._raw_call += body
         if not self._call.scanner.done:
             self._call.scanner.feed(body)
         self._call.progress(events)
@@ -198,24 +208,25 @@ class HermesToolParser(ToolParser):
             self._pending = self._pending[body_len:]
             return False
         self._pending = self._pending[at + len(self.END) :]
-        self._close_call(events, self._raw_call + self.END)
+        self._close_call(events)
         return True
 
-    def _close_call(self, events: list[Event], raw: str) -> None:
+    def _close_call(self, events: list[Event]) -> None:
         assert self._call is not None
         if self._call.close(events):
             self._end_call()
         else:
-            self._emit_content(raw, events)
+            self._drop_markup()
         self._call = None
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
         if self._call is not None:
-            self._raw_call += self._pending
             if not self._call.scanner.done:
                 self._call.scanner.feed(self._pending)
-            self._close_call(events, self._raw_call)
+            self._close_call(events)
+        elif len(self._pending) >= 2:  # a start tag cut off ("<t" ... "<tool_call"): markup
+            self._drop_markup()
         else:
             self._emit_content(self._pending, events)
         self._pending = ""
@@ -279,11 +290,15 @@ class Llama3JsonToolParser(ToolParser):
 
     def _close_call(self, events: list[Event]) -> None:
         assert self._call is not None
+        scanner = self._call.scanner
         if self._call.close(events):
             self._end_call()
             self._mode = "between"
+        elif not scanner.done and _may_be_call(scanner.text):  # a call cut off before its name
+            self._drop_markup()
+            self._mode = "content"
         else:  # a JSON object that is not a call: the whole output is content
-            self._emit_content(self._call.scanner.text, events)
+            self._emit_content(scanner.text, events)
             self._mode = "content"
         self._call = None
 
@@ -296,6 +311,12 @@ class Llama3JsonToolParser(ToolParser):
         self._pending = ""
         self._flush_held_space(events)
         return events
+
+
+def _may_be_call(text: str) -> bool:
+    """Whether a cut-off JSON object still reads as the start of {"name": ...}."""
+    compact = "".join(text.split())
+    return bool(compact) and (compact.startswith('{"name"') or '{"name"'.startswith(compact))
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -71,12 +71,22 @@ HERMES_CASES = [
         "Let me check.",
         [("a", '{"x": "}{</tool_call"}'), ("b", '{"y": [1, {"z": "\\"q"}]}')],
     ),
-    ("Just an answer, no tools. 1 < 2 <tool", "Just an answer, no tools. 1 < 2 <tool", []),
+    # A start tag cut off at the end is markup, never content; a lone "<" is content.
+    ("Just an answer, no tools. 1 < 2 <tool", "Just an answer, no tools. 1 < 2", []),
+    ("1 <", "1 <", []),
     ('<tool_call>{"name": "f"}</tool_call>', None, [("f", "{}")]),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", '{"a": 1}')]),
-    ("<tool_call>not json</tool_call> tail", "<tool_call>not json</tool_call> tail", []),
+    # Malformed calls are dropped: the markup never becomes content.
+    ("<tool_call>not json</tool_call> tail", "tail", []),
     # Cut off by max_tokens mid-arguments: the call is reported with what was produced.
     ('<tool_call>{"name": "f", "arguments": {"a": 1', None, [("f", '{"a": 1')]),
+    ('<tool_call>\n{"name":"read_file","arguments":{"path":"src/ma', None,
+     [("read_file", '{"path":"src/ma')]),
+    # ... and before its name is complete: nothing to report, and no markup as content.
+    ('Checking.\n<tool_call>\n{"name": "get', "Checking.", []),
+    ('<tool_call>\n{"na', None, []),
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g',
+     None, [("f", "{}")]),
 ]
 
 
@@ -114,6 +124,11 @@ LLAMA3_CASES = [
     ("The answer is {42}.", "The answer is {42}.", []),
     ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),
     ("  plain text", "  plain text", []),
+    # Cut off: with a name and arguments begun it is a call; before its name it is dropped;
+    # a JSON object that is no call stays content.
+    ('{"name": "get_weather", "parameters": {"city": "Os', None, [("get_weather", '{"city": "Os')]),
+    ('{"name": "get_wea', None, []),
+    ('{"answer": 4', '{"answer": 4', []),
 ]
 
 
