@@ -106,6 +106,26 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class KVOffloadConfig:
+    """KV tiers below the pool (read by `hearth.disagg.kv_store`; docs/kv_tiers.md).
+
+    A cached block evicted from the pool is written, off the step, to the first tier; a prefix
+    that continues past the pool's hits into a tier is loaded back instead of recomputed."""
+
+    directory: str | None = None  # disk tier root; None (and host_gb 0): no tiers
+    max_gb: float = 8.0  # size cap of the directory tier (least recently used files go first)
+    shared: bool = False  # several workers use `directory` (the tier is named "shared")
+    host_gb: float = 0.0  # host-memory tier above the disk (for a pool on a GPU)
+    max_pending_blocks: int = 64  # staging buffers of evicted blocks waiting to be written
+    load_timeout_seconds: float = 5.0  # a load still running then ends; the rest is recomputed
+    num_load_threads: int = 2
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None or self.host_gb > 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The composition the engine is built from (each part goes to its own component)."""
 
@@ -115,3 +135,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     guided: GuidedConfig = field(default_factory=GuidedConfig)
+    kv_offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)

@@ -7,12 +7,15 @@ Invariants (checked by `check_integrity`):
     recently freed block is reused first (LRU). A free block keeps its hash (and so stays a prefix-
     cache hit) until it is handed out again.
 
-The pool knows nothing about requests: it takes and returns block ids and hashes.
+The pool knows nothing about requests: it takes and returns block ids and hashes. An
+`evict_listener(block_id, block_hash)` (the KV tiers) is called while an evicted block still holds
+its bytes, before it is handed out again; it must copy what it keeps before returning.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Callable
 
 
 class Block:
@@ -38,7 +41,10 @@ class BlockPool:
         self.cached: dict[int, Block] = {}
         # Stored/evicted hash events for the router's cache view: (seq, "stored"|"evicted", hash).
         self.events: deque[tuple[int, str, int]] = deque(maxlen=max_events)
+        # The same reports for the tiers below the pool: (seq, kind, hash, tier name).
+        self.tier_events: deque[tuple[int, str, int, str]] = deque(maxlen=max_events)
         self.event_seq = 0
+        self.evict_listener: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +103,8 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
+            if self.evict_listener is not None:
+                self.evict_listener(block.block_id, block.block_hash)
             del self.cached[block.block_hash]
             self._event("evicted", block.block_hash)
             block.block_hash = None
@@ -112,6 +120,20 @@ class BlockPool:
             if seq > cursor:
                 (stored if kind == "stored" else evicted).append(block_hash)
         return self.event_seq, stored, evicted
+
+    def record_tier_event(self, kind: str, block_hash: int, tier: str) -> None:
+        """A lower tier stored or evicted a block (reported with the pool's own events)."""
+        self.event_seq += 1
+        self.tier_events.append((self.event_seq, kind, block_hash, tier))
+
+    def tier_events_since(self, cursor: int) -> dict[str, tuple[list[int], list[int]]]:
+        """tier -> (stored, evicted) after `cursor` (the cursor of `events_since`)."""
+        out: dict[str, tuple[list[int], list[int]]] = {}
+        for seq, kind, block_hash, tier in self.tier_events:
+            if seq > cursor:
+                stored, evicted = out.setdefault(tier, ([], []))
+                (stored if kind == "stored" else evicted).append(block_hash)
+        return out
 
     def is_whole(self) -> bool:
         """No block is referenced: everything is free (possibly still cached)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ from hearth.engine.connector import ConnectorFactory, KVCacheGeometry, KVTransfe
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.kv_cache import KVCacheManager, cdiv
 from hearth.engine.grammar_pool import GrammarPool, GrammarTicket
+from hearth.engine.kv_store import StoreFactory
+from hearth.engine.kv_tiers import KVTierDriver, store_namespace
 from hearth.engine.kv_transfer import KVTransferDriver
 from hearth.engine.request import Request, RequestOutput, RequestStatus
 from hearth.engine.executor import RankFailedError, make_executor
@@ -59,6 +61,8 @@ class EngineStats:
     num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
     num_waiting_for_grammar: int = 0  # guided requests whose grammar is compiling (in num_waiting)
     num_grammars_compiling: int = 0  # compiles queued or running (timed-out ones until they end)
+    # KV tiers below the pool: tier name -> counters, plus "offload" (docs/kv_tiers.md)
+    kv_tiers: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -73,8 +77,10 @@ class GrammarWait:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint=None,
-                 connector_factory: ConnectorFactory | None = None) -> None:
-        """`connector_factory` (from the server, by role) enables KV export/import."""
+                 connector_factory: ConnectorFactory | None = None,
+                 store_factory: StoreFactory | None = None) -> None:
+        """`connector_factory` (from the server, by role) enables KV export/import;
+        `store_factory` the KV tiers below the pool (when `config.kv_offload` names one)."""
         from hearth.models.loader import load_checkpoint
 
         t0 = time.monotonic()
@@ -111,6 +117,16 @@ class LLMEngine:
                                        head_dim, str(kv_cache.dtype).removeprefix("torch."))
             connector = connector_factory(config.kv_transfer, kv_cache, geometry)
             self.pd = KVTransferDriver(connector, self.scheduler, self.kv, self.arch.vocab_size)
+        self.tiers: KVTierDriver | None = None
+        if store_factory is not None and config.kv_offload.enabled:
+            kv_cache = self.runner.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
+            num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
+            geometry = KVCacheGeometry(num_layers, num_blocks, cc.block_size, num_kv_heads,
+                                       head_dim, str(kv_cache.dtype).removeprefix("torch."))
+            store = store_factory(config.kv_offload, kv_cache, geometry,
+                                  store_namespace(mc, geometry))
+            self.tiers = KVTierDriver(store, self.scheduler, self.kv,
+                                      config.kv_offload.load_timeout_seconds)
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens", self.load_seconds,
                  self.model_name, num_blocks, cc.block_size)
@@ -228,6 +244,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.pd is not None:
             self.pd.poll()  # free released leases, resume requests whose KV arrived
+        if self.tiers is not None:
+            self.tiers.poll()  # resume requests whose blocks came back from a lower tier
         outputs = [self._make_output(r, [], "") for r in self._aborted]
         self._aborted = []
         self.admissions = []
@@ -242,8 +260,12 @@ class LLMEngine:
                 outputs.append(self._finish_output(req))
         if self.pd is not None:
             self.pd.start_imports(sched.kv_imports)
+        if self.tiers is not None:
+            self.tiers.start_loads(sched.kv_loads)
         if sched.empty:
-            if self.pd is not None:
+            if self.tiers is not None and self.tiers.num_loading:
+                self.tiers.wait(0.005)  # only tier loads (maybe transfers) are in flight
+            elif self.pd is not None:
                 self.pd.wait(0.005)  # only KV transfers are in flight: don't spin
             elif self._grammar_waits:
                 self._grammars.wait(0.005)  # only compiles are in flight
@@ -381,6 +403,7 @@ class LLMEngine:
             num_kv_transfer_failures=pd.get("transfer_failures", 0),
             num_waiting_for_grammar=len(self._grammar_waits),
             num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {},
         )
 
     def block_events_since(self, cursor: int) -> tuple[int, list[int], list[int]]:
@@ -388,9 +411,15 @@ class LLMEngine:
         view; a cursor older than the event window returns every retained event."""
         return self.pool.events_since(cursor)
 
+    def tier_block_events_since(self, cursor: int) -> dict[str, tuple[list[int], list[int]]]:
+        """tier -> (stored, evicted) hashes of the lower KV tiers since `cursor` (same cursor)."""
+        return self.pool.tier_events_since(cursor)
+
     def kv_pool_is_whole(self) -> bool:
         if self.pd is not None:
             self.pd.poll()
+        if self.tiers is not None:
+            self.tiers.poll()
         self.pool.check_integrity()
         return self.pool.is_whole() and not self.scheduler.running
 
@@ -399,6 +428,8 @@ class LLMEngine:
         executor (a T x P rank set shuts its processes down)."""
         if self.pd is not None:
             self.pd.close()
+        if self.tiers is not None:
+            self.tiers.close()  # running loads end; pending writes finish
         if self._grammars is not None:
             self._grammars.close()
         self.runner.close()

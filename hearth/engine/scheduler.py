@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hearth.config import SchedulerConfig
 from hearth.engine.kv_cache import KVCacheManager
@@ -27,6 +28,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
     kv_imports: list[Request] = field(default_factory=list)  # admitted to wait for a KV transfer
+    kv_loads: list[Request] = field(default_factory=list)  # admitted to wait for a KV tier load
     num_batched_tokens: int = 0
 
     @property
@@ -43,6 +45,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.importing: list[Request] = []  # blocks allocated, KV arriving from a prefill worker
+        # (request, pool hits) -> blocks after them held by a KV tier (kv_tiers.py); None: no tiers
+        self.store_lookup: Callable[[Request, int], int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -87,6 +91,11 @@ class Scheduler:
                 if not self._admit_import(req, hits, out):
                     break
                 continue
+            num_stored = self.store_lookup(req, len(hits)) if self.store_lookup else 0
+            if num_stored:  # its prefix continues in a lower tier: load it, don't recompute
+                if not self._admit_load(req, hits, num_stored, out):
+                    break
+                continue
             num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
             if not self.kv.allocate(req, num_new, hits):
                 break  # wait for blocks; admission order is kept (no overtaking)
@@ -113,6 +122,21 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_KV
         self.importing.append(req)
         out.kv_imports.append(req)
+        return True
+
+    def _admit_load(self, req: Request, hits: list, num_stored: int, out: SchedulerOutput) -> bool:
+        """Like an import: adopt the pool's hits, allocate the `num_stored` blocks that follow
+        and park the request until the store has filled them (no token budget)."""
+        if not self.kv.allocate(req, num_stored * self.kv.block_size, hits):
+            return False
+        self.waiting.popleft()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = len(hits) * self.kv.block_size
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.importing.append(req)
+        out.kv_loads.append(req)
         return True
 
     def complete_import(self, req: Request, num_computed_tokens: int) -> None:

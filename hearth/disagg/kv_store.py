@@ -1,0 +1,438 @@
+"""TieredStore: the engine's KVStore, over a host-memory tier and/or a directory tier.
+
+    pool --evict--> staging buffer (memcpy, engine thread) --> writer thread --> tiers[0]
+                                                             host (LRU) --overflow--> disk|shared
+    admission --start_load--> loader threads: read record, check it, copy into the pool block
+
+Invariants:
+  * a record is found under its final name only complete: it is written to a temporary file
+    and renamed into place (atomic on one filesystem), so a writer killed mid-write leaves a
+    temporary file (swept at start) and never a torn record under a block's name; every
+    record is checked (hash, namespace, layout, length, crc32) before a byte reaches the pool;
+  * a load copies into the pool only under its state's lock, after checking it was not
+    cancelled, so `cancel` returning means no write to its blocks follows;
+  * nothing here blocks the engine thread on the store: `offload` is a memcpy or a drop,
+    `contains` an index lookup (plus one stat for a shared directory), loads and writes run on
+    threads; a failing store (disk full, directory gone, corrupt files) counts the error,
+    drops the record and degrades to recompute;
+  * each tier keeps its size under its cap, least recently used first; a directory tier
+    rebuilds its index from the files at start, so a restarted worker finds its blocks again.
+
+A shared directory (several workers, one machine) is the same directory tier with `shared`:
+a block not in this worker's index is looked up on disk (another worker may have written it),
+and a record deleted by another worker is just a miss.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from hearth.config import KVOffloadConfig
+from hearth.disagg.block_file import (HEADER, BlockRecordError, check_record, encode_header,
+                                      record_bytes)
+from hearth.engine.connector import KVCacheGeometry
+from hearth.engine.kv_store import LoadResult, StoreEvents
+
+log = logging.getLogger("hearth.disagg.kv_store")
+
+SUFFIX = ".kvb"
+STALE_TMP_SECONDS = 60.0  # a temporary file this old has no live writer (swept at start)
+
+
+def _counters() -> dict[str, float]:
+    return dict(hits=0, bytes_read=0, stored=0, bytes_written=0, evicted=0, write_errors=0,
+                corrupt=0, num_blocks=0, num_bytes=0)
+
+
+class MemoryTier:
+    """Records in host memory (for a pool on a GPU: one PCIe copy away), LRU under a cap."""
+
+    def __init__(self, name: str, max_bytes: int, on_event) -> None:
+        self.name = name
+        self.max_bytes = max_bytes
+        self.on_event = on_event
+        self._records: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self.counters = _counters()
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._records
+
+    def put(self, block_hash: int, header: bytes, payload: memoryview) -> list[tuple[int, bytes]]:
+        """Store; returns the (hash, record) pairs pushed out (for the next tier)."""
+        record = bytes(header) + bytes(payload)  # immutable: read without the lock
+        out = []
+        with self._lock:
+            self._records[block_hash] = record
+            self._records.move_to_end(block_hash)
+            size = self.counters["num_bytes"] + len(record)
+            while size > self.max_bytes and len(self._records) > 1:
+                old_hash, old = self._records.popitem(last=False)
+                size -= len(old)
+                out.append((old_hash, old))
+            self.counters.update(num_bytes=size, num_blocks=len(self._records))
+        self.counters["stored"] += 1
+        self.counters["bytes_written"] += len(record)
+        self.on_event("stored", block_hash, self.name)
+        for old_hash, _ in out:
+            self.counters["evicted"] += 1
+            self.on_event("evicted", old_hash, self.name)
+        return out
+
+    def read(self, block_hash: int, buffer: torch.Tensor) -> memoryview:
+        with self._lock:
+            record = self._records.get(block_hash)
+            if record is None:
+                raise FileNotFoundError(f"block {block_hash:016x} left the {self.name} tier")
+            self._records.move_to_end(block_hash)
+        return memoryview(record)
+
+    def discard(self, block_hash: int) -> None:
+        with self._lock:
+            record = self._records.pop(block_hash, None)
+            if record is not None:
+                self.counters["num_bytes"] -= len(record)
+                self.counters["num_blocks"] = len(self._records)
+
+
+class DirectoryTier:
+    """One record file per block: `<root>/<namespace>/<first 2 hex>/<hash as 16 hex>.kvb`."""
+
+    def __init__(self, name: str, root: str, namespace: str, max_bytes: int, shared: bool,
+                 geometry: KVCacheGeometry, on_event) -> None:
+        self.name = name
+        self.dir = os.path.join(root, namespace)
+        self.tmp_dir = os.path.join(self.dir, "tmp")
+        self.max_bytes = max_bytes
+        self.shared = shared
+        self.record_bytes = record_bytes(geometry)
+        self.on_event = on_event
+        self._index: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self.counters = _counters()
+        os.makedirs(self.tmp_dir, exist_ok=True)
+        self._rebuild()
+
+    def path(self, block_hash: int) -> str:
+        name = f"{block_hash:016x}"
+        return os.path.join(self.dir, name[:2], name + SUFFIX)
+
+    def _rebuild(self) -> None:
+        """Index the records already here (oldest use first); sweep stale temporary files."""
+        now = time.time()
+        for entry in os.scandir(self.tmp_dir):
+            try:
+                if now - entry.stat().st_mtime > STALE_TMP_SECONDS or not self.shared:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+        found = []
+        for sub in os.scandir(self.dir):
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub.path):
+                if not entry.name.endswith(SUFFIX):
+                    continue
+                try:
+                    block_hash = int(entry.name[:-len(SUFFIX)], 16)
+                    st = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                if st.st_size != self.record_bytes:  # cannot be a whole record: drop it
+                    _unlink(entry.path)
+                    continue
+                found.append((st.st_mtime, block_hash))
+        for _, block_hash in sorted(found):
+            self._index[block_hash] = None
+            self.on_event("stored", block_hash, self.name)
+        self._set_size()
+        self._trim()
+        log.info("%s tier %s: %d blocks found", self.name, self.dir, len(self._index))
+
+    def _set_size(self) -> None:
+        self.counters["num_blocks"] = len(self._index)
+        self.counters["num_bytes"] = len(self._index) * self.record_bytes
+
+    def contains(self, block_hash: int) -> bool:
+        if block_hash in self._index:
+            return True
+        if self.shared and os.path.exists(self.path(block_hash)):  # another worker wrote it
+            with self._lock:
+                self._index[block_hash] = None
+                self._set_size()
+            return True
+        return False
+
+    def put(self, block_hash: int, header: bytes, payload: memoryview) -> bool:
+        """Write one record (writer thread). False when it could not be written."""
+        final = self.path(block_hash)
+        tmp = os.path.join(self.tmp_dir, f"{block_hash:016x}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.makedirs(self.tmp_dir, exist_ok=True)  # the directory may have been removed
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, final)
+        except OSError as exc:
+            _unlink(tmp)
+            self.counters["write_errors"] += 1
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                self._make_room()  # the disk is fuller than our cap assumed
+            log.warning("%s tier: could not write block %016x: %s", self.name, block_hash, exc)
+            return False
+        with self._lock:
+            self._index[block_hash] = None
+            self._index.move_to_end(block_hash)
+            self._set_size()
+        self.counters["stored"] += 1
+        self.counters["bytes_written"] += len(header) + len(payload)
+        self.on_event("stored", block_hash, self.name)
+        self._trim()
+        return True
+
+    def _make_room(self) -> None:
+        """Disk full: shrink the cap to what fits now and free an eighth of it."""
+        with self._lock:
+            self.max_bytes = max(self.record_bytes,
+                                 min(self.max_bytes, len(self._index) * self.record_bytes * 7 // 8))
+        self._trim()
+
+    def _trim(self) -> None:
+        while True:
+            with self._lock:
+                if len(self._index) * self.record_bytes <= self.max_bytes or not self._index:
+                    return
+                block_hash, _ = self._index.popitem(last=False)
+                self._set_size()
+            _unlink(self.path(block_hash))
+            self.counters["evicted"] += 1
+            self.on_event("evicted", block_hash, self.name)
+
+    def read(self, block_hash: int, buffer: torch.Tensor) -> memoryview:
+        """The record's bytes, read into `buffer` (uint8, record_bytes long)."""
+        view = memoryview(buffer.numpy())
+        with open(self.path(block_hash), "rb") as f:
+            n = f.readinto(view)
+            if f.read(1):
+                raise BlockRecordError("file is longer than a record")
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+        return view[:n]
+
+    def discard(self, block_hash: int) -> None:
+        """A record failed its checks or vanished: forget it (and remove a bad file)."""
+        with self._lock:
+            self._index.pop(block_hash, None)
+            self._set_size()
+        _unlink(self.path(block_hash))
+
+
+class _LoadState:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.num_loaded = 0
+
+
+class TieredStore:
+    def __init__(self, config: KVOffloadConfig, kv_cache: torch.Tensor,
+                 geometry: KVCacheGeometry, namespace: str) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != geometry.num_blocks:
+            raise ValueError("the KV tiers need the engine's local KV tensor")
+        self.kv_cache = kv_cache
+        self.geometry = geometry
+        self.namespace = namespace
+        self._events: list[tuple[str, int, str]] = []
+        self._lock = threading.Lock()
+        self.tiers: list = []
+        if config.host_gb > 0:
+            self.tiers.append(MemoryTier("host", int(config.host_gb * 2**30), self._event))
+        if config.directory is not None:
+            self.tiers.append(DirectoryTier(
+                "shared" if config.shared else "disk", config.directory, namespace,
+                int(config.max_gb * 2**30), config.shared, geometry, self._event))
+        if not self.tiers:
+            raise ValueError("kv offload: give --kv-offload-dir or --kv-offload-host-gb")
+        self.tier_names = tuple(t.name for t in self.tiers)
+        block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+        pin = kv_cache.device.type == "cuda"
+        self._free_staging = queue.SimpleQueue()
+        for _ in range(max(1, config.max_pending_blocks)):
+            self._free_staging.put(torch.empty(block_shape, dtype=kv_cache.dtype, pin_memory=pin))
+        self._pending: set[int] = set()  # hashes copied to staging, not yet written
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="hearth-kv-offload",
+                                        daemon=True)
+        self._writer.start()
+        self._loaders = ThreadPoolExecutor(max(1, config.num_load_threads),
+                                           thread_name_prefix="hearth-kv-load")
+        self._buffers = threading.local()  # one read buffer per loader thread
+        self._loads: dict[str, _LoadState] = {}
+        self._done: list[LoadResult] = []
+        self._done_event = threading.Event()
+        self.counters = dict(queue_depth=0, writes_dropped=0, loads=0, load_seconds=0.0)
+        self._closed = False
+
+    def _event(self, kind: str, block_hash: int, tier: str) -> None:
+        with self._lock:
+            self._events.append((kind, block_hash, tier))
+
+    # ---- offload --------------------------------------------------------------------------
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self._pending or any(t.contains(block_hash) for t in self.tiers)
+
+    def offload(self, block_hash: int, block_id: int) -> bool:
+        if self._closed:
+            return False
+        try:
+            staging = self._free_staging.get_nowait()
+        except queue.Empty:
+            self.counters["writes_dropped"] += 1
+            return False
+        staging.copy_(self.kv_cache[:, :, block_id])
+        self._pending.add(block_hash)
+        self.counters["queue_depth"] = len(self._pending)
+        self._writes.put((block_hash, staging))
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            block_hash, staging = item
+            try:
+                payload = memoryview(staging.view(-1).view(torch.uint8).numpy())
+                header = encode_header(self.namespace, block_hash, self.geometry, payload)
+                self._put(0, block_hash, header, payload)
+            except Exception:  # a bug here must not end the writer: the block is just lost
+                log.exception("offload of block %016x failed", block_hash)
+            finally:
+                self._pending.discard(block_hash)
+                self.counters["queue_depth"] = len(self._pending)
+                self._free_staging.put(staging)
+
+    def _put(self, level: int, block_hash: int, header: bytes, payload: memoryview) -> None:
+        tier = self.tiers[level]
+        pushed_out = tier.put(block_hash, header, payload)
+        if isinstance(tier, MemoryTier) and level + 1 < len(self.tiers):
+            for old_hash, record in pushed_out:  # demote what the memory tier let go
+                self._put(level + 1, old_hash, record[:HEADER.size],
+                          memoryview(record)[HEADER.size:])
+
+    # ---- load -----------------------------------------------------------------------------
+    def start_load(self, load_id: str, block_hashes: list[int], block_ids: list[int]) -> None:
+        state = _LoadState()
+        self._loads[load_id] = state
+        self._loaders.submit(self._load, load_id, state, list(block_hashes), list(block_ids))
+
+    def _read_buffer(self) -> torch.Tensor:
+        buf = getattr(self._buffers, "buf", None)
+        if buf is None:
+            buf = self._buffers.buf = torch.empty(record_bytes(self.geometry), dtype=torch.uint8)
+        return buf
+
+    def _load(self, load_id: str, state: _LoadState, hashes: list[int],
+              block_ids: list[int]) -> None:
+        t0 = time.monotonic()
+        result = LoadResult(load_id, 0)
+        shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
+        try:
+            for block_hash, block_id in zip(hashes, block_ids):
+                tier = next((t for t in self.tiers if t.contains(block_hash)), None)
+                if tier is None:
+                    result.error = f"block {block_hash:016x} is in no tier any more"
+                    break
+                try:
+                    record = tier.read(block_hash, self._read_buffer())
+                    payload = check_record(record, self.namespace, block_hash, self.geometry)
+                except (OSError, BlockRecordError) as exc:
+                    if isinstance(exc, BlockRecordError):
+                        tier.counters["corrupt"] += 1
+                    tier.discard(block_hash)
+                    self._event("evicted", block_hash, tier.name)
+                    result.error = f"{tier.name} block {block_hash:016x}: {exc}"
+                    break
+                block = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype)
+                with state.lock:
+                    if state.cancelled:
+                        result.error = "cancelled"
+                        break
+                    self.kv_cache[:, :, block_id].copy_(block.view(shape))
+                    state.num_loaded += 1
+                tier.counters["hits"] += 1
+                tier.counters["bytes_read"] += len(record)
+                result.tiers[tier.name] = result.tiers.get(tier.name, 0) + 1
+                result.num_bytes += len(payload)
+        except Exception as exc:  # never leave the engine waiting on a crashed load
+            log.exception("KV load %s failed", load_id)
+            result.error = f"{type(exc).__name__}: {exc}"
+        result.num_loaded = state.num_loaded
+        result.seconds = time.monotonic() - t0
+        with self._lock:
+            self._done.append(result)
+            self._done_event.set()
+
+    def cancel(self, load_id: str) -> int:
+        state = self._loads.pop(load_id, None)
+        if state is None:
+            return 0
+        with state.lock:
+            state.cancelled = True
+            return state.num_loaded
+
+    def poll(self) -> StoreEvents:
+        with self._lock:
+            done, self._done = self._done, []
+            events, self._events = self._events, []
+            self._done_event.clear()
+        loads = []
+        for result in done:
+            if self._loads.pop(result.load_id, None) is not None:  # else cancelled before
+                self.counters["loads"] += 1
+                self.counters["load_seconds"] += result.seconds
+                loads.append(result)
+        return StoreEvents(loads, events)
+
+    def wait(self, timeout: float) -> None:
+        self._done_event.wait(timeout)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        out = {t.name: dict(t.counters) for t in self.tiers}
+        out["offload"] = dict(self.counters)
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued writes (up to `timeout`), stop the threads; never hangs on a dead disk."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writes.put(None)
+        self._writer.join(timeout)
+        for load_id in list(self._loads):
+            self.cancel(load_id)
+        self._loaders.shutdown(wait=False, cancel_futures=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def make_store(config: KVOffloadConfig, kv_cache: torch.Tensor, geometry: KVCacheGeometry,
+               namespace: str) -> TieredStore:
+    """The `StoreFactory` the engine-core process gives `LLMEngine`."""
+    return TieredStore(config, kv_cache, geometry, namespace)
