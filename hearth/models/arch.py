@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# rope_scaling types computed as transformers does (hearth.models.layers._rope_inv_freq).
+# "dynamic" (dynamic NTK) is refused: its frequencies depend on the current sequence length,
+# so keys cached at one length would be rotated differently from queries at another.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -26,10 +30,12 @@ class ModelArch:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # HF-style rope_scaling dict ({"rope_type": "llama3"|"linear"|"dynamic"|"yarn", ...}) or None
+    # HF-style rope_scaling dict ({"rope_type": one of ROPE_TYPES, "factor": ..., ...}) or None
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama/Qwen3 attention_bias)
+    attention_out_bias: bool = False  # bias on o_proj (Llama/Qwen3 attention_bias; never Qwen2)
+    mlp_bias: bool = False  # bias on gate/up/down projections (Llama mlp_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -40,6 +46,17 @@ class ModelArch:
                 f"unsupported architecture {self.architecture!r}; "
                 f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "dynamic":
+            raise ValueError(
+                "rope_scaling type 'dynamic' (dynamic NTK) is not supported: its RoPE frequencies "
+                "change with the sequence length, which a KV cache filled at shorter lengths cannot "
+                "follow. Remove rope_scaling to run within max_position_embeddings "
+                f"({self.max_position_embeddings}) unscaled, or use a 'yarn' or 'linear' config")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; hearth supports "
+                             f"{', '.join(ROPE_TYPES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

@@ -187,6 +187,8 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
         rope_scaling=_rope_scaling(meta, prefix, file, head_dim, rope_theta),
         tie_word_embeddings="output.weight" not in file.tensors,
         attention_bias="blk.0.attn_q.bias" in file.tensors,
+        attention_out_bias="blk.0.attn_output.bias" in file.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in file.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in file.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),

@@ -79,6 +79,10 @@ def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool 
         rope_scaling = rope
     if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
         rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+    if (rope_scaling is not None and rope_scaling.get("rope_type") == "yarn"
+            and "original_max_position_embeddings" not in rope_scaling):
+        # transformers' default: the config's own length is the pretrained one
+        rope_scaling = {**rope_scaling, "original_max_position_embeddings": max_positions}
     return ModelArch(
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
@@ -93,8 +97,11 @@ def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool 
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or not has_lm_head,
-        # Qwen2 always has q/k/v biases; Llama/Qwen3 say so in the config.
+        # Qwen2 always has q/k/v biases (and none on o_proj); Llama/Qwen3's attention_bias puts
+        # one on all four projections (transformers' LlamaAttention, Qwen3Attention).
         attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_out_bias=architecture != "qwen2" and bool(config.get("attention_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=architecture == "qwen3",
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(config, folder),

@@ -79,15 +79,20 @@ class ColumnParallelLinear(QuantizedWeight, nn.Module):
 
 
 class RowParallelLinear(QuantizedWeight, nn.Module):
-    def __init__(self, in_features: int, out_features: int, group: ParallelGroup):
+    def __init__(self, in_features: int, out_features: int, group: ParallelGroup,
+                 bias: bool = False):
         super().__init__()
         assert in_features % group.size == 0, (in_features, group.size)
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size),
                                    requires_grad=False)
+        # Whole on every rank, added once after the all-reduce.
+        self.bias = (nn.Parameter(torch.zeros(out_features), requires_grad=False)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.matmul(x))
+        out = self.group.all_reduce(self.matmul(x))
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -124,7 +129,9 @@ class ParallelLMHead(QuantizedWeight, nn.Module):
 
 
 def _rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (and the attention-scale factor yarn asks for) per rope_scaling type."""
+    """Inverse frequencies (and the attention-scale factor yarn asks for) per rope_scaling type,
+    as transformers' ROPE_INIT_FUNCTIONS compute them (tests/model/test_hf_parity.py). The types
+    are those in hearth.models.arch.ROPE_TYPES; the arch refuses any other at load."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in ("default", None):
@@ -148,16 +155,31 @@ def _rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[t
         def dim_for(rot: float) -> float:
             return head_dim * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
-        low = max(math.floor(dim_for(beta_fast)), 0)
-        high = min(math.ceil(dim_for(beta_slow)), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3))
+        low, high = dim_for(beta_fast), dim_for(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # as transformers does: no zero-width ramp
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)
         extrapolate = 1 - ramp.clamp(0, 1)
         inv = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
-        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
-        return inv, float(mscale)
-    if rope_type == "dynamic":
-        return inv_freq, 1.0  # NTK scaling applies only past the trained length; not emulated
+        return inv, _yarn_attention_factor(scaling, factor)
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+def _yarn_attention_factor(scaling: dict, factor: float) -> float:
+    """cos/sin scale: `attention_factor` if given, else 0.1 ln(factor) + 1 (DeepSeek's
+    mscale/mscale_all_dim variant: the ratio of two such terms)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 class RotaryEmbedding(nn.Module):

@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = ColumnParallelLinear(arch.hidden_size, (self.q_size + 2 * self.kv_size)
                                              * tp.size, arch.attention_bias, tp)
-        self.o_proj = RowParallelLinear(arch.num_heads * self.head_dim, arch.hidden_size, tp)
+        self.o_proj = RowParallelLinear(arch.num_heads * self.head_dim, arch.hidden_size, tp,
+                                        arch.attention_out_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
@@ -70,8 +71,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.inter = arch.intermediate_size // tp.size
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * arch.intermediate_size,
-                                                 False, tp)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
+                                                 arch.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp,
+                                           arch.mlp_bias)
         self.kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         kernels = attn.kernels
-        if (kernels is None or attn.q_norm is not None or attn.qkv_proj.bias is not None
+        if (kernels is None or attn.q_norm is not None or any(m.bias is not None for m in linears)
                 or attn.o_proj.group.size > 1 or any(m.qweight is None for m in linears)):
             self._fused = None
             return False

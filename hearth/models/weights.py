@@ -5,6 +5,10 @@ world_size))`. Merged projections are filled part by part:
 
     qkv_proj.weight rows = [ q heads of this rank | k heads | v heads ]
     gate_up_proj.weight rows = [ gate slice | up slice ]
+
+Every tensor of the checkpoint that belongs to this model part is read: one the model has no
+place for (a bias of a projection the arch says has none, an unknown norm) is an error at load,
+never silently dropped.
 """
 
 from __future__ import annotations
@@ -39,7 +43,40 @@ def _copy(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
     param.data.copy_(value)
 
 
+class _ReadRecorder:
+    """The checkpoint, noting which tensor names were read."""
+
+    def __init__(self, checkpoint) -> None:
+        self.checkpoint, self.arch, self.read = checkpoint, checkpoint.arch, set()
+
+    def get(self, name: str, shard=None) -> torch.Tensor:
+        self.read.add(name)
+        return self.checkpoint.get(name) if shard is None else self.checkpoint.get(name, shard=shard)
+
+    def tensor_names(self) -> list[str]:
+        return self.checkpoint.tensor_names()
+
+
+def _check_all_read(model: LlamaForCausalLM, recorder: _ReadRecorder) -> None:
+    """Raise if a tensor of this model part (its layers; embeddings/head on the end stages) was
+    not read: the model would run without it and compute something else."""
+    def belongs(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return model.layer_start <= int(name.split(".")[2]) < model.layer_end
+        if name == "model.embed_tokens.weight":
+            return model.is_first
+        if name == "lm_head.weight":  # a tied checkpoint may store a copy of the embeddings
+            return model.is_last and not model.arch.tie_word_embeddings
+        return model.is_last  # model.norm.* and anything unknown at the top level
+    unused = sorted(n for n in recorder.tensor_names() if belongs(n) and n not in recorder.read)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)" if len(unused) > 5 else "")
+        raise ValueError(f"checkpoint tensors the {model.arch.architecture} model has no place "
+                         f"for: {shown}")
+
+
 def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
+    recorder = checkpoint = _ReadRecorder(checkpoint)
     arch, tp = model.arch, model.tp
     rank, size = tp.rank, tp.size
 
@@ -78,16 +115,24 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
                     get_kv(p + "self_attn.v_proj.bias")]
             _copy(attn.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")
         _copy(attn.o_proj.weight, get(p + "self_attn.o_proj.weight", 1), p + "self_attn.o_proj")
+        if arch.attention_out_bias:
+            _copy(attn.o_proj.bias, checkpoint.get(p + "self_attn.o_proj.bias"), p + "o_proj bias")
         if arch.qk_norm:
             _copy(attn.q_norm.weight, checkpoint.get(p + "self_attn.q_norm.weight"), p + "q_norm")
             _copy(attn.k_norm.weight, checkpoint.get(p + "self_attn.k_norm.weight"), p + "k_norm")
         gate_up = [get(p + "mlp.gate_proj.weight", 0), get(p + "mlp.up_proj.weight", 0)]
         _copy(layer.mlp.gate_up_proj.weight, torch.cat(gate_up), p + "mlp.gate_up")
         _copy(layer.mlp.down_proj.weight, get(p + "mlp.down_proj.weight", 1), p + "mlp.down_proj")
+        if arch.mlp_bias:
+            gate_up = [get(p + "mlp.gate_proj.bias", 0), get(p + "mlp.up_proj.bias", 0)]
+            _copy(layer.mlp.gate_up_proj.bias, torch.cat(gate_up), p + "mlp.gate_up bias")
+            _copy(layer.mlp.down_proj.bias, checkpoint.get(p + "mlp.down_proj.bias"),
+                  p + "mlp.down_proj bias")
         _copy(layer.input_layernorm.weight, checkpoint.get(p + "input_layernorm.weight"),
               p + "input_layernorm")
         _copy(layer.post_attention_layernorm.weight,
               checkpoint.get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+    _check_all_read(model, recorder)
 
 
 def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",

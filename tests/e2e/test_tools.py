@@ -85,8 +85,13 @@ def test_forced_tool_call_validates_when_sampling(client, seed):
     response = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                               tool_choice="required", max_tokens=120,
                                               temperature=1.0, seed=seed)
-    for call in response.choices[0].message.tool_calls:
-        check_call(call.function.name, call.function.arguments)
+    choice = response.choices[0]
+    # `required`: exactly what the grammar allows, one call whatever was sampled
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    check_call(call.function.name, call.function.arguments)
 
 
 def test_auto_tool_choice_calls_are_valid_if_made(client):
