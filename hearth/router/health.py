@@ -36,8 +36,9 @@ CONNECT_TIMEOUT = 1.0  # a live worker on the network accepts at once; refused o
 class ModelInfo:
     """What the workers serve, learned from the first healthy one's /v1/models."""
 
-    name: str | None = None
+    name: str | None = None  # the workers' primary name (what they expect as `model`)
     max_model_len: int | None = None
+    names: tuple[str, ...] = ()  # every name the workers answer to (their aliases too)
 
 
 class HealthChecker:
@@ -101,6 +102,7 @@ class HealthChecker:
                                              timeout=5.0)
             entry = response.json()["data"][0]
             self.model.max_model_len = entry.get("max_model_len")
+            self.model.names = tuple(e["id"] for e in response.json()["data"])
             self.model.name = entry["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             pass

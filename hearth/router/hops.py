@@ -128,11 +128,12 @@ async def open_stream(client: httpx.AsyncClient, endpoint: str, path: str, body:
 
 
 def forward_headers(incoming: Any, api_key: str | None) -> dict[str, str]:
-    """Headers a hop carries: the worker's key (if any) and the session hint (workers log it)."""
+    """Headers a hop carries: the worker's key (if any), the session hint and the request id."""
     headers = {}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    session = incoming.get("x-session-affinity")
-    if session:
-        headers["x-session-affinity"] = session
+    for name in ("x-session-affinity", "x-request-id"):  # the request id: one id in every log
+        value = incoming.get(name)
+        if value:
+            headers[name] = value
     return headers

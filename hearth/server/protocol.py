@@ -34,6 +34,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def model_not_found(model: str) -> APIError:
+    """OpenAI's answer to an unknown `model` (the SDK raises NotFoundError)."""
+    return APIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                    "invalid_request_error", None, "model_not_found")
+
+
 # Integer ranges every field keeps, so a value always fits the typed messages to the engine
 # (msgpack carries 64-bit integers) and the block hash (32-bit token ids).
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]  # OpenAI's own bound on `seed`
