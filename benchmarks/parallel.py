@@ -75,7 +75,7 @@ def measure(model: str, tp: int, pp: int, m: int, vocab: int, threads: int = 0) 
         torch.set_num_threads(threads)
     llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_micro_batches=m,
               num_blocks=256, enable_prefix_caching=False)
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     threads = torch.get_num_threads()  # per rank: the executor divides the cores
     collect = getattr(runner, "collect_stats", None)
     try:

@@ -125,6 +125,32 @@ class KVOffloadConfig:
         return self.directory is not None or self.host_gb > 0
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (hearth/engine/spec; docs/speculative.md): drafts proposed from the
+    request's own context are verified in the same step as everything else."""
+
+    method: str = "off"  # off | ngram (prompt lookup) | suffix (request + recent outputs)
+    num_speculative_tokens: int = 8  # the most draft tokens per request per step
+    max_batch: int = 8  # no drafts when more requests than this are decoding (compute-bound)
+    ngram_min: int = 2  # ngram: shortest suffix of the context that must match
+    ngram_max: int = 5  # ngram: longest suffix tried first
+    suffix_global_tokens: int = 1 << 18  # suffix: recent outputs kept across requests
+    min_confidence: float = 0.3  # suffix: stop a draft where its empirical probability drops
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: unsupported {self.method!r}; choose from "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens: must be in [1, 32]")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 32:
+            raise ValueError("ngram sizes: need 1 <= ngram_min <= ngram_max <= 32")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The composition the engine is built from (each part goes to its own component)."""
@@ -136,3 +162,4 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     guided: GuidedConfig = field(default_factory=GuidedConfig)
     kv_offload: KVOffloadConfig = field(default_factory=KVOffloadConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -29,9 +29,10 @@ from hearth.engine.grammar_pool import GrammarPool, GrammarTicket
 from hearth.engine.kv_store import StoreFactory
 from hearth.engine.kv_tiers import KVTierDriver, store_namespace
 from hearth.engine.kv_transfer import KVTransferDriver
-from hearth.engine.request import Request, RequestOutput, RequestStatus
+from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
 from hearth.engine.executor import RankFailedError, make_executor
-from hearth.engine.runner import SampledToken
+from hearth.engine.spec import make_speculator
+from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
@@ -94,8 +95,11 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         torch.manual_seed(mc.seed)
         # ModelRunner in this process, or the driver of T x P rank processes (same interface).
-        self.runner = make_executor(config, self.checkpoint)
-        num_blocks = self.runner.num_blocks
+        self.executor = make_executor(config, self.checkpoint)
+        num_blocks = self.executor.num_blocks
+        self.step_builder = StepBuilder(cc.block_size, self.arch.vocab_size)
+        self.speculator = make_speculator(config.speculative, self.arch.vocab_size)
+        self._num_steps = 0
         self.block_size = cc.block_size
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size)
@@ -108,10 +112,12 @@ class LLMEngine:
         # (request_id, rejection or None) of each grammar wait the last step ended; a rejected
         # request also had a finished "error" output in that step.
         self.admissions: list[tuple[str, str | None]] = []
-        self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0, computed_prompt=0)
+        # forced: output tokens appended by jump-forward, without a decode step (in generation)
+        self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0, computed_prompt=0,
+                             forced=0)
         self.pd: KVTransferDriver | None = None
         if connector_factory is not None:
-            kv_cache = self.runner.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
+            kv_cache = self.executor.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
             num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
             geometry = KVCacheGeometry(num_layers, num_blocks, cc.block_size, num_kv_heads,
                                        head_dim, str(kv_cache.dtype).removeprefix("torch."))
@@ -119,7 +125,7 @@ class LLMEngine:
             self.pd = KVTransferDriver(connector, self.scheduler, self.kv, self.arch.vocab_size)
         self.tiers: KVTierDriver | None = None
         if store_factory is not None and config.kv_offload.enabled:
-            kv_cache = self.runner.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
+            kv_cache = self.executor.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
             num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
             geometry = KVCacheGeometry(num_layers, num_blocks, cc.block_size, num_kv_heads,
                                        head_dim, str(kv_cache.dtype).removeprefix("torch."))
@@ -154,8 +160,6 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         kv_handle = self._check_kv_transfer(kv_transfer, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
-        if params.seed is not None:
-            req.generator = torch.Generator().manual_seed(params.seed)
         ticket = self.grammar_pool().submit(params.guided) if params.guided is not None else None
         if ticket is not None and ticket.is_compiled():  # a cached grammar
             req.grammar = self._grammars.matcher(ticket)
@@ -251,6 +255,11 @@ class LLMEngine:
         self.admissions = []
         if self._grammar_waits:
             outputs += self._admit_compiled()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+            self._num_steps += 1
+            if self._num_steps % 256 == 0:  # aborted and failed requests leave state behind
+                self.speculator.forget_missing(self.scheduler.requests)
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self.counters["preemptions"] += 1
@@ -271,25 +280,12 @@ class LLMEngine:
                 self._grammars.wait(0.005)  # only compiles are in flight
             return outputs
         sampled = self._execute_isolated(sched, outputs)
-        by_req = {s.request.request_id: s for s in sampled}
-        for req, num_new in sched.scheduled:
-            if req.is_finished:
-                continue
-            self.counters["computed_prompt"] += max(
-                0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
-                - req.num_computed_tokens)
-            req.num_computed_tokens += num_new
-            self.kv.register_computed_blocks(req)
-            s = by_req.get(req.request_id)
-            if s is not None:
-                out = self._process_token(s)
-                if out is not None:
-                    outputs.append(out)
+        outputs += self._apply_step(sched, sampled)
         return outputs
 
-    def _execute_isolated(self, sched: SchedulerOutput, outputs: list) -> list[SampledToken]:
+    def _execute_isolated(self, sched: SchedulerOutput, outputs: list) -> list[StepTokens]:
         try:
-            return self.runner.execute(sched)
+            return self._execute(sched)
         except RankFailedError:
             raise  # the rank set is gone: retrying requests one by one cannot help
         except Exception:
@@ -297,8 +293,11 @@ class LLMEngine:
                           len(sched.scheduled))
         sampled = []
         for req, num_new in sched.scheduled:
+            alone = SchedulerOutput([(req, num_new)])
+            if req.request_id in sched.drafts:
+                alone.drafts[req.request_id] = sched.drafts[req.request_id]
             try:
-                sampled.extend(self.runner.execute(SchedulerOutput([(req, num_new)])))
+                sampled.extend(self._execute(alone))
             except RankFailedError:
                 raise
             except Exception as exc:  # this request alone fails: end it, keep the others
@@ -308,53 +307,89 @@ class LLMEngine:
                 outputs.append(self._finish_output(req))
         return sampled
 
-    def _process_token(self, s: SampledToken) -> RequestOutput | None:
-        req = s.request
-        try:
-            return self._accept_token(req, s)
-        except Exception as exc:
-            log.exception("post-processing of %s failed", req.request_id)
-            req.error = f"{type(exc).__name__}: {exc}"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            return self._finish_output(req)
+    def _execute(self, sched: SchedulerOutput) -> list[StepTokens]:
+        cmd, requests = self.step_builder.build(sched, self.executor.num_micro_batches)
+        return to_step_tokens(self.executor.execute(cmd), requests, cmd.samples)
 
-    def _accept_token(self, req: Request, s: SampledToken) -> RequestOutput:
-        token, p = s.token_id, req.params
+    def _apply_step(self, sched: SchedulerOutput, sampled: list[StepTokens]) -> list[RequestOutput]:
+        """The one place a step's results reach its requests: advance each request by what it
+        computed and kept (`Scheduler.commit`), then stop checks, detokenizing and outputs."""
+        by_req = {s.request.request_id: s for s in sampled}
+        outputs = []
+        for req, num_new in sched.scheduled:
+            if req.is_finished:
+                continue
+            self.counters["computed_prompt"] += max(
+                0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
+                - req.num_computed_tokens)
+            s = by_req.get(req.request_id)
+            if s is None:  # a prefill chunk that did not reach the end of the prompt
+                self.scheduler.commit(req, num_new, [], 0)
+                continue
+            try:
+                outputs.append(self._accept_tokens(req, num_new, s))
+            except Exception as exc:
+                log.exception("post-processing of %s failed", req.request_id)
+                req.error = f"{type(exc).__name__}: {exc}"
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._finish_output(req))
+        return outputs
+
+    def _accept_tokens(self, req: Request, num_new: int, s: StepTokens) -> RequestOutput:
+        """Keep the step's tokens up to the first that ends the request (EOS, stop token, stop
+        string, grammar end, max_tokens, context length); the rest are dropped."""
+        p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             self.counters["prompt"] += req.num_prompt_tokens
             self.counters["cached"] += max(0, req.num_cached_tokens)
-        req.append_token(token)
-        self.counters["generation"] += 1
-        if s.logprob is not None:
-            req.output_logprobs.append(s.logprob)
         detok = self._detok[req.request_id]
-        status = None
-        text = ""
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, (
-                token if token in p.stop_token_ids else None)
-        else:
-            text = detok.push([token])
+        kept: list[int] = []
+        forced: list[int] = []  # jump-forward: tokens the grammar forces after the step's last
+        text, status = "", None
+        tokens = list(s.token_ids)
+        for i, token in enumerate(tokens):  # `tokens` grows by the forced tokens (below)
+            (kept if i < len(s.token_ids) else forced).append(token)
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, (
+                    token if token in p.stop_token_ids else None)
+                break
+            text += detok.push([token])
             if detok.stopped_by is not None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
-        if status is None and req.grammar is not None:
-            if not req.grammar.accept(token):
-                raise RuntimeError(f"grammar rejected token {token}")
-            if req.grammar.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (req.num_output_tokens >= p.max_tokens
-                               or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        new_lp = [s.logprob] if s.logprob is not None else []
+                break
+            if req.grammar is not None:
+                if not req.grammar.accept(token):
+                    raise RuntimeError(f"grammar rejected token {token}")
+                if req.grammar.is_terminated():
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
+                if i == len(tokens) - 1:  # appended without a decode step (guided.py)
+                    tokens += req.grammar.forced_token_ids()
+            if (req.num_output_tokens + len(kept) + len(forced) >= p.max_tokens
+                    or req.num_tokens + len(kept) + len(forced) >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        self.scheduler.commit(req, num_new, kept, s.num_drafted)
+        for token in forced:  # not computed yet: the next step runs them as one chunk
+            req.append_token(token)
+        self.counters["generation"] += len(kept) + len(forced)
+        self.counters["forced"] += len(forced)
+        new_lp = s.logprobs[: len(kept)] + [forced_logprob(t) for t in forced if p.logprobs is not None]
+        req.output_logprobs.extend(new_lp)
+        if self.speculator is not None and s.num_drafted:
+            self.speculator.observe(req, s.num_drafted, len(kept) - 1 if status is None
+                                    else min(s.num_drafted, len(s.token_ids) - 1))
         if status is None:
-            return self._make_output(req, [token], text, new_lp)
+            return self._make_output(req, kept + forced, text, new_lp)
         if detok.stopped_by is None:
             text += detok.flush()
         if req.kv_transfer is not None and req.kv_transfer.role == "prefill":
             self.pd.export(req)  # the prompt's blocks stay leased instead of being freed
         self.scheduler.finish(req, status)
-        return self._make_output(req, [token], text, new_lp)
+        if self.speculator is not None:
+            self.speculator.finished(req)
+        return self._make_output(req, kept + forced, text, new_lp)
 
     def _finish_output(self, req: Request) -> RequestOutput:
         text = self._detok[req.request_id].flush() if req.request_id in self._detok else ""
@@ -432,4 +467,4 @@ class LLMEngine:
             self.tiers.close()  # running loads end; pending writes finish
         if self._grammars is not None:
             self._grammars.close()
-        self.runner.close()
+        self.executor.close()

@@ -1,7 +1,7 @@
 """The one place the engine gets its model executor from.
 
-Contract the engine relies on (and nothing more): `execute(scheduler_output) ->
-list[SampledToken]`, `num_blocks`, `close()`. With T = P = 1 that is the in-process
+Contract the engine relies on (and nothing more): `execute(StepCommand) -> SampleResult`
+(hearth/engine/step.py), `num_blocks`, `num_micro_batches`, `close()`. With T = P = 1 that is the in-process
 `ModelRunner` (no extra work on the single-process path); otherwise the driver of T x P rank
 processes (`hearth.engine.parallel.executor.ParallelExecutor`). Only the ModelRunner exposes
 `kv_cache`/`block_view` for KV transfer; the parallel executor raises a clear error there.

@@ -78,15 +78,17 @@ class LLM:
 
 
 def make_engine_config(model: str | None = None, **kw) -> EngineConfig:
-    """Route flat keyword overrides to the frozen config part that owns each field."""
+    """Route flat keyword overrides to the frozen config part that owns each field; a whole
+    part can be given by its name (e.g. speculative=SpeculativeConfig(method="ngram"))."""
     parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
              "parallel": ParallelConfig}
     values: dict[str, dict] = {name: {} for name in parts}
     if model is not None:
         values["model"]["model"] = model
+    whole = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in fields(EngineConfig)}}
     for key, value in kw.items():
         owner = next((n for n, cls in parts.items() if key in {f.name for f in fields(cls)}), None)
         if owner is None:
             raise TypeError(f"unknown engine option {key!r}")
         values[owner][key] = value
-    return EngineConfig(**{n: parts[n](**values[n]) for n in parts})
+    return EngineConfig(**{n: parts[n](**values[n]) for n in parts}, **whole)

@@ -75,6 +75,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         self.num_registered_blocks = 0  # leading blocks already entered in the prefix cache
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()

@@ -1,4 +1,4 @@
-"""The model runner: owns the model and the KV tensors, turns a SchedulerOutput into tokens.
+"""The model runner: owns the model and the KV tensors, runs a StepCommand (hearth/engine/step.py).
 
 The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 (layers of this pipeline stage only), so a block's bytes for every layer are reachable by index
@@ -7,22 +7,12 @@ The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from hearth.engine.request import Logprob, Request
-from hearth.engine.sampler import make_sampling_batch, sample
-from hearth.engine.scheduler import SchedulerOutput
+from hearth.engine.sampler import RowSampler
+from hearth.engine.step import SampleResult, StepCommand, sample_row_positions
 from hearth.engine.thread_tuner import ThreadTuner
 from hearth.ops.attention import build_attention_metadata
-
-
-@dataclass
-class SampledToken:
-    request: Request
-    token_id: int
-    logprob: Logprob | None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,7 +39,8 @@ class ModelRunner:
         alloc = torch.empty if kernels is not None else torch.zeros
         self.kv_cache = alloc(len(model.layers), 2, num_blocks, block_size, num_kv_heads,
                               arch.head_dim, dtype=dtype, device=self.device)
-        self.shared_generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.sampler = RowSampler(seed, self.vocab_size)
+        self.num_micro_batches = 1  # micro-batches only pay off with pipeline stages
         # The kernels' thread count for decode-like steps, chosen by measurement (thread_tuner.py).
         self.thread_tuner = (ThreadTuner(kernels.threads) if kernels is not None
                              and torch.get_num_threads() > 1 else None)
@@ -61,58 +52,27 @@ class ModelRunner:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] view of one block."""
         return self.kv_cache[:, :, block_id]
 
-    def prepare_inputs(self, out: SchedulerOutput):
-        ids, positions, query_lens, context_lens, tables = [], [], [], [], []
-        for req, num_new in out.scheduled:
-            start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + num_new])
-            positions.extend(range(start, start + num_new))
-            query_lens.append(num_new)
-            context_lens.append(start + num_new)
-            tables.append(req.block_ids)
-        meta = build_attention_metadata(query_lens, context_lens, tables, self.block_size,
-                                        self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+    def prepare_inputs(self, cmd: StepCommand):
+        positions = [p for q, c in zip(cmd.query_lens, cmd.context_lens) for p in range(c - q, c)]
+        meta = build_attention_metadata(cmd.query_lens, cmd.context_lens, cmd.block_tables,
+                                        self.block_size, self.device)
+        input_ids = torch.tensor(cmd.input_ids, dtype=torch.long, device=self.device)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
-        input_ids, positions, meta = self.prepare_inputs(out)
+    def execute(self, cmd: StepCommand) -> SampleResult:
+        self.sampler.forget(cmd.finished_ids)
+        input_ids, positions, meta = self.prepare_inputs(cmd)
         if self.thread_tuner is None:
             hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
         else:
             hidden, _ = self.thread_tuner.run(
                 meta.num_tokens, lambda: self.model(input_ids, positions, meta, self.kv_cache))
-        return self.sample_from_hidden(out, hidden)
+        return self.sample_from_hidden(cmd, hidden)
 
-    def sample_from_hidden(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[SampledToken]:
-        rows, reqs = [], []
-        offset = 0
-        for req, num_new in out.scheduled:
-            offset += num_new
-            if req.num_computed_tokens + num_new >= req.num_tokens:
-                rows.append(offset - 1)
-                reqs.append(req)
-        if not reqs:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
-        for i, req in enumerate(reqs):
-            if req.grammar is not None:
-                req.grammar.fill_mask(logits[i])
-        batch = make_sampling_batch(
-            [r.params for r in reqs],
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
-            [r.generator for r in reqs],
-            logits.shape[-1],
-        )
-        tokens, chosen, top = sample(logits, batch, self.shared_generator)
-        results = []
-        for i, req in enumerate(reqs):
-            lp = None
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                top_pairs = ([(int(t), float(v)) for v, t in zip(top.values[i, :k], top.indices[i, :k])]
-                             if top is not None and k > 0 else [])
-                lp = Logprob(int(tokens[i]), float(chosen[i]), top_pairs)
-            results.append(SampledToken(req, int(tokens[i]), lp))
-        return results
+    def sample_from_hidden(self, cmd: StepCommand, hidden: torch.Tensor) -> SampleResult:
+        if not cmd.samples:
+            return SampleResult([])
+        rows = torch.tensor(sample_row_positions(cmd), device=hidden.device)
+        logits = self.model.compute_logits(hidden[rows]).float().cpu()
+        return self.sampler.sample(logits, cmd.samples)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hearth.engine.sampling_params import SamplingParams
@@ -127,3 +128,83 @@ def sample(logits: torch.Tensor, b: SamplingBatch, shared: torch.Generator | Non
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
     top = raw_logprobs.topk(b.num_logprobs, dim=-1) if b.num_logprobs > 0 else None
     return tokens, chosen, top
+
+
+class RowSampler:
+    """Samples the rows of a StepCommand from their logits, wherever the logits live (the
+    ModelRunner in one process, the last pipeline stage's TP rank 0 otherwise), and verifies
+    draft tokens (see hearth/engine/step.py for the rule).
+
+    Seeded requests keep their generator here, created from the seed at first use and dropped
+    when a step lists the request as finished, so a seeded request draws the same numbers
+    whichever executor runs it.
+    """
+
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        self.shared_generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: list):
+        """`logits`: [sum(row.num_positions), vocab] float32 on CPU, rows back to back.
+        Returns a SampleResult; a bad row fails the step (error set), not the process."""
+        from hearth.engine.step import SampleResult
+
+        try:
+            return SampleResult(self._sample(logits, rows))
+        except Exception as exc:
+            return SampleResult([], error=f"{type(exc).__name__}: {exc}")
+
+    def _sample(self, logits: torch.Tensor, rows: list) -> list:
+        from hearth.engine.step import RowOutput
+
+        expected = sum(row.num_positions for row in rows)
+        if logits.shape[0] != expected:
+            raise ValueError(f"{logits.shape[0]} logit rows for {expected} sampled positions")
+        params, histories, generators, first = [], [], [], 0
+        for row in rows:
+            gen = self._generator(row)
+            for j in range(row.num_positions):
+                if row.allowed:
+                    bits = np.unpackbits(np.frombuffer(row.allowed[j], dtype=np.uint8))
+                    if bits.shape[0] < logits.shape[-1]:
+                        raise ValueError(f"grammar mask of {bits.shape[0]} tokens for a "
+                                         f"vocabulary of {logits.shape[-1]}")
+                    allowed = torch.from_numpy(bits[: logits.shape[-1]].astype(bool))
+                    logits[first + j].masked_fill_(~allowed, float("-inf"))
+                params.append(row)
+                # position j follows the drafts before it
+                histories.append((row.prompt_ids, row.output_ids + row.draft_token_ids[:j]
+                                  if row.output_ids or row.prompt_ids else []))
+                generators.append(gen)
+            first += row.num_positions
+        batch = make_sampling_batch(params, histories, generators, logits.shape[-1])
+        tokens, chosen, top = sample(logits, batch, self.shared_generator)
+        tokens = tokens.tolist()
+        chosen = chosen.tolist() if chosen is not None else None
+        top_ids = top.indices.tolist() if top is not None else None
+        top_lps = top.values.tolist() if top is not None else None
+        out, first = [], 0
+        for row in rows:
+            n = 0  # accepted drafts: the longest prefix the model agrees with
+            while n < len(row.draft_token_ids) and tokens[first + n] == row.draft_token_ids[n]:
+                n += 1
+            span = range(first, first + n + 1)
+            out.append(RowOutput(
+                token_ids=[tokens[i] for i in span],
+                logprobs=[chosen[i] for i in span] if chosen is not None else [],
+                top_ids=[top_ids[i] for i in span] if top_ids is not None else [],
+                top_logprobs=[top_lps[i] for i in span] if top_lps is not None else []))
+            first += row.num_positions
+        return out
+
+    def _generator(self, row) -> torch.Generator | None:
+        if row.seed is None:
+            return None
+        if row.request_id not in self.generators:
+            self.generators[row.request_id] = torch.Generator().manual_seed(row.seed)
+        return self.generators[row.request_id]

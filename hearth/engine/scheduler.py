@@ -9,6 +9,13 @@ request is preempted (its blocks freed, to be recomputed later; its prefix stays
 Contract with the runner: `SchedulerOutput.scheduled` lists (request, num_new_tokens); the runner
 computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of each request and
 samples a token for every request whose computed tokens then reach `num_tokens`.
+
+Speculative decoding: a decoding request (exactly one uncomputed token) that carries draft
+tokens (`Request.spec_token_ids`, proposed before the step) is granted them too, budget and
+blocks permitting: `SchedulerOutput.drafts[request_id]` lists the drafts it computes after its
+own token. Drafts are the first thing dropped when blocks are short (before anyone is
+preempted). After the step, `commit` advances each request by what was kept
+(hearth/engine/step.py has the whole step contract).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     kv_imports: list[Request] = field(default_factory=list)  # admitted to wait for a KV transfer
     kv_loads: list[Request] = field(default_factory=list)  # admitted to wait for a KV tier load
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> draft tokens granted
     num_batched_tokens: int = 0
 
     @property
@@ -59,12 +67,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, num_new):
+            drafts = self._grantable_drafts(req, num_new, budget)
+            if drafts and not self.kv.allocate(req, num_new + len(drafts)):
+                drafts = []  # blocks are short: drop the drafts before preempting anyone
+            while not drafts and not self.kv.allocate(req, num_new):
                 victim = self.running[-1]  # the newest request gives way
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -72,8 +82,9 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append((req, num_new))
-                scheduled_ids.add(req.request_id)
-                budget -= num_new
+                if drafts:
+                    out.drafts[req.request_id] = drafts
+                budget -= num_new + len(drafts)
                 i += 1
                 continue
             break  # the request itself was preempted: nothing more fits this step
@@ -81,6 +92,27 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _grantable_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that fit: only for a decode (one uncomputed token), within the
+        token budget and the context length."""
+        drafts = req.spec_token_ids
+        if not drafts or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - num_new, self.max_model_len - req.num_tokens - 1)
+        return drafts[:max(0, room)]
+
+    def commit(self, req: Request, num_new: int, tokens: list[int], num_drafted: int) -> None:
+        """Apply one step's result to a request: it computed `num_new` of its own tokens plus
+        `num_drafted` drafts and produced `tokens` (accepted drafts, then one sampled token;
+        [] if it did not sample, or the part kept before a stop). Its KV is valid for its own
+        tokens and the accepted drafts; only those count as computed, so the blocks of rejected
+        drafts are never entered in the prefix cache."""
+        accepted = min(num_drafted, max(0, len(tokens) - 1))
+        for token in tokens:
+            req.append_token(token)
+        req.num_computed_tokens += num_new + accepted
+        self.kv.register_computed_blocks(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while (self.waiting and budget > 0

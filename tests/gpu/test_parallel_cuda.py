@@ -61,11 +61,11 @@ def test_parallel_executor_single_rank_on_cuda(model_path, reference):
 
     config: EngineConfig = make_engine_config(model_path, **SETTINGS)
     llm = LLM(config=config)
-    llm.engine.runner.close()
+    llm.engine.executor.close()
     # Same engine, the T x P executor in place of ModelRunner: one rank, NCCL world of one.
-    llm.engine.runner = ParallelExecutor(config, load_checkpoint(model_path), num_blocks=64)
+    llm.engine.executor = ParallelExecutor(config, load_checkpoint(model_path), num_blocks=64)
     try:
-        assert llm.engine.runner.shard.kv_cache.is_cuda
+        assert llm.engine.executor.shard.kv_cache.is_cuda
         assert_same(reference, llm.generate(PROMPTS, GREEDY))
     finally:
         llm.engine.close()

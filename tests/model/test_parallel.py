@@ -82,7 +82,7 @@ def assert_same_greedy(want, got) -> None:
 def test_tiny_model_greedy_equals_single_process(tiny, reference, tp, pp, micro_batches):
     llm = LLM(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               num_micro_batches=micro_batches, **SETTINGS)
-    assert llm.engine.runner.num_micro_batches == (micro_batches or pp)
+    assert llm.engine.executor.num_micro_batches == (micro_batches or pp)
     outs, preemptions = run_twice(llm)
     want, want_preemptions = reference
     assert preemptions == want_preemptions
@@ -97,7 +97,7 @@ def test_single_rank_parallel_executor_equals_model_runner(tiny, reference):
 
     config = make_engine_config(tiny, **SETTINGS)
     llm = LLM(config=config)
-    llm.engine.runner = ParallelExecutor(config, load_checkpoint(tiny), SETTINGS["num_blocks"])
+    llm.engine.executor = ParallelExecutor(config, load_checkpoint(tiny), SETTINGS["num_blocks"])
     outs, preemptions = run_twice(llm)
     assert preemptions == reference[1]
     assert_same_greedy(reference[0], outs)
@@ -182,21 +182,24 @@ def test_shape_mismatch_at_load_names_the_rank_and_tensor(tiny, tmp_path):
                                          r"loading model.layers.3.self_attn.o_proj: checkpoint "
                                          r"\(64, 60\), model expects \(64, 64\)"):
         LLM(str(bad), pipeline_parallel_size=2, num_blocks=16)
-    assert time.monotonic() - t0 < 60
 
 
-def test_killed_rank_fails_the_engine_within_seconds(tiny):
+def test_killed_rank_fails_the_engine_naming_it(tiny):
+    """A rank killed while requests are being generated: the next step fails with the rank and
+    its exit code (the watchdog's report: the heartbeat could only say "stopped responding")."""
     llm = LLM(tiny, tensor_parallel_size=2, pipeline_parallel_size=2, num_blocks=256)
-    executor = llm.engine.runner
+    executor = llm.engine.executor
     victim = executor.local_ranks.procs[3]
-    killed_at = {}
+    step, num_steps = llm.engine.step, []
 
-    def kill() -> None:
-        killed_at["t"] = time.monotonic()
-        os.kill(victim.pid, signal.SIGKILL)
+    def step_then_kill_after_three():
+        outputs = step()
+        num_steps.append(1)
+        if len(num_steps) == 3:
+            os.kill(victim.pid, signal.SIGKILL)
+        return outputs
 
-    timer = threading.Timer(1.0, kill)
-    timer.start()
+    llm.engine.step = step_then_kill_after_three
     try:
         with pytest.raises(RankFailedError, match=r"rank 3 \(stage 1, tp 1\) died "
                                                   r"\(exit code -9\)"):
@@ -215,7 +218,7 @@ DRIVER = """
 import os, sys
 from hearth.engine.llm import LLM
 llm = LLM(sys.argv[1], pipeline_parallel_size=3, num_blocks=16)
-print(*llm.engine.runner.local_ranks.pids.values(), flush=True)
+print(*llm.engine.executor.local_ranks.pids.values(), flush=True)
 os.kill(os.getpid(), 9)
 """
 

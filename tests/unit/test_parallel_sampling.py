@@ -1,8 +1,9 @@
-"""Sampling on the last pipeline stage equals sampling in one process, row for row.
+"""The step's sample rows: the same RowSampler samples in one process and on the last pipeline
+stage (rows cross the wire as msgpack), and it verifies draft tokens by the documented rule.
 
-The reference is `ModelRunner.sample_from_hidden` over the same logits (a stand-in model whose
-`compute_logits` is the identity); the parallel path is driver `make_sample_row` -> msgpack ->
-sampler `RowSampler.sample` -> driver `to_sampled_tokens`.
+The in-process reference is `ModelRunner.sample_from_hidden` (a stand-in model whose
+`compute_logits` is the identity); the parallel path is `make_sample_row` -> msgpack ->
+`RowSampler.sample` -> `to_step_tokens`.
 """
 
 from types import SimpleNamespace
@@ -13,11 +14,12 @@ import torch
 
 from hearth.engine.parallel.messages import (Command, Reply, SampleResult, StepCommand,
                                              decode_command, decode_reply, encode)
-from hearth.engine.parallel.sampling import RowSampler, make_sample_row, to_sampled_tokens
 from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner
+from hearth.engine.sampler import RowSampler
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import SchedulerOutput
+from hearth.engine.step import StepBuilder, make_sample_row, to_step_tokens
 
 VOCAB = 50
 
@@ -32,6 +34,12 @@ class OnlyTokens:
         keep = torch.zeros_like(row, dtype=torch.bool)
         keep[self.allowed] = True
         row.masked_fill_(~keep, float("-inf"))
+
+    def accept(self, token: int) -> bool:
+        return token in self.allowed
+
+    def rollback(self, n: int) -> None:
+        pass
 
 
 PARAMS = [
@@ -50,8 +58,6 @@ def make_requests() -> list[Request]:
     for i, p in enumerate(PARAMS):
         req = Request(f"r{i}", [(3 * i + j) % VOCAB for j in range(4 + i)], p)
         req.append_token((i + 1) % VOCAB)
-        if p.seed is not None:
-            req.generator = torch.Generator().manual_seed(p.seed)
         reqs.append(req)
     reqs[5].grammar = OnlyTokens([5, 9])
     return reqs
@@ -60,31 +66,38 @@ def make_requests() -> list[Request]:
 def reference_runner() -> ModelRunner:
     model = SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB, head_dim=4), layers=[],
                             compute_logits=lambda hidden: hidden)
-    return ModelRunner(model, num_blocks=1, block_size=16, dtype=torch.float32, seed=0)
+    return ModelRunner(model, num_blocks=8, block_size=16, dtype=torch.float32, seed=0)
 
 
-def test_row_sampler_equals_model_runner_over_steps():
+def decode_step(reqs: list[Request]) -> StepCommand:
+    for req in reqs:
+        req.num_computed_tokens = req.num_tokens - 1
+        req.block_ids = [0]
+    cmd, _ = StepBuilder(16, VOCAB).build(SchedulerOutput([(r, 1) for r in reqs]))
+    return cmd
+
+
+def test_row_sampler_on_the_wire_equals_model_runner_over_steps():
     gen = torch.Generator().manual_seed(0)
     ref_reqs, par_reqs = make_requests(), make_requests()
     runner, sampler = reference_runner(), RowSampler(seed=0, vocab_size=VOCAB)
     decoder = msgspec.msgpack.Decoder(StepCommand)
     for _ in range(3):  # seeded generators must carry on across steps
         logits = torch.randn(len(PARAMS), VOCAB, generator=gen) * 3
-        for req in ref_reqs:
-            req.num_computed_tokens = req.num_tokens - 1
-        want = runner.sample_from_hidden(SchedulerOutput([(r, 1) for r in ref_reqs]),
-                                         logits.clone())
-        rows = [make_sample_row(r, i, VOCAB) for i, r in enumerate(par_reqs)]
-        cmd = decoder.decode(encode(StepCommand([], [], [], [], [], rows)))  # the wire
+        ref_cmd = decode_step(ref_reqs)
+        want = to_step_tokens(runner.sample_from_hidden(ref_cmd, logits.clone()), ref_reqs,
+                              ref_cmd.samples)
+        cmd = decoder.decode(encode(decode_step(par_reqs)))  # the wire
         result = sampler.sample(logits.clone(), cmd.samples)
-        got = to_sampled_tokens(decode_reply(Reply.SAMPLE_RESULT, encode(result),
-                                             Reply.SAMPLE_RESULT), par_reqs)
-        assert [s.token_id for s in got] == [s.token_id for s in want]
-        assert [s.logprob for s in got] == [s.logprob for s in want]
-        assert got[5].token_id in (5, 9)
+        got = to_step_tokens(decode_reply(Reply.SAMPLE_RESULT, encode(result),
+                                          Reply.SAMPLE_RESULT), par_reqs, cmd.samples)
+        assert [s.token_ids for s in got] == [s.token_ids for s in want]
+        assert [s.logprobs for s in got] == [s.logprobs for s in want]
+        assert got[5].token_ids[0] in (5, 9)
+        assert len(got[1].logprobs[0].top) == 3 and got[2].logprobs[0].top == []
         for a, b, s in zip(ref_reqs, par_reqs, got):
-            a.append_token(s.token_id)
-            b.append_token(s.token_id)
+            a.append_token(s.token_ids[0])
+            b.append_token(s.token_ids[0])
 
 
 def test_forgotten_request_restarts_its_seeded_generator():
@@ -92,9 +105,9 @@ def test_forgotten_request_restarts_its_seeded_generator():
     req = make_requests()[1]
     logits = torch.zeros(1, VOCAB)  # uniform: the draw is decided by the generator alone
     row = make_sample_row(req, 0, VOCAB)
-    first = [sampler.sample(logits.clone(), [row]).token_ids[0] for _ in range(4)]
+    first = [sampler.sample(logits.clone(), [row]).rows[0].token_ids[0] for _ in range(4)]
     sampler.forget([req.request_id])
-    again = [sampler.sample(logits.clone(), [row]).token_ids[0] for _ in range(4)]
+    again = [sampler.sample(logits.clone(), [row]).rows[0].token_ids[0] for _ in range(4)]
     assert first == again and len(set(first)) > 1
 
 
@@ -108,11 +121,11 @@ def test_history_is_sent_only_when_a_penalty_reads_it():
 def test_bad_row_fails_the_step_not_the_rank():
     sampler = RowSampler(seed=0, vocab_size=VOCAB)
     row = make_sample_row(make_requests()[0], 0, VOCAB)
-    row = msgspec.structs.replace(row, allowed=b"\xff")  # a mask of 8 tokens for a vocab of 50
+    row = msgspec.structs.replace(row, allowed=[b"\xff"])  # a mask of 8 tokens for a vocab of 50
     result = sampler.sample(torch.zeros(1, VOCAB), [row])
-    assert result.error is not None and result.token_ids == []
-    with pytest.raises(RuntimeError, match="sampling failed on the last pipeline stage"):
-        to_sampled_tokens(result, [make_requests()[0]])
+    assert result.error is not None and result.rows == []
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        to_step_tokens(result, [make_requests()[0]], [row])
 
 
 def test_commands_decode_only_as_the_type_their_header_names():
@@ -122,4 +135,66 @@ def test_commands_decode_only_as_the_type_their_header_names():
     with pytest.raises(msgspec.ValidationError):
         decode_command(int(Command.LOAD_MODEL), payload)
     with pytest.raises(RuntimeError, match="expected SAMPLE_RESULT"):
-        decode_reply(int(Reply.LOAD_REPORT), encode(SampleResult([1])), Reply.SAMPLE_RESULT)
+        decode_reply(int(Reply.LOAD_REPORT), encode(SampleResult([])), Reply.SAMPLE_RESULT)
+
+
+# ---- draft verification -------------------------------------------------------------------
+def draft_row(params: SamplingParams, drafts: list[int], rid="d") -> tuple:
+    req = Request(rid, [1, 2, 3], params)
+    req.num_computed_tokens, req.block_ids = 2, [0]
+    out = SchedulerOutput([(req, 1)])
+    out.drafts[rid] = drafts
+    cmd, reqs = StepBuilder(16, VOCAB).build(out)
+    return req, cmd
+
+
+def peaked(tokens: list[int]) -> torch.Tensor:
+    logits = torch.zeros(len(tokens), VOCAB)
+    for i, t in enumerate(tokens):
+        logits[i, t] = 10.0
+    return logits
+
+
+def test_a_step_with_drafts_computes_them_after_the_requests_own_token():
+    req, cmd = draft_row(SamplingParams(temperature=0.0), [7, 8, 9])
+    assert cmd.input_ids == [3, 7, 8, 9] and cmd.query_lens == [4] and cmd.context_lens == [6]
+    assert cmd.samples[0].draft_token_ids == [7, 8, 9] and cmd.samples[0].num_positions == 4
+
+
+@pytest.mark.parametrize("targets, drafts, want", [
+    ([7, 8, 4, 1], [7, 8, 9], [7, 8, 4]),  # two accepted, the third replaced
+    ([7, 8, 9, 1], [7, 8, 9], [7, 8, 9, 1]),  # all accepted, plus the bonus token
+    ([5, 8, 9, 1], [7, 8, 9], [5]),  # the first rejected: one token, as without drafts
+])
+def test_greedy_verification_keeps_the_agreeing_prefix(targets, drafts, want):
+    req, cmd = draft_row(SamplingParams(temperature=0.0, logprobs=1), drafts)
+    result = RowSampler(0, VOCAB).sample(peaked(targets), cmd.samples)
+    got = to_step_tokens(result, [req], cmd.samples)[0]
+    assert got.token_ids == want and got.num_drafted == 3
+    assert [lp.token_id for lp in got.logprobs] == want
+
+
+def test_grammar_masks_follow_the_drafts():
+    req, cmd = draft_row(SamplingParams(temperature=0.0), [5])
+    req.grammar = OnlyTokens([5, 9])
+    cmd, _ = StepBuilder(16, VOCAB).build(SchedulerOutput([(req, 1)], drafts={"d": [5]}))
+    assert len(cmd.samples[0].allowed) == 2
+    logits = peaked([5, 3])  # position 1 prefers 3, which the grammar forbids
+    got = RowSampler(0, VOCAB).sample(logits, cmd.samples).rows[0].token_ids
+    assert got[0] == 5 and got[1] in (5, 9)
+
+
+def test_sampled_verification_keeps_the_models_distribution():
+    """With a fixed draft d, the first token must still follow p: P(d) = p(d), and the others
+    keep their relative weights (the rejection-sampling rule for a deterministic draft)."""
+    p = torch.tensor([0.5, 0.3, 0.2])
+    logits = torch.full((2, VOCAB), -1e9)
+    logits[:, :3] = p.log()
+    counts = torch.zeros(3)
+    sampler = RowSampler(0, VOCAB)
+    n = 3000
+    for i in range(n):
+        req, cmd = draft_row(SamplingParams(temperature=1.0, seed=i), [1], rid=f"s{i}")
+        counts[sampler.sample(logits.clone(), cmd.samples).rows[0].token_ids[0]] += 1
+    freq = counts / n
+    assert torch.allclose(freq, p, atol=0.035), freq  # ~4 standard errors

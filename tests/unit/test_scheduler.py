@@ -21,12 +21,11 @@ def make_request(rid, n, start=0):
 
 
 def advance(sched: Scheduler, out, sample=True):
-    """What the engine does after the runner: count computed tokens, append a sampled token."""
+    """What the engine does after the runner (through the same `Scheduler.commit`): a request
+    whose computed tokens reach its end gets a sampled token."""
     for req, num_new in out.scheduled:
-        req.num_computed_tokens += num_new
-        sched.kv.register_computed_blocks(req)
-        if sample and req.num_computed_tokens == req.num_tokens:
-            req.append_token(999)
+        samples = sample and req.num_computed_tokens + num_new == req.num_tokens
+        sched.commit(req, num_new, [999] if samples else [], 0)
 
 
 def grants(out):

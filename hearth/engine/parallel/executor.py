@@ -1,8 +1,8 @@
 """The driver of a T x P rank set: the engine's executor when tensor/pipeline parallelism is on.
 
 The driver is rank 0 (first stage, TP rank 0) and lives in the engine's process: the scheduler,
-KV block pool and prefix cache stay single and local. Per engine step it turns the
-SchedulerOutput into one StepCommand, broadcasts it, runs stage 0's shard itself, and gathers
+KV block pool and prefix cache stay single and local. Per engine step it broadcasts the
+StepCommand (hearth/engine/step.py, built by the engine exactly as for the in-process runner), runs stage 0's shard itself, and gathers
 the sampled tokens (from its own shard when P = 1, else from the last stage).
 
 Failure contract: any error after a command has gone out leaves the ranks out of step, so it is
@@ -21,18 +21,14 @@ import weakref
 import torch
 
 from hearth.config import EngineConfig
-from hearth.engine.kv_cache import cdiv
-from hearth.engine.parallel.layout import check_parallel_shape, split_micro_batches
+from hearth.engine.parallel.layout import check_parallel_shape
 from hearth.engine.parallel.local_ranks import LocalRanks
 from hearth.engine.parallel.messages import (CollectStats, Command, LoadModel, RankStats, Reply,
                                              SampleResult, Shutdown, StepCommand, decode_reply,
                                              encode)
-from hearth.engine.parallel.sampling import make_sample_row, to_sampled_tokens
 from hearth.engine.parallel.stage import StageShard
 from hearth.engine.parallel.worker import RankSpec, rank_device
-from hearth.engine.request import Request
-from hearth.engine.runner import DTYPES, SampledToken
-from hearth.engine.scheduler import SchedulerOutput
+from hearth.engine.runner import DTYPES
 from hearth.ops.distributed import (Heartbeat, RankFailedError, RankLayout, broadcast_message,
                                     close_rank_groups, connect_store, init_rank_groups,
                                     receive_message)
@@ -55,7 +51,6 @@ class ParallelExecutor:
         self.failure: str | None = None
         self.local_ranks: LocalRanks | None = None
         self.heartbeat: Heartbeat | None = None
-        self._seeded: dict[str, Request] = {}  # requests whose generator lives on the sampler
         self._saved_threads = torch.get_num_threads()
         self._closed = False
         try:
@@ -110,10 +105,9 @@ class ParallelExecutor:
         torch.set_num_threads(threads)
 
     # ---- stepping ---------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, cmd: StepCommand) -> SampleResult:
         if self.failure is not None:
             raise RankFailedError(self.failure)
-        cmd, sampled = self._make_command(out)
         t0 = time.perf_counter()
         try:
             broadcast_message(Command.STEP, encode(cmd), self.groups.cmd)
@@ -124,33 +118,10 @@ class ParallelExecutor:
                 results = self._receive_results(cmd)
         except Exception as exc:
             raise self._fail(exc) from exc
-        tokens = []
-        for result in results:
-            tokens.extend(to_sampled_tokens(result, sampled[len(tokens):
-                                                            len(tokens) + len(result.token_ids)]))
-        return tokens
-
-    def _make_command(self, out: SchedulerOutput) -> tuple[StepCommand, list[Request]]:
-        input_ids, query_lens, context_lens, tables, samples, sampled = [], [], [], [], [], []
-        finished = [rid for rid, req in self._seeded.items() if req.is_finished]
-        for rid in finished:
-            del self._seeded[rid]
-        for i, (req, num_new) in enumerate(out.scheduled):
-            start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + num_new])
-            query_lens.append(num_new)
-            context_lens.append(start + num_new)
-            tables.append(req.block_ids[: cdiv(start + num_new, self.block_size)])
-            if start + num_new >= req.num_tokens:
-                samples.append(make_sample_row(req, i, self.vocab_size))
-                sampled.append(req)
-                if req.params.seed is not None and self._seeded.get(req.request_id) is not req:
-                    if req.request_id in self._seeded:  # the id was reused: a fresh generator
-                        finished.append(req.request_id)
-                    self._seeded[req.request_id] = req
-        sizes = split_micro_batches(query_lens, self.num_micro_batches)
-        return StepCommand(input_ids, query_lens, context_lens, tables, sizes, samples,
-                           finished), sampled
+        errors = [r.error for r in results if r.error is not None]
+        if errors:  # sampling failed on the sampler rank: this step fails, the ranks stay up
+            return SampleResult([], error=errors[0])
+        return SampleResult([row for r in results for row in r.rows])
 
     def _receive_results(self, cmd: StepCommand) -> list[SampleResult]:
         t0 = time.perf_counter()

@@ -16,6 +16,10 @@ import enum
 
 import msgspec
 
+from hearth.engine.step import SampleResult, SampleRow, StepCommand  # the step contract
+
+__all__ = ["SampleResult", "SampleRow", "StepCommand"]
+
 
 class Command(enum.IntEnum):
     LOAD_MODEL = 1
@@ -43,53 +47,6 @@ class LoadReport(msgspec.Struct, frozen=True):
     error: str | None = None  # why this rank could not load its shard
     num_parameters: int = 0
     kv_cache_bytes: int = 0
-
-
-class SampleRow(msgspec.Struct, frozen=True):
-    """What the sampler rank needs to sample one request: the fields `make_sampling_batch`
-    reads, plus the history and grammar mask the driver holds."""
-
-    index: int  # position of the request in StepCommand's request lists
-    request_id: str  # keys the sampler's per-request seeded generator
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logprobs: int | None
-    seed: int | None
-    prompt_ids: list[int] = []  # token history, sent only when a penalty needs it
-    output_ids: list[int] = []
-    allowed: bytes | None = None  # guided decoding: np.packbits of the allowed-token mask [vocab]
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
-
-
-class StepCommand(msgspec.Struct, frozen=True):
-    """One engine step. Request i computes tokens [context_lens[i] - query_lens[i],
-    context_lens[i]); its KV goes to block_tables[i], identical on every rank."""
-
-    input_ids: list[int]  # [sum(query_lens)], requests back to back
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    micro_batch_sizes: list[int]  # requests per micro-batch, in order; sums to len(query_lens)
-    samples: list[SampleRow]  # requests that sample a token this step, by index
-    finished_ids: list[str] = []  # drop the sampler's state for these before sampling
-
-
-class SampleResult(msgspec.Struct, frozen=True):
-    """Tokens of one micro-batch's SampleRows, in their order."""
-
-    token_ids: list[int]
-    logprobs: list[float] = []  # of each sampled token, when any row asked for logprobs
-    top_ids: list[list[int]] = []  # [row][k] when any row asked for k > 0
-    top_logprobs: list[list[float]] = []
-    error: str | None = None  # sampling failed (bad parameters): the step fails, ranks stay up
 
 
 class RankStats(msgspec.Struct, frozen=True):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hearth.engine.parallel.layout import split_layers
 from hearth.engine.parallel.messages import RankStats, SampleResult, SampleRow, StepCommand
-from hearth.engine.parallel.sampling import RowSampler
+from hearth.engine.sampler import RowSampler
 from hearth.models.weights import build_model
 from hearth.ops.attention import build_attention_metadata
 from hearth.ops.distributed import RankGroups
@@ -37,7 +37,7 @@ class MicroBatch:
     token_start: int  # its rows in StepCommand.input_ids
     num_tokens: int
     samples: list[SampleRow]
-    sample_rows: list[int]  # row (within the micro-batch) of each sample's last token
+    sample_rows: list[int]  # rows (within the micro-batch) of every sampled position, in order
 
 
 def micro_batches(cmd: StepCommand) -> list[MicroBatch]:
@@ -49,7 +49,9 @@ def micro_batches(cmd: StepCommand) -> list[MicroBatch]:
     for size in cmd.micro_batch_sizes:
         start = token_starts[first]
         samples = [by_index[i] for i in range(first, first + size) if i in by_index]
-        rows = [token_starts[s.index + 1] - 1 - start for s in samples]
+        rows = [r - start for s in samples
+                for r in range(token_starts[s.index + 1] - s.num_positions,
+                               token_starts[s.index + 1])]
         out.append(MicroBatch(first, size, start, token_starts[first + size] - start, samples,
                               rows))
         first += size
@@ -158,4 +160,4 @@ class StageShard:
         logits = self.model.compute_logits(hidden[rows])  # all TP ranks join the all-gather
         if self.sampler is None:
             return None
-        return self.sampler.sample(logits.cpu(), mb.samples)
+        return self.sampler.sample(logits.float().cpu(), mb.samples)

@@ -1,0 +1,121 @@
+"""Speculative decoding: propose draft tokens per request, let the step verify them.
+
+Each step, before scheduling, `Speculator.propose` gives every decoding request up to k draft
+tokens (`Request.spec_token_ids`) from its proposer (hearth/engine/spec/proposers.py); the
+scheduler grants them with the request's own token, the executor computes all of them in the
+same forward pass as every other request, and the sampler keeps the drafts the model agrees with
+(hearth/engine/step.py has the rule and why the output distribution is unchanged).
+
+Adaptive: a request's draft length follows its recent acceptance (an exponential average of
+accepted / drafted); one that keeps rejecting only probes with a single token now and then.
+When more than `max_batch` requests decode at once the step is compute-bound and extra rows
+are no longer free, so nobody drafts. Guided requests draft too: a draft is cut at the first
+token its grammar forbids, and the matcher is rolled back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hearth.config import SpeculativeConfig
+from hearth.engine.request import Request
+from hearth.engine.spec.proposers import NgramProposer, SuffixProposer
+
+PROBE_EVERY = 4  # a request with low acceptance drafts one token every this many steps
+
+
+@dataclass
+class SpecCounters:
+    """Totals since start, exported on /metrics under vLLM's spec_decode names."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _State:
+    acceptance: float = 1.0  # exponential average of accepted / drafted
+    steps: int = 0
+
+
+def make_speculator(config: SpeculativeConfig, vocab_size: int) -> Speculator | None:
+    if config.method == "off":
+        return None
+    return Speculator(config, vocab_size)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, vocab_size: int) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.proposer = (NgramProposer(config) if config.method == "ngram"
+                         else SuffixProposer(config))
+        self.method = self.proposer.name
+        self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._states: dict[str, _State] = {}
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of every running request (most to [])."""
+        decoding = []
+        for req in running:
+            req.spec_token_ids = []
+            if req.num_tokens - req.num_computed_tokens == 1 and req.kv_import is None:
+                decoding.append(req)
+        if len(decoding) > self.config.max_batch:
+            return
+        for req in decoding:
+            state = self._states.setdefault(req.request_id, _State())
+            state.steps += 1
+            k = self._draft_len(req, state)
+            if k <= 0:
+                continue
+            drafts = self.proposer.propose(req, k)[:k]
+            if drafts and req.grammar is not None:
+                drafts = _grammar_prefix(req, drafts)
+            req.spec_token_ids = drafts
+
+    def _draft_len(self, req: Request, state: _State) -> int:
+        remaining = req.params.max_tokens - req.num_output_tokens - 1  # the step's own token
+        if remaining <= 0:
+            return 0
+        k = self.config.num_speculative_tokens
+        if state.acceptance < 0.2:
+            k = 1 if state.steps % PROBE_EVERY == 0 else 0
+        else:
+            k = max(1, round(k * min(1.0, 1.5 * state.acceptance)))
+        return min(k, remaining)
+
+    def observe(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """A step verified `num_drafted` drafts of `req` and kept `num_accepted`."""
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_drafted
+        c.num_accepted_tokens += num_accepted
+        for i in range(min(num_accepted, len(c.accepted_per_position))):
+            c.accepted_per_position[i] += 1
+        state = self._states.setdefault(req.request_id, _State())
+        state.acceptance = 0.5 * state.acceptance + 0.5 * (num_accepted / num_drafted)
+
+    def finished(self, req: Request) -> None:
+        """Forget a finished request (its output joins the shared store, for suffix)."""
+        self._states.pop(req.request_id, None)
+        self.proposer.finished(req)
+
+    def forget_missing(self, live_ids) -> None:
+        """Drop state of requests that ended without `finished` (aborts, errors)."""
+        for request_id in [r for r in self._states if r not in live_ids]:
+            self._states.pop(request_id, None)
+            self.proposer.indexes.pop(request_id, None)
+
+
+def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` the request's grammar allows; the matcher is unchanged."""
+    n = 0
+    try:
+        while n < len(drafts) and req.grammar.accept(drafts[n]):
+            n += 1
+    finally:
+        req.grammar.rollback(n)
+    return drafts[:n]

@@ -1,0 +1,207 @@
+"""The step contract between the engine and its executor: one type for both executors.
+
+    Scheduler.schedule() -> SchedulerOutput            (live Requests, tokens granted, drafts)
+    StepBuilder.build(SchedulerOutput) -> StepCommand  (plain data: ids, lengths, block tables,
+                                                        sample rows; msgpack-able for T x P ranks)
+    executor.execute(StepCommand) -> SampleResult      (ModelRunner in-process, or the rank set)
+    to_step_tokens(SampleResult, requests) -> [StepTokens]
+    LLMEngine applies them (the one place results reach requests: `LLMEngine._apply_step`,
+    which advances the computed counts through `Scheduler.commit`)
+
+A request granted `num_new` of its own tokens plus draft tokens `d_0..d_{k-1}` (speculative
+decoding) computes positions [start, start + num_new + k): its input ids are its uncomputed
+tokens followed by the drafts, and its KV is written for all of them. If it samples (its own
+tokens then reach `num_tokens`), its SampleRow covers the last 1 + k rows: row j is the model's
+distribution after d_0..d_{j-1}. The sampler samples a token t_j at every row and accepts the
+longest prefix of drafts with d_j == t_j; the tokens returned are d_0..d_{a-1}, t_a. With a
+deterministic draft (n-gram, suffix, a greedy draft model) this is exactly the
+rejection-sampling rule: d_j is kept with probability p_j(d_j), and on rejection t_j is a draw
+from p_j with d_j removed. Rejected drafts' KV slots are simply overwritten later: the request's
+computed count only covers accepted tokens, so the prefix cache never registers their blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from hearth.engine.kv_cache import cdiv
+from hearth.engine.parallel.layout import split_micro_batches
+from hearth.engine.request import Logprob, Request
+
+
+class SampleRow(msgspec.Struct, frozen=True):
+    """What the sampler needs to sample one request: the fields `make_sampling_batch` reads,
+    the history a penalty reads, the grammar masks and the draft tokens to verify."""
+
+    index: int  # position of the request in StepCommand's request lists
+    request_id: str  # keys the sampler's per-request seeded generator
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+    seed: int | None
+    prompt_ids: list[int] = []  # token history, sent only when a penalty needs it
+    output_ids: list[int] = []
+    draft_token_ids: list[int] = []  # the request's last len(drafts) input ids, to verify
+    # guided decoding: per sampled position (1 + len(drafts) of them), np.packbits of the
+    # allowed-token mask [vocab]; empty when unguided
+    allowed: list[bytes] = []
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def num_positions(self) -> int:
+        return 1 + len(self.draft_token_ids)
+
+
+class StepCommand(msgspec.Struct, frozen=True):
+    """One engine step. Request i computes tokens [context_lens[i] - query_lens[i],
+    context_lens[i]); its KV goes to block_tables[i] (identical on every rank)."""
+
+    input_ids: list[int]  # [sum(query_lens)], requests back to back (drafts last in each)
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    micro_batch_sizes: list[int]  # requests per micro-batch, in order; sums to len(query_lens)
+    samples: list[SampleRow]  # requests that sample this step, by index
+    finished_ids: list[str] = []  # drop the sampler's state for these before sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class RowOutput(msgspec.Struct, frozen=True):
+    """The tokens one SampleRow produced: accepted drafts, then one sampled token."""
+
+    token_ids: list[int]
+    logprobs: list[float] = []  # of each token, when the row asked for logprobs
+    top_ids: list[list[int]] = []  # [token][k] when the row asked for k > 0
+    top_logprobs: list[list[float]] = []
+
+
+class SampleResult(msgspec.Struct, frozen=True):
+    """The outputs of some SampleRows (one micro-batch's, or a whole step's), in their order."""
+
+    rows: list[RowOutput]
+    error: str | None = None  # sampling failed (bad parameters): the step fails, ranks stay up
+
+
+@dataclass
+class StepTokens:
+    """What one sampling request got from a step."""
+
+    request: Request
+    token_ids: list[int]  # accepted drafts, then the sampled token
+    logprobs: list[Logprob]  # one per token when the request asked for logprobs, else []
+    num_drafted: int  # draft tokens verified this step
+
+
+def sample_row_positions(cmd: StepCommand) -> list[int]:
+    """The input-id index of every sampled position of every sample row, in row order."""
+    ends, total = [], 0
+    for q in cmd.query_lens:
+        total += q
+        ends.append(total)
+    rows = []
+    for row in cmd.samples:
+        end = ends[row.index]
+        rows.extend(range(end - row.num_positions, end))
+    return rows
+
+
+def make_sample_row(req: Request, index: int, vocab_size: int,
+                    drafts: list[int] = ()) -> SampleRow:
+    p = req.params
+    penalised = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+    allowed = _grammar_masks(req, list(drafts), vocab_size) if req.grammar is not None else []
+    return SampleRow(
+        index=index, request_id=req.request_id, temperature=p.temperature, top_p=p.top_p,
+        top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+        logprobs=p.logprobs, seed=p.seed,
+        prompt_ids=req.prompt_token_ids if penalised else [],
+        output_ids=req.output_token_ids if penalised else [],
+        draft_token_ids=list(drafts), allowed=allowed)
+
+
+def _grammar_masks(req: Request, drafts: list[int], vocab_size: int) -> list[bytes]:
+    """The allowed-token mask before each draft and after the last; the matcher ends where it
+    began. Drafts were checked against the grammar when proposed (`Speculator.propose`)."""
+    masks, advanced = [], 0
+    try:
+        for j in range(len(drafts) + 1):
+            row = torch.zeros(vocab_size)
+            req.grammar.fill_mask(row)  # forbidden tokens become -inf
+            masks.append(np.packbits(~row.isinf().numpy()).tobytes())
+            if j < len(drafts):
+                if not req.grammar.accept(drafts[j]):
+                    raise RuntimeError(f"draft token {drafts[j]} is not allowed by the grammar")
+                advanced += 1
+    finally:
+        req.grammar.rollback(advanced)
+    return masks
+
+
+class StepBuilder:
+    """Flattens a SchedulerOutput into a StepCommand (both executors use this one path), and
+    tracks which seeded requests the sampler holds a generator for."""
+
+    def __init__(self, block_size: int, vocab_size: int) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self._seeded: dict[str, Request] = {}  # requests whose generator lives on the sampler
+
+    def build(self, out, num_micro_batches: int = 1) -> tuple[StepCommand, list[Request]]:
+        """(command, the request of each sample row in order)."""
+        input_ids, query_lens, context_lens, tables, samples, sampled = [], [], [], [], [], []
+        finished = [rid for rid, req in self._seeded.items() if req.is_finished]
+        for rid in finished:
+            del self._seeded[rid]
+        for i, (req, num_new) in enumerate(out.scheduled):
+            start = req.num_computed_tokens
+            drafts = out.drafts.get(req.request_id, [])
+            input_ids.extend(req.all_token_ids[start : start + num_new])
+            input_ids.extend(drafts)
+            query = num_new + len(drafts)
+            query_lens.append(query)
+            context_lens.append(start + query)
+            tables.append(req.block_ids[: cdiv(start + query, self.block_size)])
+            if start + num_new >= req.num_tokens:
+                samples.append(make_sample_row(req, i, self.vocab_size, drafts))
+                sampled.append(req)
+                if req.params.seed is not None and self._seeded.get(req.request_id) is not req:
+                    if req.request_id in self._seeded:  # the id was reused: a fresh generator
+                        finished.append(req.request_id)
+                    self._seeded[req.request_id] = req
+        sizes = split_micro_batches(query_lens, num_micro_batches)
+        return StepCommand(input_ids, query_lens, context_lens, tables, sizes, samples,
+                           finished), sampled
+
+
+def to_step_tokens(result: SampleResult, requests: list[Request],
+                   rows: list[SampleRow]) -> list[StepTokens]:
+    """`requests[i]` and `rows[i]` are the request and row of the result's row i."""
+    if result.error is not None:
+        raise RuntimeError(f"sampling failed: {result.error}")
+    out = []
+    for req, row, got in zip(requests, rows, result.rows, strict=True):
+        lps = []
+        k = req.params.logprobs
+        if k is not None:
+            for j, token in enumerate(got.token_ids):
+                top = (list(zip(got.top_ids[j][:k], got.top_logprobs[j][:k]))
+                       if k > 0 and got.top_ids else [])
+                lps.append(Logprob(token, got.logprobs[j], top))
+        out.append(StepTokens(req, list(got.token_ids), lps, len(row.draft_token_ids)))
+    return out

@@ -1,0 +1,128 @@
+"""Speculative decoding leaves greedy output unchanged, token for token, in every mode.
+
+The real default model in fp32 (the exact reference), speculation off against ngram and suffix,
+on prompts whose answers copy from their context (so drafts are proposed and accepted, which
+each test asserts: a test where nothing was drafted would prove nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hearth.config import SpeculativeConfig
+from hearth.engine.llm import LLM
+from hearth.engine.sampling_params import GuidedSpec, SamplingParams
+from hearth.models.loader import load_checkpoint
+
+CODE = '''def area(width, height):
+    """Return the area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """Return the perimeter of a rectangle."""
+    return 2 * (width + height)
+'''
+PROMPTS = [
+    f"Here is a file:\n{CODE}\nRewrite the file exactly, renaming width to w and height to h.",
+    "Repeat this list exactly three times: red, green, blue, yellow, purple, orange.",
+    f"Copy this code and add a docstring to the module:\n{CODE}",
+    "Write the numbers from 1 to 30 separated by commas.",
+]
+METHODS = ["ngram", "suffix"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint("smollm2-135m-instruct")
+
+
+def make_llm(checkpoint, method: str = "off", **kw) -> LLM:
+    kw.setdefault("num_blocks", 256)
+    return LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", quantization="none",
+               speculative=SpeculativeConfig(method=method, num_speculative_tokens=6), **kw)
+
+
+def chat_ids(llm: LLM, prompt: str) -> list[int]:
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True))
+
+
+def run(checkpoint, method: str, prompts=PROMPTS, params=None, **kw):
+    llm = make_llm(checkpoint, method, **kw)
+    params = params or SamplingParams(temperature=0.0, max_tokens=64)
+    try:
+        out = llm.generate([chat_ids(llm, p) for p in prompts], params)
+        spec = llm.engine.speculator
+        assert llm.engine.kv_pool_is_whole()
+        return out, spec.counters if spec is not None else None
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    out, _ = run(checkpoint, "off")
+    return [c.token_ids for c in out]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_greedy_output_is_unchanged(checkpoint, reference, method):
+    out, counters = run(checkpoint, method)
+    assert [c.token_ids for c in out] == reference
+    assert counters.num_accepted_tokens > 0  # speculation really happened
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_one_at_a_time_with_prefix_hits_and_chunked_prefill(checkpoint, reference, method):
+    llm = make_llm(checkpoint, method, max_num_batched_tokens=48)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=64)
+        for prompt, want in zip(PROMPTS[:2], reference[:2]):
+            for _ in range(2):  # the second run hits the prefix cache
+                got = llm.generate([chat_ids(llm, prompt)], params)[0]
+                assert got.token_ids == want
+        assert got.cached_tokens > 0
+        assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        assert llm.engine.kv_pool_is_whole()
+    finally:
+        llm.engine.close()
+
+
+def test_preemption_under_a_small_pool(checkpoint, reference):
+    out, counters = run(checkpoint, "suffix", num_blocks=24)
+    assert [c.token_ids for c in out] == reference
+    assert counters.num_accepted_tokens > 0
+
+
+def test_stop_strings_max_tokens_and_logprobs_behave_as_without(checkpoint):
+    params = SamplingParams(temperature=0.0, max_tokens=37, stop=["purple"], logprobs=2)
+    prompts = PROMPTS[1:3]
+    want, _ = run(checkpoint, "off", prompts, params)
+    got, counters = run(checkpoint, "suffix", prompts, params)
+    assert counters.num_accepted_tokens > 0
+    for a, b in zip(want, got):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert [lp.token_id for lp in a.logprobs] == [lp.token_id for lp in b.logprobs]
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-3
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_guided_requests_speculate_and_keep_their_grammar(checkpoint):
+    schema = ('{"type": "object", "properties": {"colors": {"type": "array", "items": '
+              '{"type": "string"}}}, "required": ["colors"]}')
+    params = SamplingParams(temperature=0.0, max_tokens=64,
+                            guided=GuidedSpec("json_schema", schema))
+    prompts = ["List these colors as JSON: red, green, blue, red, green, blue, red, green."]
+    want, _ = run(checkpoint, "off", prompts, params)
+    got, counters = run(checkpoint, "suffix", prompts, params)
+    assert got[0].token_ids == want[0].token_ids
+    assert counters.num_draft_tokens > 0
+
+
+def test_sampled_requests_finish_and_release_everything(checkpoint):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, seed=i) for i in range(4)]
+    out, counters = run(checkpoint, "suffix", PROMPTS, params)
+    assert all(len(c.token_ids) > 0 and c.finish_reason in ("stop", "length") for c in out)
+    assert counters.num_draft_tokens > 0
