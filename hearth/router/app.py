@@ -4,6 +4,8 @@ Routes (auth with --api-key on all but /health and /metrics):
     GET  /health              200 once a decode (or monolithic) endpoint is healthy, else 503
     GET  /v1/models           the model the workers serve
     POST /v1/chat/completions, /v1/completions    routed, PD-orchestrated, stitched
+    POST /v1/responses, /v1/messages              translated into chat at the edge, then the same
+    GET  /v1/responses/{id}; POST /v1/messages/count_tokens   (hearth/router/front_doors.py)
     POST /tokenize, /detokenize                   forwarded to a healthy worker
     GET  /load                the router's view: endpoints, estimated loads, cache views
     GET  /metrics             Prometheus text (hearth/router/metrics.py)
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from hearth.router.endpoints import EndpointPool, SessionTable
+from hearth.router.front_doors import front_door_routes
 from hearth.router.health import HealthChecker, ModelInfo
 from hearth.router.hops import HopError, WorkerRejected, forward_headers, post_json
 from hearth.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -32,8 +35,8 @@ from hearth.router.orchestrator import Job, Orchestrator
 from hearth.router.policy import NoEndpointError
 from hearth.router.prompts import PromptTokens
 from hearth.router.router_config import RouterConfig
-from hearth.server.edge import CpuPool, bearer_matches, read_json
-from hearth.server.errors import install_error_handlers
+from hearth.server.edge import CpuPool, api_key_matches, read_json
+from hearth.server.errors import error_response, install_error_handlers
 from hearth.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,6 +44,7 @@ from hearth.server.protocol import (
     bad_request,
     parse_request,
 )
+from hearth.server.responses_api import ResponseStore
 
 log = logging.getLogger("hearth.router")
 
@@ -61,6 +65,7 @@ class Router:
         self.client = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0,
                                                             max_connections=None))
         self.sessions = SessionTable(config.session_capacity)
+        self.response_store = ResponseStore()  # past Responses, for previous_response_id
         self.health = HealthChecker(self.pool, self.client, config.health,
                                     config.worker_api_key, self.model)
         self.orchestrator = Orchestrator(config, self.pool, self.sessions, self.metrics, self.client,
@@ -153,7 +158,7 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
     async def authorize(request: Request) -> None:
         if config.api_key is None:
             return
-        if not bearer_matches(request.headers.get("authorization", ""), config.api_key):
+        if not api_key_matches(request.headers, config.api_key):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                            "authentication_error", code="invalid_api_key")
 
@@ -204,6 +209,8 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
     async def load() -> dict:
         return router.load_view()
 
+    app.include_router(front_door_routes(router), dependencies=auth)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(router.pool), media_type=CONTENT_TYPE)
@@ -215,16 +222,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     install_error_handlers(app)  # the worker's: APIError, 404, validation, 500
 
     @app.exception_handler(WorkerRejected)
-    async def worker_rejected(_: Request, exc: WorkerRejected) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status)
+    async def worker_rejected(request: Request, exc: WorkerRejected) -> JSONResponse:
+        return error_response(request, exc.status, exc.body)
 
     @app.exception_handler(NoEndpointError)
-    async def no_endpoint(_: Request, exc: NoEndpointError) -> JSONResponse:
+    async def no_endpoint(request: Request, exc: NoEndpointError) -> JSONResponse:
         error = APIError(503, str(exc), "service_unavailable", code="no_healthy_endpoint")
-        return JSONResponse(error.body(), status_code=503)
+        return error_response(request, 503, error.body())
 
     @app.exception_handler(HopError)
-    async def hop_failed(_: Request, exc: HopError) -> JSONResponse:
+    async def hop_failed(request: Request, exc: HopError) -> JSONResponse:
         error = APIError(503, f"every endpoint tried failed; last: {exc}", "service_unavailable",
                          code="upstream_unavailable")
-        return JSONResponse(error.body(), status_code=503)
+        return error_response(request, 503, error.body())

@@ -8,6 +8,8 @@ Routes (auth with --api-key on all but /health and /metrics):
     GET  /health              200 {"status": "ok"} once the model is loaded, else 503
     GET  /v1/models           the served model
     POST /v1/chat/completions, /v1/completions
+    POST /v1/responses, GET /v1/responses/{id}        (hearth/server/front_doors.py)
+    POST /v1/messages, /v1/messages/count_tokens      (Anthropic-shaped errors)
     POST /tokenize, /detokenize
     GET  /load                JSON load report (?check_pool=1 adds kv_pool_is_whole)
     GET  /metrics             Prometheus text
@@ -26,9 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.config import EngineConfig
 from hearth.server.chat import render_chat_prompt
-from hearth.server.edge import CpuPool, bearer_matches, longest_token_chars, read_json
+from hearth.server.edge import CpuPool, api_key_matches, longest_token_chars, read_json
 from hearth.server.engine_client import EngineClient, EngineDeadError
 from hearth.server.errors import install_error_handlers
+from hearth.server.front_doors import front_door_routes
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
 from hearth.server.protocol import (
     APIError,
@@ -40,6 +43,7 @@ from hearth.server.protocol import (
     parse_request,
 )
 from hearth.server.responses import TokenTexts
+from hearth.server.responses_api import ResponseStore
 from hearth.server.server_config import ServerConfig
 from hearth.server.serving import ClientGone, ServerState, check_model, check_prompt_chars, check_token_ids
 from hearth.server.serving_chat import create_chat_completion
@@ -83,6 +87,7 @@ class Worker:
         self.engine = EngineClient(engine_config, log_level=server_config.log_level.upper(),
                                    on_dead=self._fail, core_module=core)
         self.cpu = CpuPool(server_config.cpu_threads)
+        self.response_store = ResponseStore()  # past Responses, for previous_response_id
         self.state: ServerState | None = None
         self.failure: str | None = None
         self._startup: asyncio.Task | None = None
@@ -168,6 +173,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig,
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(_openai_routes(worker), dependencies=auth)
+    app.include_router(front_door_routes(worker), dependencies=auth)
     app.include_router(_tokenizer_and_load_routes(worker), dependencies=auth)
     return app
 
@@ -177,7 +183,7 @@ def _authorizer(worker: Worker) -> Callable:
         key = worker.config.api_key
         if key is None:
             return
-        if not bearer_matches(request.headers.get("authorization", ""), key):
+        if not api_key_matches(request.headers, key):
             if worker.state is not None:
                 worker.state.metrics.observe_rejected("auth")
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",

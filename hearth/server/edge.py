@@ -136,3 +136,11 @@ def bearer_matches(authorization: str, key: str) -> bool:
         return False
     sent = token.strip().encode("latin-1", errors="replace")
     return hmac.compare_digest(sent, key.encode("utf-8"))
+
+
+def api_key_matches(headers: Any, key: str) -> bool:
+    """`Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic clients)."""
+    if bearer_matches(headers.get("authorization", ""), key):
+        return True
+    sent = headers.get("x-api-key", "").strip().encode("latin-1", errors="replace")
+    return hmac.compare_digest(sent, key.encode("utf-8"))

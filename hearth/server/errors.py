@@ -1,4 +1,5 @@
-"""OpenAI-shaped error bodies for every failure an HTTP edge can meet (worker and router)."""
+"""OpenAI-shaped error bodies for every failure an HTTP edge can meet (worker and router);
+Anthropic-shaped on the Messages API's paths, whatever raised the error."""
 
 from __future__ import annotations
 
@@ -9,16 +10,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hearth.server.messages_api import MESSAGES_PATH, anthropic_error_body
 from hearth.server.protocol import APIError, bad_request
 
 log = logging.getLogger("hearth.server")
 
 
+def error_response(request: Request, status: int, body: dict) -> JSONResponse:
+    """An OpenAI-shaped error body, in the shape of the API the request came in on."""
+    if request.url.path.startswith(MESSAGES_PATH):
+        body = anthropic_error_body(status, body)
+    return JSONResponse(body, status_code=status)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """OpenAI-shaped error bodies for every failure (the router installs these too)."""
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc.status, exc.body())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -27,17 +36,17 @@ def install_error_handlers(app: FastAPI) -> None:
                              code="not_found")
         else:
             error = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        return error_response(request, exc.status_code, error.body())
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in first["loc"][1:]) or None
-        return JSONResponse(bad_request(first["msg"], param=param).body(), status_code=400)
+        return error_response(request, 400, bad_request(first["msg"], param=param).body())
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return error_response(request, 500, error.body())
 

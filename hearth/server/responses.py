@@ -135,8 +135,10 @@ class ChunkMaker:
         return chunk
 
     def chat(self, index: int, delta: dict, logprobs: dict | None = None,
-             finish_reason: str | None = None) -> str:
+             finish_reason: str | None = None, stop_reason: str | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if stop_reason is not None:  # vLLM's extension: which stop string ended the output
+            choice["stop_reason"] = stop_reason
         return sse(self._envelope([choice]))
 
     def text(self, index: int, text: str, logprobs: dict | None = None,

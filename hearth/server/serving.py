@@ -158,6 +158,7 @@ class ChoiceProgress:
     first_logprob: float | None = None
     kv_descriptor: dict | None = None  # prefill hop: the exported lease
     transferred: tuple[int, int, int] = (0, 0, 0)  # decode hop: (tokens, blocks, bytes)
+    stop_string: str | None = None  # the stop string that ended the output, if one did
 
 
 @dataclass
@@ -266,6 +267,7 @@ class RequestRun:
         if output.finished:
             self._num_unfinished -= 1
             choice.finish_reason, choice.error = output.finish_reason, output.error
+            choice.stop_string = stop_string(output)
             metrics.observe_finish(output.finish_reason or "stop", now - choice.arrival,
                                    choice.num_prompt_tokens, choice.num_output_tokens,
                                    output.queue_seconds)
@@ -285,6 +287,11 @@ class RequestRun:
             completion_tokens=sum(c.num_output_tokens for c in self.choices),
             cached_tokens=sum(self.choices[i].num_cached_tokens for i in firsts),
         )
+
+
+def stop_string(output: RequestOutput) -> str | None:
+    """The stop string that ended a finished output (None: EOS, a stop token id, or length)."""
+    return output.stop_reason if isinstance(output.stop_reason, str) else None
 
 
 def abort_when_dropped(stream: AsyncIterator[str], run: RequestRun) -> AsyncIterator[str]:

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob, RequestOutput
 from hearth.server.chat import render_chat_prompt, uses_builtin_tool_format
+from hearth.server.chat_output import ChatEvent, Failed, Finished
 from hearth.server.pd import Hop, first_token_text, hop_result, parse_hop
 from hearth.server.protocol import ChatCompletionRequest, bad_request
 from hearth.server.responses import (
@@ -34,6 +35,7 @@ from hearth.server.serving import (
     raise_if_failed,
     response_format_guidance,
     sampling_params,
+    stop_string,
 )
 from hearth.server.tool_grammar import tool_choice_guidance
 from hearth.server.tool_parsers import Event, ToolParser, assemble, make_tool_parser
@@ -110,15 +112,13 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
     return prompt_ids, params, parser
 
 
-async def create_chat_completion(
-    state: ServerState, request: ChatCompletionRequest,
-    is_disconnected: Callable[[], Awaitable[bool]],
-) -> dict | AsyncIterator[str]:
-    check_n(request.n)
-    hop = parse_hop(state.role, request.kv_transfer, request.n)
+async def _start(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
+                 is_disconnected: Callable[[], Awaitable[bool]] | None,
+                 ) -> tuple[RequestRun, list[ChatChoice], list[int]]:
+    """Plan the request, submit its engine requests and give each choice its parser."""
     # rendering and tokenizing are CPU work: off the event loop
     prompt_ids, params, parser_name = await state.cpu.run(_plan, state, request, hop)
-    run = RequestRun(state, new_id("chatcmpl"), None if request.stream else is_disconnected)
+    run = RequestRun(state, new_id("chatcmpl"), is_disconnected)
     await run.submit([prompt_ids] * request.n, params, hop.spec if hop else None,
                      num_output_tokens=1 if hop and hop.is_decode else 0)
     choices = [ChatChoice(make_tool_parser(parser_name) if parser_name else None,
@@ -127,6 +127,17 @@ async def create_chat_completion(
     if hop and hop.is_decode and choices[0].parser is not None:
         # the prefill hop sent what the first token produced: read it, drop the events
         choices[0].parser.feed(first_token_text(state.tokenizer, hop))
+    return run, choices, prompt_ids
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest,
+    is_disconnected: Callable[[], Awaitable[bool]],
+) -> dict | AsyncIterator[str]:
+    check_n(request.n)
+    hop = parse_hop(state.role, request.kv_transfer, request.n)
+    run, choices, prompt_ids = await _start(state, request, hop,
+                                            None if request.stream else is_disconnected)
     if request.stream:
         return abort_when_dropped(_stream(state, request, run, choices), run)
     try:
@@ -137,6 +148,31 @@ async def create_chat_completion(
     finally:
         run.abort_unfinished()
 
+
+async def chat_events(state: ServerState, request: ChatCompletionRequest,
+                      is_disconnected: Callable[[], Awaitable[bool]] | None,
+                      ) -> AsyncIterator[ChatEvent]:
+    """The internal output stream of a one-choice chat request (hearth/server/chat_output.py):
+    what the Responses and Messages front doors translate. Planning and admission happen here,
+    so a bad request raises before anything is sent."""
+    if request.n != 1 or request.kv_transfer is not None:
+        raise bad_request("this API has one choice and no kv_transfer", param="n")
+    run, choices, _ = await _start(state, request, None, is_disconnected)
+    return abort_when_dropped(_events(run, choices[0]), run)
+
+
+async def _events(run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEvent]:
+    try:
+        async for _, output in run.outputs():
+            for event in choice.feed(output):
+                yield event
+            if output.finished and output.finish_reason == "error":
+                yield Failed(output.error or "the engine failed this request")
+            elif output.finished:
+                yield Finished(finish_reason(choice, output.finish_reason), run.usage(),
+                               stop_string(output))
+    finally:
+        run.abort_unfinished()
 
 
 async def _collect(state: ServerState, request: ChatCompletionRequest, run: RequestRun,
@@ -156,6 +192,8 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
             "logprobs": chat_logprobs(choice.logprobs, state.token_texts) if request.logprobs else None,
             "finish_reason": finish_reason(choice, run.choices[index].finish_reason),
         })
+        if run.choices[index].stop_string is not None:
+            body_choices[-1]["stop_reason"] = run.choices[index].stop_string
     return {
         "id": run.response_id, "object": "chat.completion", "created": run.created,
         "model": state.model_name, "choices": body_choices, "system_fingerprint": None,
@@ -199,7 +237,8 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, run: Reque
                 if request.logprobs and choice.unsent_logprobs:
                     logprobs = chat_logprobs(choice.unsent_logprobs, state.token_texts)
                     choice.unsent_logprobs = []
-                yield maker.chat(index, {}, logprobs, finish_reason(choice, output.finish_reason))
+                yield maker.chat(index, {}, logprobs, finish_reason(choice, output.finish_reason),
+                                 stop_string(output))
         else:
             if include_usage:
                 yield maker.usage(run.usage())
