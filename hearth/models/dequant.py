@@ -2,7 +2,9 @@
 
 Invariant: `dequantize(raw, ggml_type, shape)` returns exactly what `gguf.quants.dequantize` returns
 for the same bytes (bit-for-bit in float32), as a fresh contiguous float32 tensor of `shape`.
-tests/unit/test_dequant.py holds it to that.
+tests/unit/test_dequant.py holds it to that, and checks every format against a second, independent
+reference written from the ggml block layouts (the only check that means anything for the formats
+dequantized through gguf's own code).
 
 Every format stores a row (the last, contiguous dimension) as whole blocks, so a slice of rows is
 a slice of bytes: callers may pass only the rows they need. Each block is viewed as one row of a
