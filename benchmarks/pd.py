@@ -48,12 +48,12 @@ KEY = "bench-worker-key"
 class Stack:
     """`hearth up ...` (or a bare router) as a child process; stopped with SIGTERM."""
 
-    def __init__(self, name: str, args: list[str], port: int, module: str = "hearth.cli") -> None:
+    def __init__(self, name: str, args: list[str], port: int) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         LOGS.mkdir(exist_ok=True)
         self.log = open(LOGS / f"{name}.log", "w")
-        cmd = [sys.executable, "-m", module, *args, "--port", str(port), "--log-level", "warning",
+        cmd = [sys.executable, "-m", "hearth.cli", *args, "--port", str(port), "--log-level", "warning",
                "--show-worker-urls"]  # endpoints() reads worker URLs off the router's /load
         self.process = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -208,9 +208,9 @@ def part_d(q: dict, port: int) -> dict:
     routers = []
     try:
         urls = stack.endpoints()
-        rr = Stack("round_robin", ["--prefill", *urls["prefill"], "--decode", *urls["decode"],
+        rr = Stack("round_robin", ["route", "--prefill", *urls["prefill"], "--decode", *urls["decode"],
                                    "--worker-api-key", KEY, "--model", MODEL, "--policy", "round_robin"],
-                   port + 1, module="hearth.router.launch").wait()
+                   port + 1).wait()
         routers.append(rr)
         out = {}
         # A different seed per run: a different system prompt, so runs do not share caches.

@@ -43,11 +43,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(name: str, module: str, *args: str) -> tuple[subprocess.Popen, str]:
+def start(name: str, command: str, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     LOGS.mkdir(exist_ok=True)
     log = open(LOGS / f"{name}.log", "w")
-    cmd = [sys.executable, "-m", module, "--port", str(port), "--log-level", "warning", *args]
+    cmd = [sys.executable, "-m", "hearth.cli", command, "--port", str(port), "--log-level",
+           "warning", *args]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -117,11 +118,11 @@ def main() -> int:
               "--kv-secret", "bench", "--kv-lease-seconds", str(a.lease_seconds))
     processes = []
     try:
-        prefill_proc, prefill = start("prefill", "hearth.server.launch", *worker, "--role", "prefill")
+        prefill_proc, prefill = start("prefill", "serve", *worker, "--role", "prefill")
         processes.append(prefill_proc)
-        decode_proc, decode = start("decode", "hearth.server.launch", *worker, "--role", "decode")
+        decode_proc, decode = start("decode", "serve", *worker, "--role", "decode")
         processes.append(decode_proc)
-        router_proc, router = start("router", "hearth.router.launch", "--model", MODEL,
+        router_proc, router = start("router", "route", "--model", MODEL,
                                     "--prefill", prefill, "--decode", decode,
                                     "--health-interval", "0.5")
         processes.append(router_proc)

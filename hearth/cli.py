@@ -1,8 +1,17 @@
 """`hearth serve | route | up | generate | bench`: the one module that reads flags.
 
-Flags map onto the frozen configs in `hearth/config.py` here and nowhere else; so does the
-torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): under a launcher,
-rank 0 runs the command as the driver and every other rank serves the driver's steps instead.
+Every sub-command's flags are declared here and mapped onto frozen configs here and nowhere
+else: `engine_config` (hearth/config.py), `server_config` (hearth/server/server_config.py),
+`router_config` and `up_config` (hearth/router/router_config.py). The layers below take configs
+only: `serve(EngineConfig, ServerConfig)` (hearth/server/launch.py), `route(RouterConfig)`
+(hearth/router/launch.py) and `up(UpConfig, ...)` (hearth/router/up.py) parse nothing and never
+import this module. `hearth up` starts each worker as `hearth serve` with flags derived from that
+worker's configs by `serve_argv`, the same mapping read backwards (and checked by parsing it
+back), so no flag is ever forwarded by name.
+
+The torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is read here
+too: under a launcher, rank 0 runs the command as the driver and every other rank serves the
+driver's steps instead.
 
 Secrets (`--api-key`, `--worker-api-key`, `--kv-secret`) are read here too, by `read_secrets`:
 from `--NAME-file`, else from the environment (`SECRET_ENV`), else from the flag itself, which
@@ -18,10 +27,15 @@ import logging
 import os
 import sys
 import time
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
 from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, KVTransferConfig,
                            ModelConfig, ParallelConfig, SchedulerConfig)
+from hearth.router.hops import HopTimeouts
+from hearth.router.policy import POLICIES, PolicyConfig
+from hearth.router.router_config import HealthConfig, RouterConfig, SupervisorConfig, UpConfig
+from hearth.server.server_config import ServerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-waiting", type=int, default=256)
+    g.add_argument("--max-waiting", type=int, default=ServerConfig.max_waiting,
+                   help="requests queued beyond the running ones before the server answers 429")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     g.add_argument("--num-micro-batches", type=int, default=0,
@@ -84,7 +99,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                           num_blocks=a.num_kv_blocks,
                           enable_prefix_caching=not a.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_num_seqs=a.max_num_seqs, max_waiting=a.max_waiting),
+                                  max_num_seqs=a.max_num_seqs),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                                 pipeline_parallel_size=a.pipeline_parallel_size, device=a.device,
                                 num_micro_batches=a.num_micro_batches,
@@ -95,6 +110,279 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                      secret=a.kv_secret or "", lease_seconds=a.kv_lease_seconds,
                                      peers=tuple(p for p in a.kv_peers.split(",") if p.strip())),
     )
+
+
+# ---- hearth serve: the HTTP server's own flags ----------------------------------------------
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=defaults.host)
+    g.add_argument("--port", type=int, default=defaults.port)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                        "$HEARTH_API_KEY or --api-key-file)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file")
+    g.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
+                   help="auto (by model family) | hermes | llama3_json")
+    g.add_argument("--no-guided-auto-tools", action="store_true",
+                   help="do not constrain tool-call arguments under tool_choice=auto")
+    g.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20,
+                   help="larger request bodies get 413")
+    g.add_argument("--log-level", default=defaults.log_level)
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+        max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
+        tool_call_parser=a.tool_call_parser, guided_auto_tools=not a.no_guided_auto_tools,
+        log_level=a.log_level)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of `hearth serve`: the engine's and the server's."""
+    add_engine_args(p)
+    add_server_args(p)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`hearth serve`'s flags on a parser of their own (to read a worker's argv back)."""
+    p = argparse.ArgumentParser(prog="hearth serve", add_help=False)
+    add_serve_args(p)
+    return p
+
+
+def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
+    """Each `hearth serve` flag's value in (e, s): engine_config and server_config read
+    backwards. The secrets are not here: hearth up hands them over in the environment."""
+    m, c, sch, par, kv = e.model, e.cache, e.scheduler, e.parallel, e.kv_transfer
+    return {
+        "--host": s.host, "--port": s.port,
+        "--model": m.model, "--dtype": m.dtype, "--quantization": m.quantization,
+        "--kv-cache-dtype": c.kv_cache_dtype, "--cpu-kernels": m.cpu_kernels,
+        "--max-model-len": m.max_model_len, "--seed": m.seed, "--block-size": c.block_size,
+        "--kv-cache-memory-gb": c.kv_cache_memory_gb, "--num-kv-blocks": c.num_blocks,
+        "--no-prefix-caching": not c.enable_prefix_caching,
+        "--max-num-batched-tokens": sch.max_num_batched_tokens,
+        "--max-num-seqs": sch.max_num_seqs, "--max-waiting": s.max_waiting,
+        "--tensor-parallel-size": par.tensor_parallel_size,
+        "--pipeline-parallel-size": par.pipeline_parallel_size,
+        "--num-micro-batches": par.num_micro_batches,
+        "--collective-timeout": par.collective_timeout_s, "--device": par.device,
+        "--served-model-name": m.served_model_name,
+        "--role": kv.role, "--kv-transport": kv.transport, "--kv-host": kv.host,
+        "--kv-port": kv.port, "--kv-advertise-host": kv.advertise_host,
+        "--kv-lease-seconds": kv.lease_seconds, "--kv-peers": ",".join(kv.peers),
+        "--tool-call-parser": s.tool_call_parser,
+        "--no-guided-auto-tools": not s.guided_auto_tools,
+        "--max-body-mb": s.max_body_bytes / 2**20, "--log-level": s.log_level,
+    }
+
+
+def serve_argv(engine: EngineConfig, server: ServerConfig) -> list[str]:
+    """The `hearth serve` flags that rebuild `engine` and `server`: the address always, every
+    other flag only where it differs from its default. No secret is written (`engine`'s KV
+    secret and `server`'s API key travel in the worker's environment, SECRET_ENV).
+
+    The flags are parsed back and compared: ValueError names any field they cannot carry
+    (one no flag sets, or a flag whose mapping above was forgotten)."""
+    parser = serve_parser()
+    defaults = parser.parse_args([])
+    default_values = _serve_flag_values(engine_config(defaults), server_config(defaults))
+    argv: list[str] = []
+    for flag, value in _serve_flag_values(engine, server).items():
+        if value == default_values[flag] and flag not in ("--host", "--port"):
+            continue
+        if isinstance(value, bool):
+            argv.append(flag)  # a store_true flag (its default is False)
+        elif isinstance(value, tuple):  # an nargs="+" flag
+            argv += [flag, *map(str, value)]
+        else:
+            text = str(value)
+            argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+    back = parser.parse_args(argv)
+    (engine_given, server_given), (engine_back, server_back) = \
+        _public(engine, server), _public(engine_config(back), server_config(back))
+    lost = _differences(engine_given, engine_back) + _differences(server_given, server_back)
+    if lost:
+        raise ValueError(f"hearth serve has no flag for {', '.join(lost)}")
+    return argv
+
+
+def worker_command(engine: EngineConfig, server: ServerConfig) -> list[str]:
+    """argv of a `hearth serve` child that serves `engine` and `server` (hearth up's workers)."""
+    module = __spec__.name if __spec__ is not None else "hearth.cli"
+    return [sys.executable, "-m", module, "serve", *serve_argv(engine, server)]
+
+
+def _public(engine: EngineConfig, server: ServerConfig) -> tuple[EngineConfig, ServerConfig]:
+    return (replace(engine, kv_transfer=replace(engine.kv_transfer, secret="")),
+            replace(server, api_key=None))
+
+
+def _differences(a, b, prefix: str = "") -> list[str]:
+    """Dotted names of the fields where two configs differ."""
+    if is_dataclass(a) and type(a) is type(b):
+        return [name for f in fields(a)
+                for name in _differences(getattr(a, f.name), getattr(b, f.name),
+                                         f"{prefix}{f.name}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+# ---- hearth route and hearth up: the router's flags, and the stack's -------------------------
+
+
+def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) -> None:
+    """Flags shared by `route` and `up` (policy, health, timeouts, the router's own address)."""
+    policy, health, timeouts = PolicyConfig(), HealthConfig(), HopTimeouts()
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
+                        "$HEARTH_API_KEY or --api-key-file)")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from this file")
+    g.add_argument("--policy", default=policy.name, choices=POLICIES,
+                   help="cost: token- and cache-aware (default); round_robin: the cache-blind baseline")
+    if with_block_size:
+        g.add_argument("--block-size", type=int, default=policy.block_size,
+                       help="the workers' KV block size (the router hashes prompts the same way)")
+    g.add_argument("--disagg-threshold", type=float, default=policy.disagg_threshold,
+                   help="skip the prefill hop when the decode endpoint holds at least this "
+                        "fraction of the prompt (1.0: only when it holds all of it)")
+    g.add_argument("--min-disagg-tokens", type=int, default=policy.min_disagg_tokens,
+                   help="shorter prompts are prefilled by the decode endpoint itself")
+    g.add_argument("--prefill-weight", type=float, default=policy.prefill_weight)
+    g.add_argument("--decode-weight", type=float, default=policy.decode_weight)
+    g.add_argument("--transfer-weight", type=float, default=policy.transfer_weight)
+    g.add_argument("--affinity-max-cost-ratio", type=float, default=policy.affinity_max_cost_ratio,
+                   help="a session's endpoints are left when they cost more than this times the best")
+    g.add_argument("--health-interval", type=float, default=health.interval_seconds,
+                   help="seconds between /load polls of each endpoint")
+    g.add_argument("--health-timeout", type=float, default=health.timeout_seconds,
+                   help="a slower /load answer is a stale load report: the endpoint stays in and "
+                        "its polls back off (a refused connection or an error status takes it out)")
+    g.add_argument("--eject-seconds", type=float, default=health.eject_seconds)
+    g.add_argument("--max-retries", type=int, default=health.max_retries)
+    g.add_argument("--connect-timeout", type=float, default=timeouts.connect)
+    g.add_argument("--request-timeout", type=float, default=timeouts.request)
+    g.add_argument("--stream-idle-timeout", type=float, default=timeouts.stream_idle)
+    g.add_argument("--max-body-mb", type=float, default=RouterConfig.max_body_bytes / 2**20,
+                   help="larger request bodies get 413")
+    g.add_argument("--show-worker-urls", action="store_true",
+                   help="list worker URLs on /load even without --api-key (with a key they are "
+                        "shown to key holders)")
+    g.add_argument("--log-level", default="info")
+
+
+def add_route_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("endpoints")
+    g.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                   help="prefill-role workers (hearth serve --role prefill)")
+    g.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                   help="decode-role workers (hearth serve --role decode)")
+    g.add_argument("--worker", nargs="+", action="extend", default=[], metavar="URL",
+                   help="monolithic workers (hearth serve, role both)")
+    g.add_argument("--worker-api-key", default=None,
+                   help="the key the router sends to workers (prefer $HEARTH_WORKER_API_KEY)")
+    g.add_argument("--worker-api-key-file", default=None, metavar="PATH",
+                   help="read the workers' key from this file")
+    g.add_argument("--model", default=None,
+                   help="tokenize in the router with this model's tokenizer (built-in name, "
+                        ".gguf or HF folder); without it the router asks a worker's /tokenize")
+    g.add_argument("--served-model-name", default=None)
+    add_router_args(p)
+
+
+def router_config(a: argparse.Namespace, prefill=(), decode=(), workers=(),
+                  worker_api_key: str | None = None) -> RouterConfig:
+    """The router `a` asks for, in front of these worker URLs (`hearth up` adds its own)."""
+    policy = PolicyConfig(
+        name=a.policy, block_size=a.block_size, prefill_weight=a.prefill_weight,
+        decode_weight=a.decode_weight, transfer_weight=a.transfer_weight,
+        disagg_threshold=a.disagg_threshold, min_disagg_tokens=a.min_disagg_tokens,
+        affinity_max_cost_ratio=a.affinity_max_cost_ratio)
+    return RouterConfig(
+        prefill=tuple(prefill), decode=tuple(decode), workers=tuple(workers), host=a.host,
+        port=a.port, api_key=a.api_key, worker_api_key=worker_api_key,
+        served_model_name=a.served_model_name, tokenizer_model=a.model,
+        log_level=a.log_level, policy=policy, max_body_bytes=int(a.max_body_mb * 2**20),
+        show_worker_urls=a.show_worker_urls,
+        health=HealthConfig(interval_seconds=a.health_interval, eject_seconds=a.eject_seconds,
+                            max_retries=a.max_retries, timeout_seconds=a.health_timeout),
+        timeouts=HopTimeouts(connect=a.connect_timeout, request=a.request_timeout,
+                             stream_idle=a.stream_idle_timeout))
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    stack, sup = UpConfig(), SupervisorConfig()
+    g = p.add_argument_group("stack")
+    g.add_argument("--prefill", type=int, default=stack.num_prefill,
+                   help="prefill workers (default: %(default)s)")
+    g.add_argument("--decode", type=int, default=stack.num_decode,
+                   help="decode workers (default: %(default)s)")
+    g.add_argument("--workers", type=int, default=stack.num_workers,
+                   help="monolithic workers (role both)")
+    g.add_argument("--pin", action="store_true", help="give each worker its own CPU cores")
+    g.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra flag for every worker, e.g. --worker-arg=--kv-lease-seconds=10")
+    g.add_argument("--worker-api-key", default=None,
+                   help="the workers' API key (default: a random one only the router knows; "
+                        "visible in ps: prefer $HEARTH_WORKER_API_KEY or --worker-api-key-file)")
+    g.add_argument("--worker-api-key-file", default=None, metavar="PATH",
+                   help="read the workers' API key from this file")
+    g.add_argument("--startup-timeout", type=float, default=stack.startup_timeout_seconds)
+    g.add_argument("--log-dir", default=None, help="worker logs go here instead of this terminal")
+    g.add_argument("--max-restarts", type=int, default=sup.max_restarts,
+                   help="restarts of one worker within --restart-window before hearth up gives "
+                        "up and exits 1 (default: %(default)s)")
+    g.add_argument("--restart-window", type=float, default=sup.window_seconds, metavar="SECONDS")
+    g.add_argument("--restart-backoff", type=float, default=sup.backoff_seconds, metavar="SECONDS",
+                   help="pause before a restart, doubled per restart in the window "
+                        f"(default: %(default)s, at most {sup.max_backoff_seconds:g})")
+
+
+def up_config(a: argparse.Namespace) -> UpConfig:
+    return UpConfig(
+        num_prefill=a.prefill, num_decode=a.decode, num_workers=a.workers, pin=a.pin,
+        worker_args=tuple(a.worker_arg), worker_api_key=a.worker_api_key,
+        startup_timeout_seconds=a.startup_timeout, log_dir=a.log_dir,
+        supervisor=SupervisorConfig(max_restarts=a.max_restarts, window_seconds=a.restart_window,
+                                    backoff_seconds=a.restart_backoff))
+
+
+def up_worker_server_config(a: argparse.Namespace) -> ServerConfig:
+    """What every `hearth up` worker's server gets from up's flags (its address is up's choice;
+    up has no server flags of its own but the ones it shares with the router)."""
+    return ServerConfig(served_model_name=a.served_model_name, max_waiting=a.max_waiting,
+                        max_body_bytes=int(a.max_body_mb * 2**20))
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from hearth.server.launch import serve
+
+    return serve(engine_config(a), server_config(a))
+
+
+def cmd_route(a: argparse.Namespace) -> int:
+    from hearth.router.launch import route
+
+    if not a.decode and not a.worker:
+        raise ValueError("hearth route needs at least one --decode or --worker URL")
+    if a.prefill and not a.decode:
+        raise ValueError("--prefill endpoints need --decode endpoints to hand their KV to")
+    return route(router_config(a, a.prefill, a.decode, a.worker, a.worker_api_key))
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from hearth.router.up import up
+
+    return up(up_config(a), engine_config(a), up_worker_server_config(a), router_config(a),
+              worker_command)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -123,7 +411,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`hearth` with every sub-command and its flags."""
     parser = argparse.ArgumentParser(prog="hearth", description="LLM serving for AI agents")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -140,10 +429,24 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=cmd_generate)
 
-    for extra in _extra_commands():
-        extra(sub, add_engine_args, engine_config)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible worker for one model")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
-    a = parser.parse_args(argv)
+    route = sub.add_parser("route", help="the token-aware PD router in front of workers")
+    add_route_args(route)
+    route.set_defaults(func=cmd_route)
+
+    up = sub.add_parser("up", help="router + prefill pool + decode pool on this machine")
+    add_engine_args(up)
+    add_up_args(up)
+    add_router_args(up, with_block_size=False)  # --block-size comes with the engine flags
+    up.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         read_secrets(a)
@@ -229,14 +532,6 @@ def _serve_rank(a: argparse.Namespace) -> int:
         store_host=parallel.master_addr, store_port=parallel.master_port, store_is_master=False,
         device=parallel.device, local_rank=launcher["local_rank"],
         timeout_s=parallel.collective_timeout_s))
-
-
-def _extra_commands():
-    """Sub-commands of the higher layers: each declares its flags on the parser given here."""
-    from hearth.router.launch import register as register_router
-    from hearth.server.launch import register as register_serve
-
-    return [register_serve, register_router]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Each component receives only the part it needs. Facts learned at run time (the number of KV
 blocks, the model's shape) are constructor arguments elsewhere, never written back here.
-CLI flags map onto these in exactly one place: `hearth/cli.py`.
+CLI flags map onto these (and back onto a worker's command line, for `hearth up`) in exactly
+one place: `hearth/cli.py`. The HTTP server's and the router's own configs sit beside their
+layers (`hearth/server/server_config.py`, `hearth/router/router_config.py`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one engine step
     max_num_seqs: int = 64  # cap on running requests
-    max_waiting: int = 1024  # bounded waiting queue (server answers 429 past it)
+    # (the bound on queued requests is the server's: ServerConfig.max_waiting)
 
 
 @dataclass(frozen=True)

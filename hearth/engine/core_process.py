@@ -1,8 +1,9 @@
 """The engine-core process: owns one LLMEngine and steps it whenever it has work.
 
-Started by the server (`hearth.server.engine_client`) as `python -m hearth.engine.core_process
---fd N`, where N is its end of a private socketpair. The first message is StartEngine; the core
-loads the model and answers EngineReady (or EngineFailed and exits).
+`run_core` serves one server over its end of a private socketpair; the process's entry point is
+hearth/server/core_main.py (the server starts `python -m hearth.server.core_main --fd N`, and
+picks the KV connector by role there). The first message is StartEngine; the core loads the
+model and answers EngineReady (or EngineFailed and exits).
 
 Loop invariant: between two engine steps every command that has arrived is applied, so an abort
 or a new request waits at most one step; with no work the loop blocks on the socket (no spin).
@@ -17,12 +18,11 @@ server sees every AddResult before any output of that request.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import select
 import socket
-import sys
+from typing import TYPE_CHECKING, Callable
 
 from hearth.engine.core_messages import (
     AbortRequests,
@@ -40,6 +40,10 @@ from hearth.engine.core_messages import (
     ToCore,
 )
 from hearth.engine.request import RequestOutput
+
+if TYPE_CHECKING:
+    from hearth.config import EngineConfig
+    from hearth.engine.connector import ConnectorFactory
 
 log = logging.getLogger("hearth.core")
 
@@ -162,9 +166,13 @@ class EngineCore:
             timeout = 0.0
 
 
-def run_core(sock: socket.socket, connector_factory=None) -> int:
-    """Serve one server over `sock`; `connector_factory` gives the engine a KV connector
-    (prefill/decode workers start this through hearth.disagg.core_main)."""
+ConnectorChoice = Callable[["EngineConfig"], "ConnectorFactory | None"]
+
+
+def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None = None) -> int:
+    """Serve one server over `sock`. `connector_factory_for(config)` is the KV connector
+    factory for the engine StartEngine describes (None: no connector); the server's entry
+    point (hearth/server/core_main.py) chooses it by role."""
     from hearth.engine.core_messages import ToCore as incoming
     from hearth.engine.engine import LLMEngine
 
@@ -174,7 +182,8 @@ def run_core(sock: socket.socket, connector_factory=None) -> int:
         log.error("first message must be StartEngine, got %s", type(start).__name__)
         return 2
     try:
-        engine = LLMEngine(start.config, connector_factory=connector_factory)
+        factory = connector_factory_for(start.config) if connector_factory_for else None
+        engine = LLMEngine(start.config, connector_factory=factory)
     except Exception as exc:
         log.exception("engine failed to start")
         try:
@@ -197,20 +206,3 @@ def run_core(sock: socket.socket, connector_factory=None) -> int:
         log.info("server closed the engine socket; exiting")
     return 0
 
-
-def main(argv: list[str] | None = None, connector_factory=None) -> int:
-    parser = argparse.ArgumentParser(description="hearth engine core (started by the server)")
-    parser.add_argument("--fd", type=int, required=True, help="inherited socketpair end")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sock = socket.socket(fileno=args.fd)
-    try:
-        return run_core(sock, connector_factory)
-    finally:
-        sock.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

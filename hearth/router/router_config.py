@@ -1,4 +1,4 @@
-"""The router's configuration: frozen, built once from flags in hearth/router/launch.py."""
+"""The router's configuration and `hearth up`'s: frozen, built once from flags in hearth/cli.py."""
 
 from __future__ import annotations
 
@@ -27,6 +27,24 @@ class SupervisorConfig:
     window_seconds: float = 300.0
     backoff_seconds: float = 1.0  # delay before a restart, doubled per restart still in the window
     max_backoff_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """The stack `hearth up` starts: how many workers of each role, and how (hearth/router/up.py).
+
+    What each worker serves is an EngineConfig and a ServerConfig (hearth up's own engine flags);
+    this is only what is particular to running several of them on one machine."""
+
+    num_prefill: int = 1  # prefill-role workers
+    num_decode: int = 1  # decode-role workers
+    num_workers: int = 0  # monolithic (role both) workers
+    pin: bool = False  # each worker on its own CPU cores (sched_setaffinity + OMP_NUM_THREADS)
+    worker_args: tuple[str, ...] = ()  # extra `hearth serve` flags for every worker, verbatim
+    worker_api_key: str | None = None  # what the router sends workers; None: a random one
+    startup_timeout_seconds: float = 300.0  # every worker healthy within this, or exit 1
+    log_dir: str | None = None  # one log file per worker here; None: this process's terminal
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
 
 @dataclass(frozen=True)

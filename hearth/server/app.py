@@ -81,11 +81,8 @@ class Worker:
         self.engine_config = engine_config
         self.config = server_config
         self.on_fatal = on_fatal  # asks the HTTP server to stop (launch.py wires uvicorn's)
-        role = engine_config.kv_transfer.role
-        # prefill/decode workers run the engine core with a KV connector (hearth.disagg)
-        core = "hearth.engine.core_process" if role == "both" else "hearth.disagg.core_main"
         self.engine = EngineClient(engine_config, log_level=server_config.log_level.upper(),
-                                   on_dead=self._fail, core_module=core)
+                                   on_dead=self._fail)
         self.cpu = CpuPool(server_config.cpu_threads)
         self.response_store = ResponseStore()  # past Responses, for previous_response_id
         self.state: ServerState | None = None

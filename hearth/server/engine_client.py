@@ -1,6 +1,7 @@
 """The server's handle on its engine-core process (asyncio side of the socketpair).
 
-`start()` spawns `python -m hearth.engine.core_process`, hands it the EngineConfig, and returns
+`start()` spawns the engine-core process (`python -m hearth.server.core_main`, which picks the
+KV connector by the config's role), hands it the EngineConfig, and returns
 at once; a background task waits for EngineReady, so `/health` answers "loading" meanwhile.
 `add()` sends an AddRequest and waits for the core's AddResult, so a refused request (prompt too
 long, invalid schema) becomes a 400 before any response byte is sent. Outputs then flow into
@@ -41,6 +42,7 @@ from hearth.engine.core_messages import (
 )
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
+from hearth.server import core_main
 
 log = logging.getLogger("hearth.server.engine")
 
@@ -61,10 +63,8 @@ class _Pending:
 
 class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
-                 on_dead: Callable[[str], None] | None = None,
-                 core_module: str = "hearth.engine.core_process") -> None:
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.config = config
-        self.core_module = core_module  # hearth.disagg.core_main for prefill/decode workers
         self.log_level = log_level
         self.on_dead = on_dead  # called once, with the reason, when the core process is lost
         self.info: EngineReady | None = None
@@ -87,7 +87,7 @@ class EngineClient:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         child_fd = child_sock.fileno()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", self.core_module, "--fd", str(child_fd),
+            [sys.executable, "-m", core_main.__name__, "--fd", str(child_fd),
              "--log-level", self.log_level],
             pass_fds=(child_fd,),
         )

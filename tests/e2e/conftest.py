@@ -83,7 +83,7 @@ class Server:
 def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "hearth.server.launch", "--model", MODEL, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "hearth.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "info", *flags]
     if api_key:
         cmd += ["--api-key", api_key]
@@ -122,7 +122,7 @@ def start_router(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Serv
     endpoint it lists is healthy."""
     port = free_port()
     log_path = tmp_dir / f"router-{port}.log"
-    cmd = [sys.executable, "-m", "hearth.router.launch", "--port", str(port),
+    cmd = [sys.executable, "-m", "hearth.cli", "route", "--port", str(port),
            "--health-interval", "0.5", "--log-level", "info", *flags]
     if api_key:
         cmd += ["--api-key", api_key]

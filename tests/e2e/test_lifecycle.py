@@ -21,7 +21,7 @@ def children_of(pid: int) -> list[int]:
 
 def test_engine_that_cannot_start_makes_the_server_exit_1():
     process = subprocess.run(
-        [sys.executable, "-m", "hearth.server.launch", "--model", "/no/such/model.gguf",
+        [sys.executable, "-m", "hearth.cli", "serve", "--model", "/no/such/model.gguf",
          "--port", str(free_port()), "--log-level", "warning"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert process.returncode == 1

@@ -35,7 +35,7 @@ QUESTIONS = ["Name a fruit.", "Name a vegetable.", "Name a color.", "Name an ani
 def start_router(tmp: Path, *flags: str) -> Server:
     port = free_port()
     log_path = tmp / f"router-{port}.log"
-    cmd = [sys.executable, "-m", "hearth.router.launch", "--port", str(port), "--model", MODEL,
+    cmd = [sys.executable, "-m", "hearth.cli", "route", "--port", str(port), "--model", MODEL,
            "--health-interval", "0.5", "--show-worker-urls", *flags]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -39,7 +39,7 @@ def stack(tmp_path_factory):
     proxy = start_process([sys.executable, "-m", "tests.e2e.slow_load_proxy", "--upstream",
                            worker.url, "--port", str(proxy_port)], tmp / "proxy.log")
     router = Server(start_process(
-        [sys.executable, "-m", "hearth.router.launch", "--worker", f"http://127.0.0.1:{proxy_port}",
+        [sys.executable, "-m", "hearth.cli", "route", "--worker", f"http://127.0.0.1:{proxy_port}",
          "--model", tiny, "--port", str(router_port), "--health-interval", "0.2",
          "--health-timeout", str(HEALTH_TIMEOUT)], tmp / "router.log"),
         f"http://127.0.0.1:{router_port}", None, tmp / "router.log")

@@ -110,7 +110,7 @@ def environ(pid: int) -> dict[str, str]:
 
 def worker_pids(stack: Stack, role: str | None = None) -> list[int]:
     """The stack's worker (HTTP) processes: all, or those of a prefill/decode role."""
-    pids = [p for p in process_tree(stack.process.pid) if "hearth.server.launch" in cmdline(p)]
+    pids = [p for p in process_tree(stack.process.pid) if "hearth.cli serve " in cmdline(p)]
     return [pid for pid in pids if role is None or f"--role {role} " in cmdline(pid)]
 
 

@@ -1,0 +1,45 @@
+"""The engine-core process of every worker: `python -m hearth.server.core_main --fd N`.
+
+The server (hearth/server/engine_client.py) starts this module, the core loop itself is
+hearth/engine/core_process.py. The entry point sits in the server layer because choosing the
+KV connector by role is the server's: prefill and decode engines get hearth.disagg's, a
+monolithic one none (the engine layer may not import hearth.disagg). Its argv is internal (the
+inherited socket and a log level), not user flags: those are hearth/cli.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from hearth.config import EngineConfig
+from hearth.engine.core_process import run_core
+
+
+def connector_factory_for(config: EngineConfig):
+    """The KV connector factory an engine of this role gets (None: role both, no connector)."""
+    if config.kv_transfer.role == "both":
+        return None
+    from hearth.disagg.connector import make_connector  # torch: only in the core process
+
+    return make_connector
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="hearth engine core (started by the server)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socketpair end")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return run_core(sock, connector_factory_for)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

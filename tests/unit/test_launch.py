@@ -1,0 +1,185 @@
+"""One launch path: flags -> configs (hearth/cli.py) -> a worker's argv (`hearth up`) -> the same
+configs; and the launch modules below the CLI import nothing above their layer. No model."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hearth import cli
+from hearth.router.up import worker_specs
+
+SECRET_FLAGS = {"--api-key", "--api-key-file", "--kv-secret", "--kv-secret-file",
+                "--worker-api-key", "--worker-api-key-file"}
+HEARTH = Path(cli.__file__).parent
+
+
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    # argparse has no public list of a parser's options; a test may look (hearth itself does not)
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def not_default(action: argparse.Action) -> list[str]:
+    """`action`'s flag with a value other than its default, as a command line says it."""
+    flag = max(action.option_strings, key=len)
+    if action.nargs == 0:
+        return [flag]
+    if action.nargs in ("+", "*"):
+        return [flag, f"v-{action.dest}", "v-2"]
+    if action.choices:
+        return [flag, next(str(c) for c in action.choices if c != action.default)]
+    if action.type is int:
+        return [flag, str((action.default or 0) + 3)]
+    if action.type is float:
+        return [flag, str((action.default or 0.0) * 2 + 0.25)]
+    return [flag, f"v-{action.dest}"]
+
+
+def every_serve_flag() -> list[str]:
+    argv = []
+    for action in options(cli.serve_parser()):
+        if not SECRET_FLAGS & set(action.option_strings):
+            argv += not_default(action)
+    return argv
+
+
+def configs(argv: list[str]):
+    a = cli.build_parser().parse_args(["serve", *argv])
+    cli.read_secrets(a, {})
+    return cli.engine_config(a), cli.server_config(a)
+
+
+def test_every_serve_flag_survives_the_derived_argv():
+    engine, server = configs(every_serve_flag())
+    argv = cli.serve_argv(engine, server)
+    assert configs(argv) == (engine, server)
+    written = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+    flags = {max(a.option_strings, key=len) for a in options(cli.serve_parser())}
+    assert written == flags - SECRET_FLAGS  # every flag was given, so every flag is written
+
+
+def test_defaults_write_only_the_address_and_odd_values_stay_whole():
+    engine, server = configs([])
+    assert cli.serve_argv(engine, server) == ["--host", "127.0.0.1", "--port", "8000"]
+    engine, server = configs(["--model=-dash.gguf", "--kv-peers", "a:1,b"])
+    argv = cli.serve_argv(engine, server)
+    assert "--model=-dash.gguf" in argv and configs(argv) == (engine, server)
+
+
+def test_secrets_never_reach_the_argv():
+    engine, server = configs(["--kv-secret", "kv-s3cret", "--api-key", "api-s3cret"])
+    assert engine.kv_transfer.secret == "kv-s3cret" and server.api_key == "api-s3cret"
+    argv = cli.serve_argv(engine, server)
+    assert not [arg for arg in argv if "s3cret" in arg]
+    back_engine, back_server = configs(argv)
+    assert back_engine.kv_transfer.secret == "" and back_server.api_key is None
+
+
+def test_a_field_no_flag_sets_is_refused_by_name():
+    engine, server = configs([])
+    odd = replace(engine, kv_transfer=replace(engine.kv_transfer, max_leased_fraction=0.9))
+    with pytest.raises(ValueError, match=r"no flag for kv_transfer\.max_leased_fraction"):
+        cli.serve_argv(odd, replace(server, cpu_threads=7))
+    with pytest.raises(ValueError, match=r"cpu_threads"):
+        cli.serve_argv(engine, replace(server, cpu_threads=7))
+
+
+def up_args(*extra: str) -> argparse.Namespace:
+    engine_flags = []
+    parser = argparse.ArgumentParser()
+    cli.add_engine_args(parser)
+    for action in options(parser):
+        flags = set(action.option_strings)
+        if not SECRET_FLAGS & flags and not flags & {"--role"}:
+            engine_flags += not_default(action)
+    a = cli.build_parser().parse_args(["up", *engine_flags, "--max-body-mb", "9", *extra])
+    cli.read_secrets(a, {})
+    return a
+
+
+def test_up_hands_every_engine_flag_to_each_worker_and_secrets_only_in_the_environment():
+    a = up_args("--prefill", "1", "--decode", "1", "--workers", "1", "--kv-secret", "kv-s3cret",
+                "--worker-arg=--kv-lease-seconds=7", "--port", "9999")
+    engine, stack = cli.engine_config(a), cli.up_config(a)
+    specs = worker_specs(stack, engine, cli.up_worker_server_config(a), cli.worker_command,
+                         "api-s3cret", engine.kv_transfer.secret)
+    assert [s.role for s in specs] == ["prefill", "decode", "both"]
+    for spec in specs:
+        assert spec.command[:4] == [sys.executable, "-m", "hearth.cli", "serve"]
+        assert spec.command[-1] == "--kv-lease-seconds=7"  # --worker-arg goes last, verbatim
+        assert not [arg for arg in spec.command if "s3cret" in arg]
+        worker_engine, worker_server = configs(spec.command[4:-1])
+        assert worker_engine == replace(engine, kv_transfer=replace(
+            engine.kv_transfer, role=spec.role, secret=""))
+        assert (worker_server.host, worker_server.port) == ("127.0.0.1", spec.port)
+        assert worker_server.max_body_bytes == 9 * 2**20  # shared with the router's flag
+        assert worker_server.max_waiting == a.max_waiting
+        assert spec.env["HEARTH_API_KEY"] == "api-s3cret"
+        assert spec.env.get("HEARTH_KV_SECRET") == (None if spec.role == "both" else "kv-s3cret")
+    router = cli.router_config(a)
+    assert (router.port, router.tokenizer_model, router.policy.block_size) == \
+        (9999, engine.model.model, engine.cache.block_size)
+    assert (router.prefill, router.decode, router.workers) == ((), (), ())  # up adds its workers
+
+
+@pytest.mark.parametrize("flags, error", [
+    (("--prefill", "1", "--decode", "0"), "needs --decode >= 1 or --workers >= 1"),
+    (("--prefill", "1", "--decode", "0", "--workers", "1"), "need --decode workers"),
+])
+def test_up_refuses_a_stack_without_decoders(flags, error):
+    a = up_args(*flags)
+    with pytest.raises(ValueError, match=error):
+        worker_specs(cli.up_config(a), cli.engine_config(a), cli.up_worker_server_config(a),
+                     cli.worker_command, "k", "s")
+
+
+# ---- layers -----------------------------------------------------------------------------------
+
+# DESIGN.md's import order, lowest first (bench, the load generator, sits beside the CLI)
+LAYERS = ["config", "ops", "models", "engine", "disagg", "server", "router", "bench", "cli"]
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "hearth" and len(parts) > 1 else None
+
+
+def upward_imports(path: Path) -> list[str]:
+    """Imports in `path` (at any depth: function-level ones count) of a higher layer."""
+    module = ".".join(path.relative_to(HEARTH.parent).with_suffix("").parts)
+    mine = layer_of(module)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+        for name in names:
+            other = layer_of(name)
+            if mine in LAYERS and other in LAYERS and LAYERS.index(other) > LAYERS.index(mine):
+                found.append(f"{module}:{node.lineno} imports {name}")
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    paths = [p for p in HEARTH.rglob("*.py") if p.name != "__init__.py" or p.parent != HEARTH]
+    assert [line for p in sorted(paths) for line in upward_imports(p)] == []
+
+
+@pytest.mark.parametrize("module, above", [
+    ("hearth.server.launch", ("hearth.cli", "hearth.router")),
+    ("hearth.server.core_main", ("hearth.cli", "hearth.router", "hearth.disagg")),
+    ("hearth.router.launch", ("hearth.cli",)),
+    ("hearth.router.up", ("hearth.cli",)),
+])
+def test_launch_module_imports_alone_without_the_layers_above(module, above):
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120).stdout.split()
+    assert [m for m in loaded if m.split(".")[0] == "torch" or m.startswith(above)] == []
