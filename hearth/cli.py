@@ -30,8 +30,8 @@ import time
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
-from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, KVTransferConfig,
-                           ModelConfig, ParallelConfig, SchedulerConfig)
+from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, KVOffloadConfig,
+                           KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 from hearth.router.hops import HopTimeouts
 from hearth.router.policy import POLICIES, PolicyConfig
 from hearth.router.router_config import HealthConfig, RouterConfig, SupervisorConfig, UpConfig
@@ -87,6 +87,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="how long exported KV blocks wait for the decode worker")
     kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
                     "comma-separated host:port or host (default: loopback only)")
+    t = p.add_argument_group("KV tiers below the pool (docs/kv_tiers.md)")
+    t.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="write KV blocks evicted from the pool here and load them back on a "
+                        "prefix hit (a restart finds them again)")
+    t.add_argument("--kv-offload-gb", type=float, default=KVOffloadConfig.max_gb,
+                   help="size cap of --kv-offload-dir (least recently used blocks go first)")
+    t.add_argument("--kv-offload-shared", action="store_true",
+                   help="--kv-offload-dir is shared by several workers on this machine")
+    t.add_argument("--kv-offload-host-gb", type=float, default=0.0,
+                   help="a host-memory tier above the directory (for a pool on a GPU; on the "
+                        "CPU the pool already is host memory: give it --kv-cache-memory-gb)")
+    t.add_argument("--kv-offload-load-timeout", type=float,
+                   default=KVOffloadConfig.load_timeout_seconds,
+                   help="seconds a load from the tiers may take before the rest is recomputed")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -109,6 +123,9 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                      port=a.kv_port, advertise_host=a.kv_advertise_host,
                                      secret=a.kv_secret or "", lease_seconds=a.kv_lease_seconds,
                                      peers=tuple(p for p in a.kv_peers.split(",") if p.strip())),
+        kv_offload=KVOffloadConfig(directory=a.kv_offload_dir, max_gb=a.kv_offload_gb,
+                                   shared=a.kv_offload_shared, host_gb=a.kv_offload_host_gb,
+                                   load_timeout_seconds=a.kv_offload_load_timeout),
     )
 
 
@@ -176,6 +193,10 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--role": kv.role, "--kv-transport": kv.transport, "--kv-host": kv.host,
         "--kv-port": kv.port, "--kv-advertise-host": kv.advertise_host,
         "--kv-lease-seconds": kv.lease_seconds, "--kv-peers": ",".join(kv.peers),
+        "--kv-offload-dir": e.kv_offload.directory, "--kv-offload-gb": e.kv_offload.max_gb,
+        "--kv-offload-shared": e.kv_offload.shared,
+        "--kv-offload-host-gb": e.kv_offload.host_gb,
+        "--kv-offload-load-timeout": e.kv_offload.load_timeout_seconds,
         "--tool-call-parser": s.tool_call_parser,
         "--no-guided-auto-tools": not s.guided_auto_tools,
         "--max-body-mb": s.max_body_bytes / 2**20, "--log-level": s.log_level,

@@ -116,9 +116,11 @@ class KVOffloadConfig:
 
     directory: str | None = None  # disk tier root; None (and host_gb 0): no tiers
     max_gb: float = 8.0  # size cap of the directory tier (least recently used files go first)
-    shared: bool = False  # several workers use `directory` (the tier is named "shared")
+    # several workers use `directory` (the tier is named "shared"); its blocks are written as
+    # they are computed (write-through), so the others find them before this pool evicts them
+    shared: bool = False
     host_gb: float = 0.0  # host-memory tier above the disk (for a pool on a GPU)
-    max_pending_blocks: int = 64  # staging buffers of evicted blocks waiting to be written
+    max_pending_blocks: int = 128  # staging buffers of blocks waiting to be written
     load_timeout_seconds: float = 5.0  # a load still running then ends; the rest is recomputed
     num_load_threads: int = 2
 

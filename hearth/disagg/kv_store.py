@@ -61,11 +61,12 @@ class MemoryTier:
         self.max_bytes = max_bytes
         self.on_event = on_event
         self._records: OrderedDict[int, bytes] = OrderedDict()
+        self._leaving: dict[int, bytes] = {}  # pushed out, still readable until demoted
         self._lock = threading.Lock()
         self.counters = _counters()
 
     def contains(self, block_hash: int) -> bool:
-        return block_hash in self._records
+        return block_hash in self._records or block_hash in self._leaving
 
     def put(self, block_hash: int, header: bytes, payload: memoryview) -> list[tuple[int, bytes]]:
         """Store; returns the (hash, record) pairs pushed out (for the next tier)."""
@@ -79,6 +80,7 @@ class MemoryTier:
                 old_hash, old = self._records.popitem(last=False)
                 size -= len(old)
                 out.append((old_hash, old))
+                self._leaving[old_hash] = old
             self.counters.update(num_bytes=size, num_blocks=len(self._records))
         self.counters["stored"] += 1
         self.counters["bytes_written"] += len(record)
@@ -88,17 +90,26 @@ class MemoryTier:
             self.on_event("evicted", old_hash, self.name)
         return out
 
+    def left(self, block_hash: int) -> None:
+        """A pushed-out record is in the next tier now (or was dropped there)."""
+        with self._lock:
+            self._leaving.pop(block_hash, None)
+
     def read(self, block_hash: int, buffer: torch.Tensor) -> memoryview:
         with self._lock:
-            record = self._records.get(block_hash)
+            record = self._records.get(block_hash) or self._leaving.get(block_hash)
             if record is None:
                 raise FileNotFoundError(f"block {block_hash:016x} left the {self.name} tier")
-            self._records.move_to_end(block_hash)
-        return memoryview(record)
+            if block_hash in self._records:
+                self._records.move_to_end(block_hash)
+        view = memoryview(buffer.numpy())[:len(record)]
+        view[:] = record  # into the reader's own buffer: the record itself stays immutable
+        return view
 
     def discard(self, block_hash: int) -> None:
         with self._lock:
             record = self._records.pop(block_hash, None)
+            self._leaving.pop(block_hash, None)
             if record is not None:
                 self.counters["num_bytes"] -= len(record)
                 self.counters["num_blocks"] = len(self._records)
@@ -328,8 +339,11 @@ class TieredStore:
         pushed_out = tier.put(block_hash, header, payload)
         if isinstance(tier, MemoryTier) and level + 1 < len(self.tiers):
             for old_hash, record in pushed_out:  # demote what the memory tier let go
-                self._put(level + 1, old_hash, record[:HEADER.size],
-                          memoryview(record)[HEADER.size:])
+                try:
+                    self._put(level + 1, old_hash, record[:HEADER.size],
+                              memoryview(record)[HEADER.size:])
+                finally:
+                    tier.left(old_hash)
 
     # ---- load -----------------------------------------------------------------------------
     def start_load(self, load_id: str, block_hashes: list[int], block_ids: list[int]) -> None:
@@ -350,19 +364,9 @@ class TieredStore:
         shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
         try:
             for block_hash, block_id in zip(hashes, block_ids):
-                tier = next((t for t in self.tiers if t.contains(block_hash)), None)
+                tier, record, payload, error = self._read(block_hash)
                 if tier is None:
-                    result.error = f"block {block_hash:016x} is in no tier any more"
-                    break
-                try:
-                    record = tier.read(block_hash, self._read_buffer())
-                    payload = check_record(record, self.namespace, block_hash, self.geometry)
-                except (OSError, BlockRecordError) as exc:
-                    if isinstance(exc, BlockRecordError):
-                        tier.counters["corrupt"] += 1
-                    tier.discard(block_hash)
-                    self._event("evicted", block_hash, tier.name)
-                    result.error = f"{tier.name} block {block_hash:016x}: {exc}"
+                    result.error = error
                     break
                 block = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype)
                 with state.lock:
@@ -383,6 +387,25 @@ class TieredStore:
         with self._lock:
             self._done.append(result)
             self._done_event.set()
+
+    def _read(self, block_hash: int):
+        """(tier, record, payload, None) from the first tier holding a good copy, else
+        (None, None, None, why). A copy failing its checks is dropped from its tier."""
+        error = f"block {block_hash:016x} is in no tier any more"
+        for tier in self.tiers:
+            if not tier.contains(block_hash):
+                continue
+            try:
+                record = tier.read(block_hash, self._read_buffer())
+                return tier, record, check_record(record, self.namespace, block_hash,
+                                                  self.geometry), None
+            except (OSError, BlockRecordError) as exc:
+                if isinstance(exc, BlockRecordError):
+                    tier.counters["corrupt"] += 1
+                tier.discard(block_hash)
+                self._event("evicted", block_hash, tier.name)
+                error = f"{tier.name} block {block_hash:016x}: {exc}"
+        return None, None, None, error
 
     def cancel(self, load_id: str) -> int:
         state = self._loads.pop(load_id, None)

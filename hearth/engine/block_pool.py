@@ -9,7 +9,9 @@ Invariants (checked by `check_integrity`):
 
 The pool knows nothing about requests: it takes and returns block ids and hashes. An
 `evict_listener(block_id, block_hash)` (the KV tiers) is called while an evicted block still holds
-its bytes, before it is handed out again; it must copy what it keeps before returning.
+its bytes, before it is handed out again; it must copy what it keeps before returning. A
+`cache_listener(block_id, block_hash)` is called when a computed block enters the cache (a
+shared tier writes blocks through, so other workers see them before this pool evicts them).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BlockPool:
         self.tier_events: deque[tuple[int, str, int, str]] = deque(maxlen=max_events)
         self.event_seq = 0
         self.evict_listener: Callable[[int, int], None] | None = None
+        self.cache_listener: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +94,8 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         self._event("stored", block_hash)
+        if self.cache_listener is not None:
+            self.cache_listener(block.block_id, block_hash)
 
     def reset_cache(self) -> int:
         """Forget every hash of a free block; returns how many were dropped."""

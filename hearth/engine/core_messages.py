@@ -96,6 +96,9 @@ class EngineStatsView(msgspec.Struct):
     num_transferred_blocks: int = 0
     num_transferred_bytes: int = 0
     num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
+    # KV tiers below the pool: tier name ("host", "disk", "shared") -> counters, and
+    # "offload" -> the writer queue and loads (docs/kv_tiers.md); empty without tiers
+    kv_tiers: dict[str, dict[str, float]] = {}
 
 
 class EngineReady(msgspec.Struct, tag=int(Kind.ENGINE_READY)):
@@ -128,6 +131,8 @@ class LoadReport(msgspec.Struct, tag=int(Kind.LOAD_REPORT)):
     events_cursor: int = 0  # with events_since: the cursor to ask from next time
     stored_hashes: list[int] = []  # block hashes entered in the prefix cache since the cursor
     evicted_hashes: list[int] = []  # block hashes evicted since the cursor
+    # the same for the KV tiers below the pool: tier name -> [stored hashes, evicted hashes]
+    tier_hashes: dict[str, list[list[int]]] = {}
 
 
 ToCore = Union[StartEngine, AddRequest, AbortRequests, QueryLoad, Shutdown]

@@ -78,6 +78,9 @@ class EngineCore:
             if message.events_since is not None:
                 report.events_cursor, report.stored_hashes, report.evicted_hashes = \
                     self.engine.block_events_since(message.events_since)
+                report.tier_hashes = {tier: [stored, evicted] for tier, (stored, evicted) in
+                                      self.engine.tier_block_events_since(
+                                          message.events_since).items()}
             self.channel.send(report)
         elif isinstance(message, Shutdown):
             self.running = False
@@ -169,10 +172,12 @@ class EngineCore:
 ConnectorChoice = Callable[["EngineConfig"], "ConnectorFactory | None"]
 
 
-def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None = None) -> int:
+def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None = None,
+             store_factory_for: Callable | None = None) -> int:
     """Serve one server over `sock`. `connector_factory_for(config)` is the KV connector
     factory for the engine StartEngine describes (None: no connector); the server's entry
-    point (hearth/server/core_main.py) chooses it by role."""
+    point (hearth/server/core_main.py) chooses it by role. `store_factory_for(config)` is
+    likewise the KV-tier store factory (None: no tiers below the pool)."""
     from hearth.engine.core_messages import ToCore as incoming
     from hearth.engine.engine import LLMEngine
 
@@ -183,7 +188,8 @@ def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None 
         return 2
     try:
         factory = connector_factory_for(start.config) if connector_factory_for else None
-        engine = LLMEngine(start.config, connector_factory=factory)
+        stores = store_factory_for(start.config) if store_factory_for else None
+        engine = LLMEngine(start.config, connector_factory=factory, store_factory=stores)
     except Exception as exc:
         log.exception("engine failed to start")
         try:

@@ -2,7 +2,8 @@
 
 Invariants:
   * a block evicted from the pool is copied (or found already stored) before the pool hands it
-    out again: the pool's `evict_listener` runs inside the eviction;
+    out again: the pool's `evict_listener` runs inside the eviction (with write-through, also
+    when it enters the cache; a block dropped then is offered again at eviction);
   * a request whose prefix continues in a tier waits in `Scheduler.importing` like a PD import
     (WAITING_FOR_KV); its blocks are written only by its load, and freed or read by the model only
     after that load is reported done or cancelled (`complete_import` then frees an aborted one);
@@ -37,7 +38,10 @@ def store_namespace(model_config, geometry) -> str:
 
 class KVTierDriver:
     def __init__(self, store: KVStore, scheduler: Scheduler, kv: KVCacheManager,
-                 load_timeout_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 load_timeout_seconds: float, write_through: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`write_through`: also write each block when it is computed (a shared tier, so other
+        workers find it before this pool evicts it), not only at eviction."""
         self.store = store
         self.scheduler = scheduler
         self.kv = kv
@@ -49,6 +53,8 @@ class KVTierDriver:
                              load_failures=0, load_timeouts=0, load_seconds=0.0,
                              offloaded=0, offload_skipped=0, offload_dropped=0)
         kv.pool.evict_listener = self._on_evict
+        if write_through:
+            kv.pool.cache_listener = self._on_evict  # the same copy, earlier
         scheduler.store_lookup = self.lookup
 
     # ---- offload (pool eviction) ----------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Iterable
 from hearth.router.policy import ROLES, Decision, EndpointView
 
 DEFAULT_CACHE_BLOCKS = 1 << 16  # until the worker reports its pool size
+TIER_CACHE_BLOCKS = 1 << 20  # a view of KV tiers below the pool (bounded; tiers report evictions)
 
 
 class CacheView:
@@ -58,6 +59,17 @@ class CacheView:
             self._hashes.popitem(last=False)
 
 
+class TierHashes:
+    """Blocks an endpoint can load instead of computing: its own lower tiers, and the shared
+    tier when it has one (one view for the whole pool: every worker on it sees the same store)."""
+
+    def __init__(self, *views: CacheView | None) -> None:
+        self.views = [v for v in views if v is not None]
+
+    def __contains__(self, block_hash: object) -> bool:
+        return any(block_hash in v for v in self.views)
+
+
 @dataclass
 class Counters:
     routed: int = 0  # requests this endpoint served (as prefill, decode or monolithic)
@@ -83,6 +95,9 @@ class Endpoint:
     report: dict = field(default_factory=dict)  # the last /load body
     events_cursor: int = 0
     cache: CacheView = field(default_factory=CacheView)
+    tier_cache: CacheView = field(default_factory=lambda: CacheView(TIER_CACHE_BLOCKS))
+    shared_cache: CacheView | None = None  # the pool's view of the shared tier
+    has_shared_tier: bool = False  # it reported blocks in a shared tier
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
@@ -99,7 +114,9 @@ class Endpoint:
 
     def view(self, excluded: bool = False) -> EndpointView:
         return EndpointView(self.url, self.role, self.healthy and not excluded, self.prefill_tokens,
-                            self.decode_tokens, self.cache)
+                            self.decode_tokens, self.cache,
+                            TierHashes(self.tier_cache,
+                                       self.shared_cache if self.has_shared_tier else None))
 
     def apply_report(self, body: dict, own_at_send: tuple[int, int]) -> None:
         """Correct the estimate with a /load body; `own_at_send` = own (prefill, decode) tokens
@@ -116,7 +133,14 @@ class Endpoint:
             cursor, stored, evicted = events
             if cursor < self.events_cursor:  # the worker restarted: its cache is empty again
                 self.cache.clear()
+                self.tier_cache.clear()  # (a disk tier re-reports what it found at start)
             self.cache.apply_events(stored, evicted)
+            for tier, (tier_stored, tier_evicted) in tier_events(body).items():
+                if tier == "shared" and self.shared_cache is not None:
+                    self.has_shared_tier = True
+                    self.shared_cache.apply_events(tier_stored, tier_evicted)
+                else:
+                    self.tier_cache.apply_events(tier_stored, tier_evicted)
             self.events_cursor = cursor
 
     def mark_failed(self, error: str, eject_seconds: float) -> None:
@@ -133,6 +157,15 @@ def block_events(body: dict) -> tuple[int, list[int], list[int]] | None:
     if isinstance(events, dict) and "cursor" in events:
         return int(events["cursor"]), list(events.get("stored", ())), list(events.get("evicted", ()))
     return None
+
+
+def tier_events(body: dict) -> dict[str, tuple[list[int], list[int]]]:
+    """tier -> (stored, evicted) of the KV tiers below a worker's pool, from its /load body."""
+    tiers = (body.get("block_events") or {}).get("tiers")
+    if not isinstance(tiers, dict):
+        return {}
+    return {str(name): (list(t.get("stored", ())), list(t.get("evicted", ())))
+            for name, t in tiers.items() if isinstance(t, dict)}
 
 
 class Ticket:
@@ -202,12 +235,13 @@ class EndpointPool:
 
     def __init__(self, prefill: list[str], decode: list[str], both: list[str]) -> None:
         self.endpoints: dict[str, Endpoint] = {}
+        self.shared_cache = CacheView(TIER_CACHE_BLOCKS)  # blocks in the workers' shared tier
         for role, urls in (("prefill", prefill), ("decode", decode), ("both", both)):
             for url in urls:
                 url = url.rstrip("/")
                 if url in self.endpoints:
                     raise ValueError(f"endpoint {url} is listed twice")
-                self.endpoints[url] = Endpoint(url, role)
+                self.endpoints[url] = Endpoint(url, role, shared_cache=self.shared_cache)
         if not any(e.role in ("decode", "both") for e in self.endpoints.values()):
             raise ValueError("the router needs at least one --decode or --worker endpoint")
 

@@ -14,6 +14,10 @@ adds to; see docs/router.md):
     decode-only d    = decode on d + prefill_weight * uncached(request, d)   (d prefills the remainder)
     monolithic w     = prefill on w + decode on w                            (role "both")
 
+Where an endpoint's KV tiers (its own disk, the shared store) hold blocks that continue its
+cached prefix, those tokens are loaded, not computed: `uncached` excludes them and they cost
+tier_weight each instead of prefill_weight (cheaper than recompute, dearer than the pool).
+
 Prefill and decode terms are separable, so the best PD pair is the best p with the best d.
 A decode endpoint that already holds at least `disagg_threshold` of the prompt (an agent's next
 turn) is used decode-only: the prefill hop would move more bytes than the remainder costs.
@@ -35,6 +39,7 @@ class PolicyConfig:
     prefill_weight: float = 1.0  # per prompt token still to compute (compute-bound, blocks TTFT)
     decode_weight: float = 0.1  # per context token of running decodes (memory-bound, shared)
     transfer_weight: float = 0.05  # per prompt token whose KV crosses the wire
+    tier_weight: float = 0.05  # per prompt token loaded from a lower KV tier (disk, shared)
     disagg_threshold: float = 0.9  # skip the prefill hop when decode holds >= this prompt fraction
     min_disagg_tokens: int = 0  # prompts shorter than this never take the prefill hop
     affinity_max_cost_ratio: float = 2.0  # a session's pair is kept unless it costs more than
@@ -66,6 +71,7 @@ class EndpointView:
     prefill_tokens: int = 0  # estimated uncached prompt tokens in flight
     decode_tokens: int = 0  # estimated context tokens of running decodes
     cached_hashes: Container[int] = frozenset()  # the router's view of its prefix cache
+    tier_hashes: Container[int] = frozenset()  # blocks in its lower KV tiers (own + shared)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,25 @@ def num_cached_tokens(request: RequestView, cached_hashes: Container[int], block
             break
         num_blocks += 1
     return min(num_blocks * block_size, max(0, request.num_prompt_tokens - 1))
+
+
+def num_tier_tokens(request: RequestView, tier_hashes: Container[int], num_cached: int,
+                    block_size: int) -> int:
+    """Tokens after the cached prefix (`num_cached`) that the endpoint's lower tiers hold."""
+    num_blocks = 0
+    for block_hash in request.block_hashes[num_cached // block_size:]:
+        if block_hash not in tier_hashes:
+            break
+        num_blocks += 1
+    return min(num_blocks * block_size, max(0, request.num_prompt_tokens - 1 - num_cached))
+
+
+def _prompt_cost(request: RequestView, e: EndpointView, config: PolicyConfig) -> tuple[int, float]:
+    """(tokens not computed on `e`: pool hits + tier loads, the cost of its prompt there)."""
+    cached = num_cached_tokens(request, e.cached_hashes, config.block_size)
+    loaded = num_tier_tokens(request, e.tier_hashes, cached, config.block_size)
+    computed = request.num_prompt_tokens - cached - loaded
+    return cached + loaded, config.prefill_weight * computed + config.tier_weight * loaded
 
 
 def choose(request: RequestView, endpoints: Sequence[EndpointView], config: PolicyConfig) -> Decision:
@@ -137,9 +162,8 @@ def _prefill_costs(request: RequestView, healthy: list[EndpointView],
     costs = {}
     for e in healthy:
         if e.role == "prefill":
-            cached = num_cached_tokens(request, e.cached_hashes, config.block_size)
-            costs[e.name] = (cached, config.prefill_weight * (e.prefill_tokens + request.num_prompt_tokens
-                                                                - cached))
+            cached, prompt_cost = _prompt_cost(request, e, config)
+            costs[e.name] = (cached, config.prefill_weight * e.prefill_tokens + prompt_cost)
     return costs
 
 
@@ -149,19 +173,18 @@ def _decode_cost(request: RequestView, e: EndpointView, config: PolicyConfig) ->
 
 
 def _monolithic(request: RequestView, e: EndpointView, config: PolicyConfig) -> Decision:
-    cached = num_cached_tokens(request, e.cached_hashes, config.block_size)
-    cost = _decode_cost(request, e, config) + config.prefill_weight * (request.num_prompt_tokens - cached)
+    cached, prompt_cost = _prompt_cost(request, e, config)
+    cost = _decode_cost(request, e, config) + prompt_cost
     return Decision(e.name, None, "cost", cached, cached, cost)
 
 
 def _decode_option(request: RequestView, e: EndpointView,
                    best_prefill: tuple[str, tuple[int, float]] | None,
                    config: PolicyConfig) -> Decision:
-    cached = num_cached_tokens(request, e.cached_hashes, config.block_size)
+    cached, prompt_cost = _prompt_cost(request, e, config)
     uncached = request.num_prompt_tokens - cached
     decode_cost = _decode_cost(request, e, config)
-    local = Decision(e.name, None, "cached", cached, cached,
-                     decode_cost + config.prefill_weight * uncached)
+    local = Decision(e.name, None, "cached", cached, cached, decode_cost + prompt_cost)
     if best_prefill is None or not request.can_disaggregate:
         return local  # no prefill pool (or a request PD cannot split): decode prefills itself
     if request.num_prompt_tokens < config.min_disagg_tokens:

@@ -256,6 +256,10 @@ def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
             body["block_events"] = {"cursor": report.events_cursor,
                                     "stored": report.stored_hashes,
                                     "evicted": report.evicted_hashes}
+            if report.tier_hashes:  # KV tiers below the pool (docs/kv_tiers.md)
+                body["block_events"]["tiers"] = {
+                    tier: {"stored": stored, "evicted": evicted}
+                    for tier, (stored, evicted) in report.tier_hashes.items()}
         body["role"] = state.role
         return body
 

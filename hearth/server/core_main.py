@@ -27,6 +27,15 @@ def connector_factory_for(config: EngineConfig):
     return make_connector
 
 
+def store_factory_for(config: EngineConfig):
+    """The KV-tier store factory (hearth.disagg.kv_store), when --kv-offload-* asks for tiers."""
+    if not config.kv_offload.enabled:
+        return None
+    from hearth.disagg.kv_store import make_store  # torch: only in the core process
+
+    return make_store
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="hearth engine core (started by the server)")
     parser.add_argument("--fd", type=int, required=True, help="inherited socketpair end")
@@ -36,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=args.fd)
     try:
-        return run_core(sock, connector_factory_for)
+        return run_core(sock, connector_factory_for, store_factory_for)
     finally:
         sock.close()
 

@@ -18,6 +18,13 @@
     hearth:num_prefill_tokens_inflight      gauge       uncached prompt tokens not yet computed
     hearth:num_decode_tokens_active         gauge       context tokens of running decodes
     hearth:num_free_kv_blocks               gauge
+    hearth:kv_tier_<counter>                gauge       label tier: host|disk|shared (docs/kv_tiers.md):
+        hit_blocks, read_bytes, stored_blocks, written_bytes, evicted_blocks, write_errors,
+        corrupt_blocks (counters since start), blocks, bytes (held now)
+    hearth:kv_offload_queue_depth           gauge       evicted blocks staged, not yet written
+    hearth:kv_offload_<counter>             gauge       dropped_blocks, skipped_blocks (already
+        stored), offloaded_blocks, loads, load_failures, load_timeouts, loaded_tokens,
+        load_seconds (sum: load latency = load_seconds / loads)
 
 Every series carries `model_name`. The registry belongs to the app (no process-global state).
 """
@@ -34,6 +41,29 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# KV-tier counters of EngineStatsView.kv_tiers -> (metric name, help)
+TIER_COUNTERS = {
+    "hits": ("hit_blocks", "Blocks loaded back from this tier."),
+    "bytes_read": ("read_bytes", "Bytes loaded back from this tier."),
+    "stored": ("stored_blocks", "Blocks written to this tier."),
+    "bytes_written": ("written_bytes", "Bytes written to this tier."),
+    "evicted": ("evicted_blocks", "Blocks this tier dropped (its size cap)."),
+    "write_errors": ("write_errors", "Writes that failed (disk full, directory gone)."),
+    "corrupt": ("corrupt_blocks", "Records that failed their checks (never loaded)."),
+    "num_blocks": ("blocks", "Blocks held now."),
+    "num_bytes": ("bytes", "Bytes held now."),
+}
+OFFLOAD_COUNTERS = {
+    "queue_depth": ("queue_depth", "Evicted blocks staged, not yet written."),
+    "offloaded": ("offloaded_blocks", "Evicted blocks handed to the writer."),
+    "offload_skipped": ("skipped_blocks", "Evicted blocks a tier already held."),
+    "offload_dropped": ("dropped_blocks", "Evicted blocks dropped: staging full."),
+    "loads": ("loads", "Loads from the tiers (one per admitted request)."),
+    "load_failures": ("load_failures", "Loads that stopped early (the rest recomputed)."),
+    "load_timeouts": ("load_timeouts", "Loads cancelled at their deadline."),
+    "load_tokens": ("loaded_tokens", "Prompt tokens loaded instead of computed."),
+    "load_seconds": ("load_seconds", "Seconds spent in loads (sum)."),
+}
 
 
 class ServerMetrics:
@@ -72,6 +102,11 @@ class ServerMetrics:
         self.prefill_inflight = gauge("num_prefill_tokens_inflight", "Uncached prompt tokens not yet computed.")
         self.decode_active = gauge("num_decode_tokens_active", "Context tokens of running decodes.")
         self.free_blocks = gauge("num_free_kv_blocks", "Free KV-cache blocks.")
+        self.tier_gauges = {
+            key: Gauge(PREFIX + "kv_tier_" + name, doc, labels + ["tier"], registry=self.registry)
+            for key, (name, doc) in TIER_COUNTERS.items()}
+        self.offload_gauges = {
+            key: gauge("kv_offload_" + name, doc) for key, (name, doc) in OFFLOAD_COUNTERS.items()}
 
     def _m(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
@@ -108,6 +143,15 @@ class ServerMetrics:
         self._m(self.prefill_inflight).set(stats.num_prefill_tokens_inflight)
         self._m(self.decode_active).set(stats.num_decode_tokens_active)
         self._m(self.free_blocks).set(stats.num_free_blocks)
+        for tier, counters in stats.kv_tiers.items():
+            names = OFFLOAD_COUNTERS if tier == "offload" else TIER_COUNTERS
+            for key, value in counters.items():
+                if key not in names:
+                    continue
+                if tier == "offload":
+                    self._m(self.offload_gauges[key]).set(value)
+                else:
+                    self._m(self.tier_gauges[key], tier=tier).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,7 +57,8 @@ class Rig:
                                    self.kv, max_model_len=1024)
         self.store = TieredStore(config, self.kv_cache, self.geometry, NS)
         self.clock = FakeClock()
-        self.driver = KVTierDriver(self.store, self.scheduler, self.kv, 5.0, clock=self.clock)
+        self.driver = KVTierDriver(self.store, self.scheduler, self.kv, 5.0,
+                                   write_through=config.shared, clock=self.clock)
         self.gen = torch.Generator().manual_seed(seed)
 
     def compute(self, req: Request) -> None:
@@ -350,11 +351,18 @@ def test_host_tier_demotes_to_disk_when_full(tmp_path):
     assert host.counters["num_blocks"] == 2 and disk_tier.counters["stored"] == 2
     assert list(host._records)[0] == first.block_hashes[0]
     assert list(disk_tier._index) == [first.block_hashes[2], first.block_hashes[1]]
-    req = rig.run_prompt("b", prompt)
-    assert req.num_cached_tokens == 3 * BS
-    # the load's own allocation evicted two of "evict1"'s blocks into the host tier first,
-    # which demoted block 0 too: all three came back from the disk
+    req = Request("b", prompt, SamplingParams(max_tokens=4))
+    rig.scheduler.add(req)
+    out = rig.scheduler.schedule()
+    # the load's own allocation evicted two of "evict1"'s blocks into the host tier, which
+    # demotes block 0 too: once written, all three come back from the disk
+    rig.flush()
+    assert all(h in disk_tier._index and h not in host._records for h in first.block_hashes[:3])
+    rig.driver.start_loads(out.kv_loads)
+    rig.wait_loads()
+    assert req.num_computed_tokens == 3 * BS and req.num_cached_tokens == 3 * BS
     assert (host.counters["hits"], disk_tier.counters["hits"]) == (0, 3)
+    rig.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
     assert rig.pool.is_whole()
     rig.close()
 
@@ -370,6 +378,22 @@ def test_two_workers_share_one_directory(tmp_path):
     for i, h in enumerate(first.block_hashes[:3]):
         assert torch.equal(b.kv_cache[:, :, b.last_block_ids[i]], block_value(h))
     assert b.pool.is_whole()
+    a.close()
+    b.close()
+
+
+def test_a_shared_tier_is_written_through_before_any_eviction(tmp_path):
+    shared = KVOffloadConfig(directory=str(tmp_path / "kv"), shared=True)
+    a, b = Rig(shared), Rig(shared)
+    prompt = tokens(3 * BS + 1)
+    first = a.run_prompt("a", prompt)
+    a.flush()
+    assert all(a.pool.get_cached(h) is not None for h in first.block_hashes[:3])  # still pooled
+    req = b.run_prompt("b", prompt)
+    assert req.num_cached_tokens == 3 * BS and b.driver.stats()["shared"]["hits"] == 3
+    a.run_prompt("evict", tokens(7 * BS + 1, start=1000))  # now a evicts them: already stored
+    assert a.driver.counters["offload_skipped"] >= 3
+    assert a.pool.is_whole() and b.pool.is_whole()
     a.close()
     b.close()
 
@@ -397,18 +421,18 @@ def test_offload_drops_instead_of_blocking_when_staging_is_full(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from hearth.config import KVOffloadConfig
-    from hearth.disagg.kv_store import TieredStore
+    from hearth.disagg.block_file import encode_header
+    from hearth.disagg.kv_store import DirectoryTier
     from hearth.engine.connector import KVCacheGeometry
     g = KVCacheGeometry(32, 4, 16, 8, 64, "float32")  # 2 MiB blocks: writes take a while
-    kv = torch.randn(32, 2, 4, 16, 8, 64)
-    store = TieredStore(KVOffloadConfig(directory=sys.argv[1], max_pending_blocks=4), kv, g,
-                        "0123456789abcdef")
+    ns = "0123456789abcdef"
+    tier = DirectoryTier("disk", sys.argv[1], ns, 2**40, False, g, lambda *a: None)
+    payload = memoryview(torch.randn(g.bytes_per_block // 4).view(torch.uint8).numpy())
     print("ready", flush=True)
-    h = 1
-    while True:
-        if store.offload(h, h % 4):
-            h += 1
+    h = int(sys.argv[2])
+    while True:  # the writer thread's loop, back to back
+        tier.put(h, encode_header(ns, h, g, payload), payload)
+        h += 1
 """)
 
 
@@ -420,10 +444,11 @@ def test_a_writer_killed_mid_write_leaves_no_torn_record(tmp_path):
     g = KVCacheGeometry(32, 4, 16, 8, 64, "float32")
     buf = torch.empty(68 + g.bytes_per_block, dtype=torch.uint8)
     caught_mid_write = 0
-    for attempt in range(5):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, root], stdout=subprocess.PIPE)
+    for attempt in range(10):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, root, str(1 + 10**6 * attempt)],
+                                stdout=subprocess.PIPE)
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(0.5)
+        time.sleep(0.3)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         caught_mid_write += bool(os.listdir(os.path.join(ns_dir, "tmp")))
@@ -434,7 +459,7 @@ def test_a_writer_killed_mid_write_leaves_no_torn_record(tmp_path):
             check_record(tier.read(block_hash, buf), NS, block_hash, g)  # every record whole
         if caught_mid_write:
             break
-    assert caught_mid_write, "no kill landed mid-write in 5 attempts"
+    assert caught_mid_write, "no kill landed mid-write in 10 attempts"
 
 
 @pytest.fixture
