@@ -9,10 +9,30 @@ layers (`hearth/server/server_config.py`, `hearth/router/router_config.py`).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class Role(enum.StrEnum):
+    """What a worker does in prefill/decode disaggregation; also what one hop asks of a worker
+    (a request's `KVTransfer.role` is PREFILL or DECODE, never BOTH). A `str`, so it compares,
+    prints and encodes (JSON, msgpack, Prometheus labels) as its value."""
+
+    BOTH = "both"  # monolithic: prefills and decodes its own requests
+    PREFILL = "prefill"  # runs prompts, exports their KV under a lease
+    DECODE = "decode"  # imports a prompt's KV, then decodes
+
+    @classmethod
+    def parse(cls, value: object, what: str = "role") -> "Role":
+        """`value` as a Role; ValueError naming `what` and the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(r.value for r in cls)
+            raise ValueError(f"{what}: {value!r} is not one of {choices}") from None
 
 
 @dataclass(frozen=True)
@@ -89,7 +109,7 @@ class ParallelConfig:
 class KVTransferConfig:
     """Prefill/decode disaggregation of one worker (read by `hearth.disagg`, not the engine)."""
 
-    role: str = "both"  # both (monolithic) | prefill (exports KV) | decode (imports KV)
+    role: Role = Role.BOTH  # both (monolithic) | prefill (exports KV) | decode (imports KV)
     transport: str = "tcp"  # tcp (hearth's own) | mooncake (Mooncake Transfer Engine)
     host: str = "127.0.0.1"  # interface the transfer server binds (prefill side)
     port: int = 0  # transfer server port; 0 picks a free one
@@ -105,6 +125,9 @@ class KVTransferConfig:
     io_timeout_seconds: float = 30.0  # a socket stalled this long is dropped
     handshake_timeout_seconds: float = 2.0  # a connection must authenticate within this
     num_transfer_threads: int = 4  # concurrent imports on the decode side
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role.parse(self.role, "kv role"))
 
 
 @dataclass(frozen=True)

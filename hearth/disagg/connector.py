@@ -27,20 +27,19 @@ from typing import Callable
 
 import torch
 
-from hearth.config import KVTransferConfig
+from hearth.config import KVTransferConfig, Role
 from hearth.disagg.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, check_against,
-                                      check_transfer_id, descriptor_from_json,
-                                      descriptor_to_json, tokens_hash)
+                                      check_descriptor, check_transfer_id, tokens_hash)
 from hearth.disagg.kv_memory import KVMemory
 from hearth.disagg.leases import LeaseManager
 from hearth.disagg.peers import PeerAllowlist, normalize_host
 from hearth.disagg.tcp_transport import TransferClient, TransferServer
 from hearth.disagg.wire import WireError
 from hearth.engine.connector import ConnectorEvents, ImportResult, KVCacheGeometry, KVTransfer
+from hearth.engine.rejection import RequestRejected
 
 log = logging.getLogger("hearth.disagg")
 
-ROLES = ("both", "prefill", "decode")
 TRANSPORTS = ("tcp", "mooncake")
 
 
@@ -48,8 +47,6 @@ class DisaggConnector:
     def __init__(self, config: KVTransferConfig, kv_cache: torch.Tensor,
                  geometry: KVCacheGeometry, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
-        if config.role not in ROLES:
-            raise ValueError(f"kv role: {config.role!r} is not one of {ROLES}")
         if config.transport not in TRANSPORTS:
             raise ValueError(f"kv transport: {config.transport!r} is not one of {TRANSPORTS}")
         if config.host in ("0.0.0.0", "::", "") and not config.advertise_host:
@@ -68,12 +65,12 @@ class DisaggConnector:
             from hearth.disagg.mooncake_transport import MooncakeTransport
             self.mooncake = MooncakeTransport(config.advertise_host or config.host, self.memory)
         self.server = None
-        if config.role in ("prefill", "both"):
+        if config.role in (Role.PREFILL, Role.BOTH):
             self.server = TransferServer(config.host, config.port, config.secret, self.leases,
                                          self.memory, config.io_timeout_seconds,
                                          handshake_timeout=config.handshake_timeout_seconds)
         self._pool = None
-        if config.role in ("decode", "both"):
+        if config.role in (Role.DECODE, Role.BOTH):
             self._pool = ThreadPoolExecutor(config.num_transfer_threads,
                                             thread_name_prefix="hearth-kv-import")
         self._lock = threading.Lock()
@@ -83,16 +80,20 @@ class DisaggConnector:
     # ---- prefill side ---------------------------------------------------------------------
     def check_export(self, transfer_id: str) -> None:
         if self.server is None:
-            raise ValueError(f"kv_transfer: a {self.config.role} worker does not export KV")
+            raise RequestRejected(
+                "kv_transfer",
+                f"kv_transfer: a {self.config.role} worker does not export KV")
         check_transfer_id(transfer_id)
         if self.leases.contains(transfer_id):
-            raise ValueError(f"kv_transfer.transfer_id: {transfer_id!r} is already leased")
+            raise RequestRejected(
+                "kv_transfer.transfer_id",
+                f"kv_transfer.transfer_id: {transfer_id!r} is already leased")
 
     def export(self, transfer_id: str, block_ids: list[int], block_hashes: list[int],
-               prompt_token_ids: list[int]) -> dict:
+               prompt_token_ids: list[int]) -> KVDescriptor:
         self.leases.create(transfer_id, block_ids)
         g, c = self.geometry, self.config
-        descriptor = KVDescriptor(
+        return KVDescriptor(
             version=DESCRIPTOR_VERSION, transfer_id=transfer_id, transport=c.transport,
             host=c.advertise_host or self.server.host, port=self.server.port,
             num_tokens=len(prompt_token_ids), block_size=g.block_size, block_ids=list(block_ids),
@@ -105,17 +106,20 @@ class DisaggConnector:
             mooncake_base_address=self.memory.base_address if self.mooncake else 0,
             mooncake_num_blocks=self.memory.num_blocks if self.mooncake else 0,
         )
-        return descriptor_to_json(descriptor)
 
     # ---- decode side ----------------------------------------------------------------------
     def check_import(self, transfer: KVTransfer, prompt_token_ids: list[int]) -> KVDescriptor:
         if self._pool is None:
-            raise ValueError(f"kv_transfer: a {self.config.role} worker does not import KV")
+            raise RequestRejected(
+                "kv_transfer",
+                f"kv_transfer: a {self.config.role} worker does not import KV")
         if transfer.descriptor is None:
-            raise ValueError("kv_transfer.descriptor: required on a decode hop")
-        descriptor = descriptor_from_json(transfer.descriptor)
-        check_against(descriptor, self.geometry, prompt_token_ids)
-        return descriptor
+            raise RequestRejected(
+                "kv_transfer.descriptor",
+                "kv_transfer.descriptor: required on a decode hop")
+        check_descriptor(transfer.descriptor)
+        check_against(transfer.descriptor, self.geometry, prompt_token_ids)
+        return transfer.descriptor
 
     def start_import(self, request_id: str, handle: KVDescriptor, positions: list[int],
                      block_ids: list[int]) -> None:

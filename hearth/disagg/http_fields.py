@@ -1,12 +1,15 @@
 """The `kv_transfer` extension field of the OpenAI request/response bodies (router <-> worker).
 
-Pure functions between JSON dicts and typed values, so the server and router wiring is a few
-lines. See docs/pd_protocol.md for the whole exchange.
+One msgspec type per hop and direction, used by both ends: the worker parses and writes them,
+the router (which imports this module; it is torch-free) reads the prefill hop's result and
+writes the decode hop's request. Pure functions between JSON values and these types, so the
+server and router wiring is a few lines. See docs/pd_protocol.md for the whole exchange.
 
-    prefill hop request:   "kv_transfer": {"role": "prefill", "transfer_id": "..."}  (max_tokens=1)
+    prefill hop request:   "kv_transfer": PrefillHop {"role": "prefill", "transfer_id": "..."}
+                                          (max_tokens=1)
     prefill hop response:  "kv_transfer": PrefillResult (first token, counts, descriptor)
-    decode hop request:    "kv_transfer": {"role": "decode", "prompt_token_ids": [...],
-                                           "first_token_id": N, "descriptor": {...}}
+    decode hop request:    "kv_transfer": DecodeHop {"role": "decode", "prompt_token_ids": [...],
+                                          "first_token_id": N, "descriptor": {...}}
     decode hop response:   "kv_transfer": DecodeResult (what crossed the wire), final chunk
 """
 
@@ -16,18 +19,22 @@ from typing import Union
 
 import msgspec
 
-from hearth.disagg.descriptor import check_transfer_id
-from hearth.engine.connector import KVTransfer
+from hearth.config import Role
+from hearth.disagg.descriptor import check_descriptor, check_transfer_id
+from hearth.engine.connector import KVDescriptor, KVTransfer
+from hearth.engine.rejection import RequestRejected
 
 
-class PrefillHop(msgspec.Struct, tag="prefill", tag_field="role", forbid_unknown_fields=True):
+class PrefillHop(msgspec.Struct, tag=Role.PREFILL.value, tag_field="role",
+                 forbid_unknown_fields=True):
     transfer_id: str  # lease key, unique per prefill hop (the router makes a UUID)
 
 
-class DecodeHop(msgspec.Struct, tag="decode", tag_field="role", forbid_unknown_fields=True):
+class DecodeHop(msgspec.Struct, tag=Role.DECODE.value, tag_field="role",
+                forbid_unknown_fields=True):
     prompt_token_ids: list[int]  # the prompt exactly as the prefill worker tokenized it
     first_token_id: int  # the token the prefill hop sampled
-    descriptor: dict  # the prefill hop's `kv_transfer.descriptor`, unchanged
+    descriptor: KVDescriptor  # the prefill hop's `kv_transfer.descriptor`, unchanged
     transfer_id: str = ""  # optional; if given it must equal the descriptor's
 
 
@@ -38,7 +45,7 @@ class PrefillResult(msgspec.Struct, kw_only=True):
     first_token_logprob: float | None = None  # when the request asked for logprobs
     num_prompt_tokens: int
     num_cached_tokens: int  # prefix-cache hits on the prefill worker (usage.cached_tokens)
-    descriptor: dict  # the KV descriptor (hearth.disagg.descriptor.KVDescriptor as JSON)
+    descriptor: KVDescriptor  # where the decode worker pulls the KV from
 
 
 class DecodeResult(msgspec.Struct, kw_only=True):
@@ -55,27 +62,33 @@ def parse_kv_transfer(obj: object) -> PrefillHop | DecodeHop:
     try:
         hop = msgspec.convert(obj, _hop_decoder)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"kv_transfer: {exc}") from None
+        raise RequestRejected("kv_transfer", f"kv_transfer: {exc}") from None
     if isinstance(hop, PrefillHop):
         check_transfer_id(hop.transfer_id)
     elif not hop.prompt_token_ids:
-        raise ValueError("kv_transfer.prompt_token_ids: must not be empty")
-    elif hop.transfer_id and hop.transfer_id != hop.descriptor.get("transfer_id"):
-        raise ValueError("kv_transfer.transfer_id: differs from the descriptor's")
+        raise RequestRejected(
+            "kv_transfer.prompt_token_ids",
+            "kv_transfer.prompt_token_ids: must not be empty")
+    elif hop.transfer_id and hop.transfer_id != hop.descriptor.transfer_id:
+        raise RequestRejected(
+            "kv_transfer.transfer_id",
+            "kv_transfer.transfer_id: differs from the descriptor's")
+    else:
+        check_descriptor(hop.descriptor)
     return hop
 
 
 def to_engine(hop: PrefillHop | DecodeHop) -> KVTransfer:
     """The engine's spec; a decode hop's prompt is `hop.prompt_token_ids` (not re-tokenized)."""
     if isinstance(hop, PrefillHop):
-        return KVTransfer(role="prefill", transfer_id=hop.transfer_id)
-    return KVTransfer(role="decode", transfer_id=str(hop.descriptor.get("transfer_id", "")),
+        return KVTransfer(role=Role.PREFILL, transfer_id=hop.transfer_id)
+    return KVTransfer(role=Role.DECODE, transfer_id=hop.descriptor.transfer_id,
                       descriptor=hop.descriptor, first_token_id=hop.first_token_id)
 
 
 def prefill_result(transfer_id: str, prompt_token_ids: list[int], first_token_id: int,
                    first_token_logprob: float | None, num_cached_tokens: int,
-                   descriptor: dict) -> dict:
+                   descriptor: KVDescriptor) -> dict:
     """The prefill hop response's `kv_transfer` value (from the finished RequestOutput)."""
     return msgspec.to_builtins(PrefillResult(
         transfer_id=transfer_id, prompt_token_ids=list(prompt_token_ids),
@@ -85,19 +98,27 @@ def prefill_result(transfer_id: str, prompt_token_ids: list[int], first_token_id
 
 
 def parse_prefill_result(obj: object) -> PrefillResult:
+    """(router) The prefill hop response's `kv_transfer`; ValueError if malformed."""
     try:
-        return msgspec.convert(obj, PrefillResult)
+        result = msgspec.convert(obj, PrefillResult)
     except msgspec.ValidationError as exc:
         raise ValueError(f"kv_transfer (prefill response): {exc}") from None
+    if not result.prompt_token_ids:
+        raise ValueError("kv_transfer (prefill response): prompt_token_ids is empty")
+    return result
+
+
+def decode_hop(prefill: PrefillResult) -> DecodeHop:
+    """(router) The decode hop's `kv_transfer`, from the prefill hop's result."""
+    return DecodeHop(prompt_token_ids=prefill.prompt_token_ids,
+                     first_token_id=prefill.first_token_id, descriptor=prefill.descriptor,
+                     transfer_id=prefill.transfer_id)
 
 
 def decode_request_field(prefill: dict | PrefillResult) -> dict:
-    """The router's decode hop `kv_transfer` value, from the prefill hop's response field."""
+    """The decode hop's `kv_transfer` value as JSON, from the prefill hop's response field."""
     result = prefill if isinstance(prefill, PrefillResult) else parse_prefill_result(prefill)
-    return msgspec.to_builtins(DecodeHop(prompt_token_ids=result.prompt_token_ids,
-                                         first_token_id=result.first_token_id,
-                                         descriptor=result.descriptor,
-                                         transfer_id=result.transfer_id))
+    return msgspec.to_builtins(decode_hop(result))
 
 
 def decode_result(num_transferred_tokens: int, num_transferred_blocks: int,

@@ -7,7 +7,7 @@ own thread; the connector's transfer threads talk back only through `poll`, so t
 
 Export (prefill role): a request added with `KVTransfer(role="prefill")` runs its prompt and
 samples one token as usual; at its finish the engine hands its block references to
-`connector.export`, which keeps them under a lease and returns the JSON descriptor the output
+`connector.export`, which keeps them under a lease and returns the `KVDescriptor` the output
 carries. The connector later returns those block ids from `poll` (ack, reject or expiry) and the
 engine frees them.
 
@@ -23,20 +23,64 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
-if TYPE_CHECKING:  # kept torch-free at import: the router imports the JSON helpers built on this
+import msgspec
+
+from hearth.config import Role
+
+if TYPE_CHECKING:  # kept torch-free at import: the router imports the hop types built on this
     import torch
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+DESCRIPTOR_VERSION = 1
+
+
+class KVDescriptor(msgspec.Struct, frozen=True, kw_only=True):
+    """What a prefill worker tells a decode worker about the KV it holds under a lease.
+
+    One type from end to end: `connector.export` makes it, `RequestOutput` carries it to the
+    server, the prefill hop's response and the decode hop's request carry it as JSON (the
+    router passes it on typed), `KVTransfer` hands it to the decode engine. Its checks live in
+    hearth/disagg/descriptor.py."""
+
+    version: int  # DESCRIPTOR_VERSION of the writer; a reader refuses any other
+    transfer_id: str  # the lease key the router chose for the prefill hop
+    transport: str  # "tcp" | "mooncake": how the decode side moves the bytes
+    host: str  # the prefill worker's transfer server (lease control, and data for tcp)
+    port: int
+    num_tokens: int  # prompt tokens whose KV the blocks hold (the whole prompt)
+    block_size: int  # tokens per block
+    block_ids: list[int]  # prefill-side block ids in token order: cdiv(num_tokens, block_size)
+    block_hashes: list[int]  # chained hashes of the full blocks: num_tokens // block_size
+    tokens_hash: int  # the chain continued over the partial last block: covers every token
+    num_layers: int  # KV geometry: [num_layers, 2, *, block_size, num_kv_heads, head_dim]
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    bytes_per_block: int  # 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    expires_at: float  # unix time at which the lease ends (prefill clock; a hint for the reader)
+    mooncake_session: str = ""  # mooncake: "host:port" of the prefill's transfer engine
+    mooncake_base_address: int = 0  # mooncake: address of the prefill KV tensor
+    mooncake_num_blocks: int = 0  # mooncake: blocks in the prefill KV tensor (plane stride)
+
+    def geometry_key(self) -> tuple:
+        return (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                self.bytes_per_block)
 
 
 @dataclass(frozen=True)
 class KVTransfer:
     """The per-request disaggregation spec given to `LLMEngine.add_request`."""
 
-    role: str  # "prefill": export the prompt's KV; "decode": import it
+    role: Role  # PREFILL: export the prompt's KV; DECODE: import it (never BOTH)
     transfer_id: str = ""  # prefill: the lease key chosen by the router
-    descriptor: dict | None = None  # decode: the prefill worker's descriptor (JSON form)
+    descriptor: KVDescriptor | None = None  # decode: the prefill worker's descriptor
     first_token_id: int | None = None  # decode: the token the prefill worker sampled
+
+    def __post_init__(self) -> None:
+        role = Role.parse(self.role, "kv_transfer.role")
+        if role is Role.BOTH:
+            raise ValueError("kv_transfer.role: a hop is either prefill or decode")
+        object.__setattr__(self, "role", role)
 
 
 @dataclass(frozen=True)
@@ -88,7 +132,7 @@ class KVConnector(Protocol):
         return the parsed handle that `start_import` receives."""
 
     def export(self, transfer_id: str, block_ids: list[int], block_hashes: list[int],
-               prompt_token_ids: list[int]) -> dict:
+               prompt_token_ids: list[int]) -> KVDescriptor:
         """Take ownership of one reference on each block under a lease; return the descriptor."""
 
     def start_import(self, request_id: str, handle: object, positions: list[int],

@@ -9,7 +9,7 @@ a peer can only ever make the other side build these types.
 Flow:
     server -> core   StartEngine, then any of AddRequest, AbortRequests, QueryLoad, Shutdown
     core -> server   EngineReady | EngineFailed, then AddResult (one per AddRequest),
-                     StepOutputs (one per engine step that produced outputs), LoadReport
+                     StepOutputs (one per engine step that produced outputs), LoadReply
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import msgspec
 
 from hearth.config import EngineConfig
 from hearth.engine.connector import KVTransfer
+from hearth.engine.rejection import Rejection
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
+from hearth.engine.stats import EngineStats
 
 MAX_FRAME_BYTES = 256 * 2**20  # a prompt of a million token ids is ~5 MB; anything past this is a bug
 _HEADER = struct.Struct(">I")
@@ -40,7 +42,7 @@ class Kind(enum.IntEnum):
     ENGINE_FAILED = 17
     ADD_RESULT = 18
     STEP_OUTPUTS = 19
-    LOAD_REPORT = 20
+    LOAD_REPLY = 20
 
 
 # ---- server -> core --------------------------------------------------------------------------
@@ -74,40 +76,13 @@ class Shutdown(msgspec.Struct, tag=int(Kind.SHUTDOWN)):
 # ---- core -> server --------------------------------------------------------------------------
 
 
-class EngineStatsView(msgspec.Struct):
-    """The engine's load, as the server and router see it (mirrors engine.EngineStats)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_prefill_tokens_inflight: int = 0  # uncached prompt tokens not yet computed
-    num_decode_tokens_active: int = 0  # context tokens of running decodes
-    num_prompt_tokens: int = 0  # counters since start
-    num_cached_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_preemptions: int = 0
-    kv_usage: float = 0.0  # fraction of KV blocks in use
-    # prefill/decode disaggregation (zero on a `both` worker)
-    num_waiting_for_kv: int = 0  # decode side: requests whose prompt KV is being pulled
-    num_leases_active: int = 0  # prefill side: exported KV held for a decode worker
-    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model (counter)
-    num_transferred_tokens: int = 0  # decode side: prompt tokens received instead (counter)
-    num_transferred_blocks: int = 0
-    num_transferred_bytes: int = 0
-    num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
-    # KV tiers below the pool: tier name ("host", "disk", "shared") -> counters, and
-    # "offload" -> the writer queue and loads (docs/kv_tiers.md); empty without tiers
-    kv_tiers: dict[str, dict[str, float]] = {}
-
-
 class EngineReady(msgspec.Struct, tag=int(Kind.ENGINE_READY)):
     model_name: str
     max_model_len: int
     vocab_size: int
     block_size: int
     load_seconds: float
-    stats: EngineStatsView
+    stats: EngineStats
 
 
 class EngineFailed(msgspec.Struct, tag=int(Kind.ENGINE_FAILED)):
@@ -116,17 +91,17 @@ class EngineFailed(msgspec.Struct, tag=int(Kind.ENGINE_FAILED)):
 
 class AddResult(msgspec.Struct, tag=int(Kind.ADD_RESULT)):
     request_id: str
-    error: str | None = None  # the engine's ValueError text when it refused the request
+    rejection: Rejection | None = None  # why the engine refused the request (None: accepted)
 
 
 class StepOutputs(msgspec.Struct, tag=int(Kind.STEP_OUTPUTS)):
     outputs: list[RequestOutput]
-    stats: EngineStatsView
+    stats: EngineStats
 
 
-class LoadReport(msgspec.Struct, tag=int(Kind.LOAD_REPORT)):
+class LoadReply(msgspec.Struct, tag=int(Kind.LOAD_REPLY)):
     query_id: int
-    stats: EngineStatsView
+    stats: EngineStats
     kv_pool_is_whole: bool | None = None  # None unless asked (check_pool)
     events_cursor: int = 0  # with events_since: the cursor to ask from next time
     stored_hashes: list[int] = []  # block hashes entered in the prefix cache since the cursor
@@ -136,7 +111,7 @@ class LoadReport(msgspec.Struct, tag=int(Kind.LOAD_REPORT)):
 
 
 ToCore = Union[StartEngine, AddRequest, AbortRequests, QueryLoad, Shutdown]
-FromCore = Union[EngineReady, EngineFailed, AddResult, StepOutputs, LoadReport]
+FromCore = Union[EngineReady, EngineFailed, AddResult, StepOutputs, LoadReply]
 
 
 class FrameCodec:

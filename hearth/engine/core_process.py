@@ -18,7 +18,6 @@ server sees every AddResult before any output of that request.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import select
 import socket
@@ -31,14 +30,14 @@ from hearth.engine.core_messages import (
     BlockingChannel,
     EngineFailed,
     EngineReady,
-    EngineStatsView,
-    LoadReport,
+    LoadReply,
     QueryLoad,
     Shutdown,
     StartEngine,
     StepOutputs,
     ToCore,
 )
+from hearth.engine.rejection import Rejection
 from hearth.engine.request import RequestOutput
 
 if TYPE_CHECKING:
@@ -46,14 +45,6 @@ if TYPE_CHECKING:
     from hearth.engine.connector import ConnectorFactory
 
 log = logging.getLogger("hearth.core")
-
-_STATS_FIELDS = set(EngineStatsView.__struct_fields__)
-
-
-def stats_view(engine) -> EngineStatsView:
-    stats = dataclasses.asdict(engine.stats())
-    return EngineStatsView(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
-
 
 class EngineCore:
     """Applies commands to the engine and reports its outputs over the channel."""
@@ -74,7 +65,7 @@ class EngineCore:
                     self.engine.abort_request(request_id)
         elif isinstance(message, QueryLoad):
             whole = self.engine.kv_pool_is_whole() if message.check_pool else None
-            report = LoadReport(message.query_id, stats_view(self.engine), whole)
+            report = LoadReply(message.query_id, self.engine.stats(), whole)
             if message.events_since is not None:
                 report.events_cursor, report.stored_hashes, report.evicted_hashes = \
                     self.engine.block_events_since(message.events_since)
@@ -92,11 +83,11 @@ class EngineCore:
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, **extra)
         except ValueError as exc:
-            self.channel.send(AddResult(message.request_id, error=str(exc)))
+            self.channel.send(AddResult(message.request_id, Rejection.of(exc)))
             return
         except Exception as exc:  # an engine bug on one request must not end the loop
             log.exception("add_request %s failed", message.request_id)
-            self.channel.send(AddResult(message.request_id, error=f"internal error: {exc}"))
+            self.channel.send(AddResult(message.request_id, Rejection(f"internal error: {exc}")))
             return
         self.live_request_ids.add(message.request_id)
         if self.engine.is_waiting_for_grammar(message.request_id):
@@ -116,17 +107,17 @@ class EngineCore:
             if output.finished:
                 self.live_request_ids.discard(output.request_id)
         if outputs:
-            self.channel.send(StepOutputs(outputs, stats_view(self.engine)))
+            self.channel.send(StepOutputs(outputs, self.engine.stats()))
 
     def _answer_deferred(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send the deferred AddResults of requests whose grammar wait ended (a rejection
         replaces the request's error output) or that finish anyway (aborted meanwhile)."""
-        for request_id, error in self.engine.admissions:
+        for request_id, rejection in self.engine.admissions:
             if request_id not in self.unanswered_ids:
                 continue
             self.unanswered_ids.discard(request_id)
-            self.channel.send(AddResult(request_id, error=error))
-            if error is not None:
+            self.channel.send(AddResult(request_id, rejection))
+            if rejection is not None:
                 self.live_request_ids.discard(request_id)
                 outputs = [o for o in outputs if o.request_id != request_id]
         for output in outputs:
@@ -203,7 +194,7 @@ def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None 
         vocab_size=int(engine.arch.vocab_size),
         block_size=int(engine.block_size),
         load_seconds=float(engine.load_seconds),
-        stats=stats_view(engine),
+        stats=engine.stats(),
     ))
     core = EngineCore(engine, channel)
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +29,11 @@ from hearth.engine.grammar_pool import GrammarPool, GrammarTicket
 from hearth.engine.kv_store import StoreFactory
 from hearth.engine.kv_tiers import KVTierDriver, store_namespace
 from hearth.engine.kv_transfer import KVTransferDriver
+from hearth.engine.rejection import Rejection, RequestRejected
 from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
 from hearth.engine.executor import RankFailedError, make_executor
 from hearth.engine.spec import make_speculator
+from hearth.engine.stats import EngineStats
 from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.tokenizer import Tokenizer
@@ -40,30 +42,10 @@ from hearth.engine.scheduler import Scheduler, SchedulerOutput
 log = logging.getLogger("hearth.engine")
 
 
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_prefill_tokens_inflight: int
-    num_decode_tokens_active: int
-    num_prompt_tokens: int  # counters since start
-    num_cached_tokens: int
-    num_generation_tokens: int
-    num_preemptions: int
-    kv_usage: float
-    num_waiting_for_kv: int = 0  # decode side: requests whose prompt KV is being pulled
-    num_leases_active: int = 0  # prefill side: exported KV held for a decode worker
-    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model (counter)
-    num_transferred_tokens: int = 0  # decode side: prompt tokens received instead (counter)
-    num_transferred_blocks: int = 0
-    num_transferred_bytes: int = 0
-    num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
-    num_waiting_for_grammar: int = 0  # guided requests whose grammar is compiling (in num_waiting)
-    num_grammars_compiling: int = 0  # compiles queued or running (timed-out ones until they end)
-    # KV tiers below the pool: tier name -> counters, plus "offload" (docs/kv_tiers.md)
-    kv_tiers: dict = field(default_factory=dict)
+def forced_logprob(token: int) -> Logprob:
+    """A jump-forward token's logprob: the grammar allowed nothing else, so under the
+    constrained distribution (the one sampled tokens' logprobs come from) its p is 1."""
+    return Logprob(token, 0.0, [(token, 0.0)])
 
 
 @dataclass
@@ -98,7 +80,7 @@ class LLMEngine:
         self.executor = make_executor(config, self.checkpoint)
         num_blocks = self.executor.num_blocks
         self.step_builder = StepBuilder(cc.block_size, self.arch.vocab_size)
-        self.speculator = make_speculator(config.speculative, self.arch.vocab_size)
+        self.speculator = make_speculator(config, self.arch.vocab_size)
         self._num_steps = 0
         self.block_size = cc.block_size
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching)
@@ -111,7 +93,7 @@ class LLMEngine:
         self._grammar_waits: dict[str, GrammarWait] = {}
         # (request_id, rejection or None) of each grammar wait the last step ended; a rejected
         # request also had a finished "error" output in that step.
-        self.admissions: list[tuple[str, str | None]] = []
+        self.admissions: list[tuple[str, Rejection | None]] = []
         # forced: output tokens appended by jump-forward, without a decode step (in generation)
         self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0, computed_prompt=0,
                              forced=0)
@@ -142,22 +124,25 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt: must contain at least one token")
+            raise RequestRejected("prompt", "prompt: must contain at least one token")
+        too_long = "context_length_exceeded"
         if n >= self.max_model_len:
-            raise ValueError(f"prompt: {n} tokens, but the model's context length is "
-                             f"{self.max_model_len} (at least one token must remain for output)")
+            raise RequestRejected("prompt", f"prompt: {n} tokens, but the model's context length "
+                                  f"is {self.max_model_len} (at least one token must remain for "
+                                  f"output)", too_long)
         if cdiv(n + 1, self.block_size) > self.pool.num_blocks:
-            raise ValueError(f"prompt: {n} tokens do not fit in the KV cache "
-                             f"({self.pool.num_blocks} blocks of {self.block_size} tokens)")
+            raise RequestRejected("prompt", f"prompt: {n} tokens do not fit in the KV cache "
+                                  f"({self.pool.num_blocks} blocks of {self.block_size} tokens)",
+                                  too_long)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} outside the vocabulary "
-                             f"[0, {self.arch.vocab_size})")
+            raise RequestRejected("prompt", f"prompt: token id {bad[0]} outside the vocabulary "
+                                  f"[0, {self.arch.vocab_size})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, kv_transfer: KVTransfer | None = None) -> Request:
         if request_id in self.scheduler.requests or request_id in self._grammar_waits:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise RequestRejected("request_id", f"request_id: {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
         kv_handle = self._check_kv_transfer(kv_transfer, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
@@ -188,15 +173,16 @@ class LLMEngine:
             if not wait.ticket.is_resolved(now):
                 continue
             del self._grammar_waits[request_id]
-            req = wait.request
+            req, rejection = wait.request, None
             try:
                 req.grammar = self._grammars.matcher(wait.ticket)
                 req.status = RequestStatus.WAITING
                 self._enqueue(req, wait.kv_transfer, wait.kv_handle)
             except ValueError as exc:
-                req.status, req.error = RequestStatus.FINISHED_ERROR, str(exc)
+                rejection = Rejection.of(exc)
+                req.status, req.error = RequestStatus.FINISHED_ERROR, rejection.message
                 outputs.append(self._finish_output(req))
-            self.admissions.append((request_id, req.error))
+            self.admissions.append((request_id, rejection))
         return outputs
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:
@@ -206,7 +192,8 @@ class LLMEngine:
         if kv_transfer is None:
             return None
         if self.pd is None:
-            raise ValueError("kv_transfer: this worker has no KV connector (role 'both')")
+            raise RequestRejected("kv_transfer",
+                                  "kv_transfer: this worker has no KV connector (role 'both')")
         return self.pd.check(kv_transfer, prompt_token_ids, params)
 
     def _attach_kv_transfer(self, req: Request, kv_transfer: KVTransfer, handle) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from hearth.config import GuidedConfig
 from hearth.engine.guided_limits import param_of, spec_key
+from hearth.engine.rejection import RequestRejected
 from hearth.engine.sampling_params import GuidedSpec
 
 if TYPE_CHECKING:  # xgrammar (via guided) costs ~0.7 s to import: only once a grammar is needed
@@ -93,8 +94,9 @@ class GrammarPool:
                 self.counters["hits"] += 1
             else:
                 if self._num_in_flight >= self.config.max_compiles_in_flight:
-                    raise ValueError(f"{param_of(spec.kind)}: {self._num_in_flight} grammars are "
-                                     f"compiling, the most this worker allows; retry later")
+                    param = param_of(spec.kind)
+                    raise RequestRejected(param, f"{param}: {self._num_in_flight} grammars are "
+                                          f"compiling, the most this worker allows; retry later")
                 self.counters["misses"] += 1
                 self._num_in_flight += 1
                 entry = new = _Entry(self._executor.submit(self._compile, GuidedSpec(*key)))
@@ -110,19 +112,19 @@ class GrammarPool:
         """The resolved ticket's matcher; ValueError if its compile failed or timed out."""
         self._release(ticket)
         future = ticket.entry.future
+        param = param_of(ticket.key[0])
         if not future.done():
             self.counters["timeouts"] += 1
-            raise ValueError(f"{param_of(ticket.key[0])}: the grammar did not compile within "
-                             f"{ticket.timeout_s:g} s; simplify the schema")
-        param = param_of(ticket.key[0])
+            raise RequestRejected(param, f"{param}: the grammar did not compile within "
+                                  f"{ticket.timeout_s:g} s; simplify the schema")
         try:
             from hearth.engine.guided import Matcher
 
             return Matcher(future.result(), self._vocab_size, self.config.jump_forward)
         except CancelledError:
-            raise ValueError(f"{param}: the grammar compile was cancelled") from None
+            raise RequestRejected(param, f"{param}: the grammar compile was cancelled") from None
         except ValueError as exc:
-            raise ValueError(f"{param}: {exc}") from None
+            raise RequestRejected(param, f"{param}: {exc}") from None
 
     def release(self, ticket: GrammarTicket) -> None:
         """The request no longer waits (aborted): cancel its compile if nobody else needs it."""

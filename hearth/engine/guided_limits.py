@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from hearth.config import GuidedConfig
+from hearth.engine.rejection import RequestRejected
 from hearth.engine.sampling_params import GuidedSpec
 
 LENGTH_KEYS = ("minLength", "maxLength")
@@ -44,8 +45,8 @@ def spec_key(spec: GuidedSpec, config: GuidedConfig) -> tuple[str, str]:
     param = param_of(spec.kind)
     size = len(spec.value.encode("utf-8", "surrogatepass"))
     if size > config.max_spec_bytes:
-        raise ValueError(f"{param}: the {spec.kind} is {size} bytes, over the limit of "
-                         f"{config.max_spec_bytes}")
+        raise RequestRejected(param, f"{param}: the {spec.kind} is {size} bytes, over the limit of "
+                              f"{config.max_spec_bytes}")
     if spec.kind in ("json_schema", "structural_tag"):
         document = _parse(spec.value, spec.kind, param)
         _check_document(document, config, param)
@@ -59,9 +60,9 @@ def _parse(text: str, kind: str, param: str) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise ValueError(f"{param}: the {kind} is nested too deeply") from None
+        raise RequestRejected(param, f"{param}: the {kind} is nested too deeply") from None
     except (json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"{param}: invalid {kind}: not valid JSON: {exc}") from None
+        raise RequestRejected(param, f"{param}: invalid {kind}: not valid JSON: {exc}") from None
 
 
 def _check_document(document: Any, config: GuidedConfig, param: str) -> None:
@@ -72,8 +73,8 @@ def _check_document(document: Any, config: GuidedConfig, param: str) -> None:
     while stack:
         node, depth = stack.pop()
         if depth > config.max_schema_depth:
-            raise ValueError(f"{param}: the schema is nested deeper than "
-                             f"{config.max_schema_depth} levels")
+            raise RequestRejected(param, f"{param}: the schema is nested deeper than "
+                                  f"{config.max_schema_depth} levels")
         if isinstance(node, list):
             stack.extend((value, depth + 1) for value in node)
             continue
@@ -98,7 +99,7 @@ def _bound(value: Any, key: str, limit: int, param: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return 0
     if not value <= limit:  # NaN too
-        raise ValueError(f"{param}: {key} {value} is over the limit of {limit}")
+        raise RequestRejected(param, f"{param}: {key} {value} is over the limit of {limit}")
     return max(0, int(value))
 
 
@@ -110,8 +111,9 @@ def _check_repeats(texts: list[str], config: GuidedConfig, param: str, what: str
                 if not digits:
                     continue
                 if len(digits) > MAX_DIGITS or int(digits) > config.max_length_bound:
-                    raise ValueError(f"{param}: {what} repetition {match.group(0)[:40]} is over "
-                                     f"the limit of {config.max_length_bound}")
+                    raise RequestRejected(param, f"{param}: {what} repetition "
+                                          f"{match.group(0)[:40]} is over the limit of "
+                                          f"{config.max_length_bound}")
             total += int(match.group(2) or match.group(1))
     _check_total(total, config, param)
     return total
@@ -119,5 +121,5 @@ def _check_repeats(texts: list[str], config: GuidedConfig, param: str, what: str
 
 def _check_total(total: int, config: GuidedConfig, param: str) -> None:
     if total > config.max_total_length_bound:
-        raise ValueError(f"{param}: string lengths and repetition counts add up to {total}, over "
-                         f"the limit of {config.max_total_length_bound}")
+        raise RequestRejected(param, f"{param}: string lengths and repetition counts add up to "
+                              f"{total}, over the limit of {config.max_total_length_bound}")

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import logging
 
+from hearth.config import Role
 from hearth.engine.connector import ImportResult, KVConnector, KVTransfer
 from hearth.engine.kv_cache import KVCacheManager, cdiv
+from hearth.engine.rejection import RequestRejected
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import Scheduler
 
 log = logging.getLogger("hearth.engine.kv_transfer")
-
-ROLES = ("prefill", "decode")
-
 
 class KVTransferDriver:
     def __init__(self, connector: KVConnector, scheduler: Scheduler, kv: KVCacheManager,
@@ -39,32 +38,31 @@ class KVTransferDriver:
     # ---- admission --------------------------------------------------------------------------
     def check(self, transfer: KVTransfer, prompt_token_ids: list[int],
               params: SamplingParams) -> object | None:
-        """Validate a request's spec before anything is built (ValueError names the field)."""
-        if transfer.role not in ROLES:
-            raise ValueError(f"kv_transfer.role: must be one of {ROLES}, got {transfer.role!r}")
-        if transfer.role == "prefill":
-            if params.max_tokens != 1 or params.n != 1:
-                raise ValueError("kv_transfer: a prefill hop samples exactly one token "
-                                 "(max_tokens=1, n=1)")
+        """Validate a request's spec before anything is built (RequestRejected names the field)."""
+        if transfer.role is Role.PREFILL:
+            if params.max_tokens != 1:
+                raise RequestRejected("kv_transfer", "kv_transfer: a prefill hop samples exactly "
+                                      "one token (max_tokens=1, n=1)")
             self.connector.check_export(transfer.transfer_id)
             return None
         first = transfer.first_token_id
         if not isinstance(first, int) or not 0 <= first < self.vocab_size:
-            raise ValueError(f"kv_transfer.first_token_id: must be a token id in "
-                             f"[0, {self.vocab_size}), got {first!r}")
+            raise RequestRejected("kv_transfer.first_token_id", f"kv_transfer.first_token_id: must "
+                                  f"be a token id in [0, {self.vocab_size}), got {first!r}")
         if params.max_tokens < 2:
-            raise ValueError("max_tokens: a decode hop continues after the first token, so it "
-                             "needs max_tokens >= 2 (the first token counts)")
+            raise RequestRejected("max_tokens", "max_tokens: a decode hop continues after the "
+                                  "first token, so it needs max_tokens >= 2 (the first token "
+                                  "counts)")
         return self.connector.check_import(transfer, prompt_token_ids)
 
     def attach(self, req: Request, transfer: KVTransfer, handle: object | None) -> None:
         """Mark the request; a decode request gets the first token the prefill side sampled."""
         req.kv_transfer = transfer
-        if transfer.role == "decode":
+        if transfer.role is Role.DECODE:
             first = transfer.first_token_id
             if req.grammar is not None and not req.grammar.accept(first):
-                raise ValueError(f"kv_transfer.first_token_id: {first} violates the response "
-                                 f"format")
+                raise RequestRejected("kv_transfer.first_token_id", f"kv_transfer.first_token_id: "
+                                      f"{first} violates the response format")
             req.append_token(first)
             req.kv_import = handle
 

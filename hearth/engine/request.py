@@ -13,6 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from hearth.engine.connector import KVDescriptor, KVTransfer
 from hearth.engine.sampling_params import SamplingParams
 
 
@@ -69,9 +70,9 @@ class Request:
         self.num_transferred_tokens = 0  # prompt tokens received from a remote prefill (PD)
         self.num_transferred_blocks = 0
         self.num_transferred_bytes = 0
-        self.kv_transfer = None  # connector.KVTransfer of a PD request, else None
+        self.kv_transfer: KVTransfer | None = None  # the hop of a PD request, else None
         self.kv_import = None  # decode: the connector's handle until the import is done
-        self.kv_descriptor: dict | None = None  # prefill: the exported lease's descriptor
+        self.kv_descriptor: KVDescriptor | None = None  # prefill: the exported lease's
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         self.num_registered_blocks = 0  # leading blocks already entered in the prefix cache
@@ -126,7 +127,7 @@ class RequestOutput:
     new_logprobs: list[Logprob] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
-    kv_descriptor: dict | None = None  # prefill hop: where the decode side pulls the KV from
+    kv_descriptor: KVDescriptor | None = None  # prefill hop: where the decode side pulls the KV
     num_transferred_tokens: int = 0  # decode hop: prompt tokens received instead of computed
     num_transferred_blocks: int = 0
     num_transferred_bytes: int = 0

@@ -1,12 +1,14 @@
 """Per-request sampling parameters, validated at construction.
 
-Invalid values raise `ValueError` naming the field, so the HTTP edge can turn them into a 400
-with `param` set.
+Invalid values raise `RequestRejected` (a ValueError) naming the field, so the HTTP edge can
+turn them into a 400 with `param` set.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from hearth.engine.rejection import RequestRejected
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     guided: GuidedSpec | None = None
-    n: int = 1
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # Normalise lists to tuples so params stay hashable and immutable.
@@ -50,7 +50,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}: {why}")
+            raise RequestRejected(name, f"{name}: {why}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -72,8 +72,6 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 16:
-            bad("n", f"must be an integer in [1, 16], got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "every stop string must be a non-empty string")
         if len(self.stop) > 16:

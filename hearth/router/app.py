@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 import httpx
+import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -67,7 +68,7 @@ class Router:
         self.sessions = SessionTable(config.session_capacity)
         self.response_store = ResponseStore()  # past Responses, for previous_response_id
         self.health = HealthChecker(self.pool, self.client, config.health,
-                                    config.worker_api_key, self.model)
+                                    config.worker_api_key, self.model, config.policy.block_size)
         self.orchestrator = Orchestrator(config, self.pool, self.sessions, self.metrics, self.client,
                                          self.model)
         self._task: asyncio.Task | None = None
@@ -134,7 +135,9 @@ class Router:
              "retries": e.counters.retries,
              "predicted_cached_tokens": e.counters.predicted_cached_tokens,
              "reported_cached_tokens": e.counters.reported_cached_tokens,
-             "report": e.report} for index, e in enumerate(self.pool)]}
+             "refused": e.refusal,
+             "report": msgspec.to_builtins(e.report) if e.report is not None else {}}
+            for index, e in enumerate(self.pool)]}
 
 
 def build_app(config: RouterConfig, tokenizer: Any | None = None,
@@ -166,11 +169,14 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        supervisor = {"supervisor": supervisor_state()} if supervisor_state else {}
+        extra = {"supervisor": supervisor_state()} if supervisor_state else {}
+        refused = [f"endpoint-{i}: {e.refusal}" for i, e in enumerate(router.pool) if e.refusal]
+        if refused:  # workers that answer but break the contract (e.g. another --block-size)
+            extra["refused"] = refused
         if not router.pool.is_ready() or router.model.name is None:
-            return JSONResponse({"status": "waiting for a healthy decode endpoint", **supervisor},
+            return JSONResponse({"status": "waiting for a healthy decode endpoint", **extra},
                                 status_code=503)
-        return JSONResponse({"status": "ok", **supervisor})
+        return JSONResponse({"status": "ok", **extra})
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:

@@ -16,7 +16,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from hearth.router.policy import ROLES, Decision, EndpointView
+import msgspec
+
+from hearth.config import Role
+from hearth.router.policy import Decision, EndpointView
+from hearth.server.load_report import LoadReport
 
 DEFAULT_CACHE_BLOCKS = 1 << 16  # until the worker reports its pool size
 TIER_CACHE_BLOCKS = 1 << 20  # a view of KV tiers below the pool (bounded; tiers report evictions)
@@ -82,7 +86,7 @@ class Counters:
 @dataclass
 class Endpoint:
     url: str
-    role: str  # "prefill" | "decode" | "both"
+    role: Role
     healthy: bool = False
     ejected_until: float = 0.0  # passive ejection: not re-admitted before this (monotonic)
     last_error: str | None = None
@@ -92,7 +96,8 @@ class Endpoint:
     own_requests: int = 0
     extra_prefill_tokens: int = 0  # reported load beyond the router's own (other clients)
     extra_decode_tokens: int = 0
-    report: dict = field(default_factory=dict)  # the last /load body
+    report: LoadReport | None = None  # the last /load report
+    refusal: str | None = None  # why the router will not use it although it answers (contract)
     events_cursor: int = 0
     cache: CacheView = field(default_factory=CacheView)
     tier_cache: CacheView = field(default_factory=lambda: CacheView(TIER_CACHE_BLOCKS))
@@ -101,8 +106,7 @@ class Endpoint:
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"endpoint {self.url}: role {self.role!r} is not one of {ROLES}")
+        self.role = Role.parse(self.role, f"endpoint {self.url}: role")
 
     @property
     def prefill_tokens(self) -> int:
@@ -118,30 +122,30 @@ class Endpoint:
                             TierHashes(self.tier_cache,
                                        self.shared_cache if self.has_shared_tier else None))
 
-    def apply_report(self, body: dict, own_at_send: tuple[int, int]) -> None:
-        """Correct the estimate with a /load body; `own_at_send` = own (prefill, decode) tokens
-        when the query left, so predictions that finished meanwhile are not counted twice."""
-        self.report = body
-        reported_prefill = int(body.get("num_prefill_tokens_inflight", 0))
-        reported_decode = int(body.get("num_decode_tokens_active", 0))
-        self.extra_prefill_tokens = max(0, reported_prefill - max(own_at_send[0], self.own_prefill_tokens))
-        self.extra_decode_tokens = max(0, reported_decode - max(own_at_send[1], self.own_decode_tokens))
-        if body.get("num_total_blocks"):
-            self.cache.set_capacity(int(body["num_total_blocks"]))
-        events = block_events(body)
-        if events is not None:
-            cursor, stored, evicted = events
-            if cursor < self.events_cursor:  # the worker restarted: its cache is empty again
+    def apply_report(self, report: LoadReport, own_at_send: tuple[int, int]) -> None:
+        """Correct the estimate with a /load report; `own_at_send` = own (prefill, decode)
+        tokens when the query left, so predictions that finished meanwhile are not counted twice."""
+        self.report = report
+        self.extra_prefill_tokens = max(0, report.num_prefill_tokens_inflight
+                                        - max(own_at_send[0], self.own_prefill_tokens))
+        self.extra_decode_tokens = max(0, report.num_decode_tokens_active
+                                       - max(own_at_send[1], self.own_decode_tokens))
+        if report.num_total_blocks:
+            self.cache.set_capacity(report.num_total_blocks)
+        events = report.block_events
+        if events is not msgspec.UNSET:
+            if events.cursor < self.events_cursor:  # the worker restarted: its cache is empty
                 self.cache.clear()
                 self.tier_cache.clear()  # (a disk tier re-reports what it found at start)
-            self.cache.apply_events(stored, evicted)
-            for tier, (tier_stored, tier_evicted) in tier_events(body).items():
+            self.cache.apply_events(events.stored, events.evicted)
+            tiers = events.tiers if events.tiers is not msgspec.UNSET else {}
+            for tier, tier_events in tiers.items():
                 if tier == "shared" and self.shared_cache is not None:
                     self.has_shared_tier = True
-                    self.shared_cache.apply_events(tier_stored, tier_evicted)
+                    self.shared_cache.apply_events(tier_events.stored, tier_events.evicted)
                 else:
-                    self.tier_cache.apply_events(tier_stored, tier_evicted)
-            self.events_cursor = cursor
+                    self.tier_cache.apply_events(tier_events.stored, tier_events.evicted)
+            self.events_cursor = events.cursor
 
     def mark_failed(self, error: str, eject_seconds: float) -> None:
         """Passive ejection: out of every choice until an active check succeeds after a pause."""
@@ -149,23 +153,6 @@ class Endpoint:
         self.last_error = error
         self.ejected_until = time.monotonic() + eject_seconds
         self.counters.failures += 1
-
-
-def block_events(body: dict) -> tuple[int, list[int], list[int]] | None:
-    """(cursor, stored, evicted) from a worker's /load body, when it reports block events."""
-    events = body.get("block_events")
-    if isinstance(events, dict) and "cursor" in events:
-        return int(events["cursor"]), list(events.get("stored", ())), list(events.get("evicted", ()))
-    return None
-
-
-def tier_events(body: dict) -> dict[str, tuple[list[int], list[int]]]:
-    """tier -> (stored, evicted) of the KV tiers below a worker's pool, from its /load body."""
-    tiers = (body.get("block_events") or {}).get("tiers")
-    if not isinstance(tiers, dict):
-        return {}
-    return {str(name): (list(t.get("stored", ())), list(t.get("evicted", ())))
-            for name, t in tiers.items() if isinstance(t, dict)}
 
 
 class Ticket:
@@ -236,13 +223,13 @@ class EndpointPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str]) -> None:
         self.endpoints: dict[str, Endpoint] = {}
         self.shared_cache = CacheView(TIER_CACHE_BLOCKS)  # blocks in the workers' shared tier
-        for role, urls in (("prefill", prefill), ("decode", decode), ("both", both)):
+        for role, urls in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.BOTH, both)):
             for url in urls:
                 url = url.rstrip("/")
                 if url in self.endpoints:
                     raise ValueError(f"endpoint {url} is listed twice")
                 self.endpoints[url] = Endpoint(url, role, shared_cache=self.shared_cache)
-        if not any(e.role in ("decode", "both") for e in self.endpoints.values()):
+        if not any(e.role in (Role.DECODE, Role.BOTH) for e in self.endpoints.values()):
             raise ValueError("the router needs at least one --decode or --worker endpoint")
 
     def __getitem__(self, url: str) -> Endpoint:
@@ -271,7 +258,7 @@ class EndpointPool:
         return ticket
 
     def is_ready(self) -> bool:
-        return any(e.healthy and e.role in ("decode", "both") for e in self.endpoints.values())
+        return any(e.healthy and e.role in (Role.DECODE, Role.BOTH) for e in self.endpoints.values())
 
 
 class SessionTable:

@@ -11,8 +11,10 @@ What takes an endpoint out, and what does not:
     taken out by the request path's own failures (`Endpoint.mark_failed`), and is not re-admitted
     until a poll answers again.
 A passively ejected endpoint (a hop failed on it) is not re-admitted before its ejection pause is
-over, even if `/load` answers, so a flapping worker cannot take every retry. The first successful
-check also learns the served model name.
+over, even if `/load` answers, so a flapping worker cannot take every retry. A worker whose
+`/load` answers but is not a `LoadReport`, or reports another KV block size than the router's,
+is kept out too (the reason is in the router's /load view). The first successful check also
+learns the served model name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import httpx
 
 from hearth.router.endpoints import Endpoint, EndpointPool
 from hearth.router.router_config import HealthConfig
+from hearth.server.load_report import LoadReport, decode_load_report
 
 log = logging.getLogger("hearth.router.health")
 
@@ -43,8 +46,9 @@ class ModelInfo:
 
 class HealthChecker:
     def __init__(self, pool: EndpointPool, client: httpx.AsyncClient, config: HealthConfig,
-                 worker_api_key: str | None, model: ModelInfo) -> None:
+                 worker_api_key: str | None, model: ModelInfo, block_size: int) -> None:
         self.pool, self.client, self.config, self.model = pool, client, config, model
+        self.block_size = block_size  # the router's (PolicyConfig.block_size)
         self.timeout = httpx.Timeout(config.timeout_seconds, connect=CONNECT_TIMEOUT)
         self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
 
@@ -54,28 +58,49 @@ class HealthChecker:
             response = await self.client.get(
                 endpoint.url + "/load", params={"events_since": endpoint.events_cursor},
                 headers=self.headers, timeout=self.timeout)
-            body = response.json() if response.status_code == 200 else None
-            error = None if body is not None else f"/load answered {response.status_code}"
+            report = decode_load_report(response.content) if response.status_code == 200 else None
+            error = None if report is not None else f"/load answered {response.status_code}"
         except httpx.ConnectTimeout:
-            body, error = None, "connect timeout"
+            report, error = None, "connect timeout"
         except httpx.TimeoutException:
             self._slow(endpoint)
             return
         except (httpx.HTTPError, ValueError) as exc:
-            body, error = None, f"{type(exc).__name__}: {exc}"
-        if body is None:
+            report, error = None, f"{type(exc).__name__}: {exc}"
+        if report is None:
             self._down(endpoint, error)
             return
         if endpoint.num_slow_checks:
             log.info("endpoint %s answers /load again after %d slow polls", endpoint.url,
                      endpoint.num_slow_checks)
         endpoint.num_slow_checks = 0
-        endpoint.apply_report(body, own)
+        if self._refuse(endpoint, report):
+            return
+        endpoint.apply_report(report, own)
         if not endpoint.healthy and time.monotonic() >= endpoint.ejected_until:
             log.info("endpoint %s (%s) is healthy", endpoint.url, endpoint.role)
             endpoint.healthy, endpoint.last_error = True, None
         if self.model.name is None:
             await self._learn_model(endpoint)
+
+    def _refuse(self, endpoint: Endpoint, report: LoadReport) -> bool:
+        """Whether the worker answers but breaks the contract with this router: its KV blocks
+        hold another number of tokens than the router hashes per block, so no prefix would
+        ever match (cache-aware routing silently off). Such an endpoint is kept out until a
+        report agrees again (a restarted worker), with the reason in /load and the log."""
+        if report.block_size == self.block_size:
+            if endpoint.refusal is not None:
+                log.info("endpoint %s: block size now %d, as the router's; admitting it",
+                         endpoint.url, report.block_size)
+                endpoint.refusal = None
+            return False
+        refusal = (f"refused: its KV block size is {report.block_size} tokens, the router's is "
+                   f"{self.block_size} (--block-size must be the same on router and workers)")
+        if endpoint.refusal != refusal:
+            log.error("endpoint %s %s", endpoint.url, refusal)
+        endpoint.refusal = refusal
+        self._down(endpoint, refusal)
+        return True
 
     def _slow(self, endpoint: Endpoint) -> None:
         """A stale load report, not a dead worker: keep the endpoint as it is, poll less often."""

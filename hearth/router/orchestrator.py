@@ -26,6 +26,7 @@ from typing import AsyncIterator
 
 import httpx
 
+from hearth.config import Role
 from hearth.engine.block_hash import hash_blocks
 from hearth.router.endpoints import EndpointPool, SessionTable, Ticket
 from hearth.router.health import ModelInfo
@@ -315,7 +316,7 @@ class Orchestrator:
                 # The same KV descriptor on another decode endpoint: the output continues
                 # after the first token exactly as it would have (sampled or not).
                 decision = self._choose(job)
-                if self.pool[decision.decode].role == "decode":
+                if self.pool[decision.decode].role is Role.DECODE:
                     return decision.decode, decode_body(job.raw, prefill.kv_transfer)
             if job.stream and stitcher.has_output() and not job.deterministic:
                 return None  # a sampled re-run would not reproduce what the client already has

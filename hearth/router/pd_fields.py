@@ -1,7 +1,8 @@
 """The router's side of the `kv_transfer` hops: request bodies and the prefill hop's result.
 
-Mirrors hearth/disagg/http_fields.py (PrefillHop, DecodeHop, PrefillResult) on plain dicts, so
-the router does not import the engine's torch-side modules; docs/pd_protocol.md has the exchange.
+The field itself is the workers' own types (hearth/disagg/http_fields.py: PrefillHop,
+PrefillResult, DecodeHop, all torch-free), so router and worker cannot drift apart;
+docs/pd_protocol.md has the exchange.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+import msgspec
+
+from hearth.disagg.http_fields import DecodeHop, PrefillHop, decode_hop, parse_prefill_result
 from hearth.router.hops import HopError
 from hearth.router.stitch import FirstToken
 
@@ -18,7 +22,7 @@ class PrefillDone:
     endpoint: str
     body: dict  # the prefill hop's response
     first: FirstToken
-    kv_transfer: dict | None  # the decode hop's field; None when the first token ended the output
+    kv_transfer: DecodeHop | None  # the decode hop's field; None: the first token ended it
 
     @classmethod
     def from_response(cls, endpoint: str, body: dict, chat: bool) -> "PrefillDone":
@@ -27,7 +31,7 @@ class PrefillDone:
             first = FirstToken.from_response(body, chat)
             finish = body["choices"][0].get("finish_reason")
             ended = finish not in (None, "length") or "kv_transfer" not in body
-            kv = None if ended else decode_request_field(body["kv_transfer"])
+            kv = None if ended else decode_hop(parse_prefill_result(body["kv_transfer"]))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise HopError(endpoint, f"malformed prefill response: {exc}", eject=False) from None
         return cls(endpoint, body, first, kv)
@@ -42,31 +46,21 @@ class PrefillDone:
         return self.kv_transfer is None
 
 
-def decode_request_field(prefill_result: dict) -> dict:
-    """The decode hop's `kv_transfer` (DecodeHop) from the prefill hop's (PrefillResult)."""
-    field = {"role": "decode", "prompt_token_ids": list(prefill_result["prompt_token_ids"]),
-             "first_token_id": int(prefill_result["first_token_id"]),
-             "descriptor": prefill_result["descriptor"]}
-    if not isinstance(field["descriptor"], dict) or not field["prompt_token_ids"]:
-        raise ValueError("kv_transfer: the prefill result has no descriptor or prompt")
-    return field
-
-
 def prefill_body(raw: dict) -> dict:
     """The client's body as a prefill hop: one token, not streamed, a fresh lease key."""
     body = {k: v for k, v in raw.items() if k not in ("max_completion_tokens", "stream_options")}
     body.update(stream=False, max_tokens=1, n=1,
-                kv_transfer={"role": "prefill", "transfer_id": uuid.uuid4().hex})
+                kv_transfer=msgspec.to_builtins(PrefillHop(transfer_id=uuid.uuid4().hex)))
     return body
 
 
-def decode_body(raw: dict, kv_transfer: dict | None) -> dict:
+def decode_body(raw: dict, kv_transfer: DecodeHop | None) -> dict:
     """The client's body as a decode hop (or a plain run when `kv_transfer` is None): always
     streamed with usage, which the stitcher needs, whatever the client asked."""
     body = dict(raw)
     body.update(stream=True, stream_options={"include_usage": True})
     if kv_transfer is not None:
-        body["kv_transfer"] = kv_transfer
+        body["kv_transfer"] = msgspec.to_builtins(kv_transfer)
     return body
 
 

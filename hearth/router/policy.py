@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Container, Sequence
 
-ROLES = ("prefill", "decode", "both")
+from hearth.config import Role
+
 POLICIES = ("cost", "round_robin")
 
 
@@ -66,7 +67,7 @@ class RequestView:
 @dataclass(frozen=True)
 class EndpointView:
     name: str  # the endpoint's URL
-    role: str  # "prefill" | "decode" | "both"
+    role: Role
     healthy: bool
     prefill_tokens: int = 0  # estimated uncached prompt tokens in flight
     decode_tokens: int = 0  # estimated context tokens of running decodes
@@ -149,9 +150,9 @@ def _options(request: RequestView, healthy: list[EndpointView], config: PolicyCo
     best_prefill = min(prefill.items(), key=lambda item: item[1][1], default=None)
     options = []
     for e in healthy:
-        if e.role == "both":
+        if e.role == Role.BOTH:
             options.append(_monolithic(request, e, config))
-        elif e.role == "decode":
+        elif e.role == Role.DECODE:
             options.append(_decode_option(request, e, best_prefill, config))
     return options
 
@@ -161,7 +162,7 @@ def _prefill_costs(request: RequestView, healthy: list[EndpointView],
     """name -> (cached tokens, cost) of each healthy prefill endpoint, in endpoint order."""
     costs = {}
     for e in healthy:
-        if e.role == "prefill":
+        if e.role == Role.PREFILL:
             cached, prompt_cost = _prompt_cost(request, e, config)
             costs[e.name] = (cached, config.prefill_weight * e.prefill_tokens + prompt_cost)
     return costs
@@ -218,13 +219,13 @@ def _affinity_option(request: RequestView, healthy: list[EndpointView], best: De
 
 def _round_robin(request: RequestView, healthy: list[EndpointView], config: PolicyConfig) -> Decision:
     """The cache-blind baseline: the request's arrival number picks each endpoint in turn."""
-    decoders = [e for e in healthy if e.role in ("decode", "both")]
+    decoders = [e for e in healthy if e.role in (Role.DECODE, Role.BOTH)]
     if not decoders:
         raise NoEndpointError("no healthy decode or monolithic endpoint")
     d = decoders[request.sequence % len(decoders)]
-    prefill = [e for e in healthy if e.role == "prefill"]
+    prefill = [e for e in healthy if e.role == Role.PREFILL]
     p = None
-    if d.role == "decode" and prefill and request.can_disaggregate:
+    if d.role == Role.DECODE and prefill and request.can_disaggregate:
         p = prefill[request.sequence % len(prefill)]
     cached_d = num_cached_tokens(request, d.cached_hashes, config.block_size)
     cached_p = num_cached_tokens(request, p.cached_hashes, config.block_size) if p else cached_d

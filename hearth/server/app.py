@@ -23,6 +23,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -32,6 +33,7 @@ from hearth.server.edge import CpuPool, api_key_matches, longest_token_chars, re
 from hearth.server.engine_client import EngineClient, EngineDeadError
 from hearth.server.errors import install_error_handlers
 from hearth.server.front_doors import front_door_routes
+from hearth.server.load_report import BlockEvents, LoadReport, TierEvents, encode_load_report
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
 from hearth.server.protocol import (
     APIError,
@@ -244,24 +246,22 @@ def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
 
     @router.get("/load")
     async def load(check_pool: bool = False,
-                   events_since: int | None = Query(default=None, ge=0, le=2**63 - 1)) -> dict:
+                   events_since: int | None = Query(default=None, ge=0, le=2**63 - 1)) -> Response:
         state = worker.ready_state()
-        report = await state.engine.load(check_pool=check_pool, events_since=events_since)
-        state.metrics.set_engine_stats(report.stats)
-        body = {f: getattr(report.stats, f) for f in report.stats.__struct_fields__}
-        body["num_requests_inflight"] = state.engine.num_requests
+        reply = await state.engine.load(check_pool=check_pool, events_since=events_since)
+        state.metrics.set_engine_stats(reply.stats)
+        report = LoadReport(**msgspec.structs.asdict(reply.stats), role=state.role,
+                            block_size=worker.engine.info.block_size,
+                            num_requests_inflight=state.engine.num_requests)
         if check_pool:
-            body["kv_pool_is_whole"] = report.kv_pool_is_whole
+            report.kv_pool_is_whole = reply.kv_pool_is_whole
         if events_since is not None:  # the router's view of this worker's prefix cache
-            body["block_events"] = {"cursor": report.events_cursor,
-                                    "stored": report.stored_hashes,
-                                    "evicted": report.evicted_hashes}
-            if report.tier_hashes:  # KV tiers below the pool (docs/kv_tiers.md)
-                body["block_events"]["tiers"] = {
-                    tier: {"stored": stored, "evicted": evicted}
-                    for tier, (stored, evicted) in report.tier_hashes.items()}
-        body["role"] = state.role
-        return body
+            report.block_events = BlockEvents(reply.events_cursor, reply.stored_hashes,
+                                              reply.evicted_hashes)
+            if reply.tier_hashes:  # KV tiers below the pool (docs/kv_tiers.md)
+                report.block_events.tiers = {tier: TierEvents(stored, evicted) for tier, (
+                    stored, evicted) in reply.tier_hashes.items()}
+        return Response(encode_load_report(report), media_type="application/json")
 
     return router
 

@@ -31,17 +31,18 @@ from hearth.engine.core_messages import (
     AddResult,
     EngineFailed,
     EngineReady,
-    EngineStatsView,
     FrameCodec,
     FromCore,
-    LoadReport,
+    LoadReply,
     QueryLoad,
     Shutdown,
     StartEngine,
     StepOutputs,
 )
+from hearth.engine.rejection import Rejection
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
+from hearth.engine.stats import EngineStats
 from hearth.server import core_main
 
 log = logging.getLogger("hearth.server.engine")
@@ -52,7 +53,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineRejectedError(ValueError):
-    """The engine refused a request (its ValueError text)."""
+    """The engine refused a request; `rejection` says why and which field (a 400)."""
+
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(rejection.message)
+        self.rejection = rejection
 
 
 @dataclass
@@ -68,7 +73,7 @@ class EngineClient:
         self.log_level = log_level
         self.on_dead = on_dead  # called once, with the reason, when the core process is lost
         self.info: EngineReady | None = None
-        self.stats = EngineStatsView()
+        self.stats = EngineStats()
         self.failure: str | None = None
         self._codec = FrameCodec(FromCore)
         self._process: subprocess.Popen | None = None
@@ -172,7 +177,7 @@ class EngineClient:
         """Stop routing outputs to a request whose consumer has gone (after abort)."""
         self._requests.pop(request_id, None)
 
-    async def load(self, check_pool: bool = False, events_since: int | None = None) -> LoadReport:
+    async def load(self, check_pool: bool = False, events_since: int | None = None) -> LoadReply:
         if not self.is_ready:
             raise EngineDeadError(self.failure or "engine is not ready")
         query_id = next(self._query_ids)
@@ -222,7 +227,7 @@ class EngineClient:
                         self._requests.pop(output.request_id, None)
         elif isinstance(message, AddResult):
             self._on_add_result(message)
-        elif isinstance(message, LoadReport):
+        elif isinstance(message, LoadReply):
             self.stats = message.stats
             future = self._queries.pop(message.query_id, None)
             if future is not None and not future.done():
@@ -238,11 +243,11 @@ class EngineClient:
         pending = self._requests.get(message.request_id)
         if pending is None or pending.accepted.done():
             return
-        if message.error is None:
+        if message.rejection is None:
             pending.accepted.set_result(None)
         else:
             self._requests.pop(message.request_id, None)
-            pending.accepted.set_exception(EngineRejectedError(message.error))
+            pending.accepted.set_exception(EngineRejectedError(message.rejection))
 
     def _mark_dead(self, reason: str) -> None:
         first = self.failure is None

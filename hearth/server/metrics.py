@@ -34,14 +34,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hearth.engine.core_messages import EngineStatsView
+from hearth.engine.stats import EngineStats
 
 PREFIX = "hearth:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-# KV-tier counters of EngineStatsView.kv_tiers -> (metric name, help)
+# KV-tier counters of EngineStats.kv_tiers -> (metric name, help)
 TIER_COUNTERS = {
     "hits": ("hit_blocks", "Blocks loaded back from this tier."),
     "bytes_read": ("read_bytes", "Bytes loaded back from this tier."),
@@ -136,7 +136,7 @@ class ServerMetrics:
     def observe_rejected(self, reason: str) -> None:
         self._m(self.rejected, reason=reason).inc()
 
-    def set_engine_stats(self, stats: EngineStatsView) -> None:
+    def set_engine_stats(self, stats: EngineStats) -> None:
         self._m(self.running).set(stats.num_running)
         self._m(self.waiting).set(stats.num_waiting)
         self._m(self.kv_usage).set(stats.kv_usage)

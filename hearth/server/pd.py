@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_result, parse_kv_transfer,
                                        prefill_result, to_engine)
+from hearth.config import Role
 from hearth.engine.connector import KVTransfer
 from hearth.server.protocol import bad_request
 from hearth.server.serving import ChoiceProgress
@@ -36,20 +37,19 @@ class Hop:
         return isinstance(self.hop, DecodeHop)
 
 
-def parse_hop(role: str, raw: object | None, n: int) -> Hop | None:
+def parse_hop(role: Role, raw: object | None, n: int) -> Hop | None:
     """None for an ordinary request; a 400 (param kv_transfer) for anything malformed."""
     if raw is None:
         return None
-    if role == "both":
+    if role is Role.BOTH:
         raise bad_request("kv_transfer needs a worker started with --role prefill or decode",
                           param="kv_transfer")
     try:
         hop = parse_kv_transfer(raw)
     except ValueError as exc:
         raise bad_request(str(exc), param="kv_transfer") from None
-    if hop.__class__ is PrefillHop and role != "prefill" or \
-            hop.__class__ is DecodeHop and role != "decode":
-        raise bad_request(f"kv_transfer: this worker's role is {role!r}", param="kv_transfer")
+    if (Role.PREFILL if hop.__class__ is PrefillHop else Role.DECODE) is not role:
+        raise bad_request(f"kv_transfer: this worker's role is '{role}'", param="kv_transfer")
     if n != 1:
         raise bad_request("kv_transfer: a disaggregated request has n=1", param="n")
     return Hop(hop, to_engine(hop))

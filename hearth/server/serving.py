@@ -16,6 +16,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from hearth.config import Role
+from hearth.engine.connector import KVDescriptor
+from hearth.engine.rejection import RequestRejected
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 from hearth.server.edge import CpuPool
@@ -41,7 +44,7 @@ class ServerState:
     token_texts: TokenTexts
     cpu: CpuPool  # rendering and tokenizing run here, off the event loop
     max_token_chars: int  # the longest token's text (bounds the characters of a fitting prompt)
-    role: str = "both"  # both | prefill | decode (kv_transfer hops, see hearth/server/pd.py)
+    role: Role = Role.BOTH  # which kv_transfer hops it serves (see hearth/server/pd.py)
 
 
 def new_id(prefix: str) -> str:
@@ -137,9 +140,8 @@ def sampling_params(state: ServerState, request: Any, num_prompt_tokens: int, ma
             skip_special_tokens=request.skip_special_tokens,
             guided=guided,
         )
-    except ValueError as exc:
-        field_name = str(exc).split(":", 1)[0]
-        raise bad_request(str(exc), param=field_name) from None
+    except RequestRejected as exc:
+        raise bad_request(str(exc), param=exc.param, code=exc.code) from None
 
 
 @dataclass
@@ -156,7 +158,7 @@ class ChoiceProgress:
     error: str | None = None
     first_token_id: int | None = None
     first_logprob: float | None = None
-    kv_descriptor: dict | None = None  # prefill hop: the exported lease
+    kv_descriptor: KVDescriptor | None = None  # prefill hop: the exported lease
     transferred: tuple[int, int, int] = (0, 0, 0)  # decode hop: (tokens, blocks, bytes)
     stop_string: str | None = None  # the stop string that ended the output, if one did
 
@@ -307,17 +309,11 @@ class ClientGone(Exception):
 
 def _as_api_error(exc: BaseException) -> BaseException:
     if isinstance(exc, EngineRejectedError):
-        message = str(exc)
-        return bad_request(message, param=message.split(":", 1)[0] or None, code=_rejection_code(message))
+        r = exc.rejection
+        return bad_request(r.message, param=r.param, code=r.code)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable", code="engine_unavailable")
     return exc
-
-
-def _rejection_code(message: str) -> str | None:
-    if "context length" in message or "do not fit" in message:
-        return "context_length_exceeded"
-    return None
 
 
 def raise_if_failed(choice: ChoiceProgress) -> None:

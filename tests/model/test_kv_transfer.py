@@ -13,6 +13,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hearth.config import KVTransferConfig
@@ -127,7 +128,7 @@ def test_pd_greedy_matches_reference_and_decode_computes_no_prompt(fresh):
         len(ids) for ids in prompts.values())
     assert after.num_transferred_blocks - before.num_transferred_blocks == num_blocks
     assert (after.num_transferred_bytes - before.num_transferred_bytes
-            == num_blocks * firsts["p0"].kv_descriptor["bytes_per_block"])
+            == num_blocks * firsts["p0"].kv_descriptor.bytes_per_block)
     # every decode acknowledged: the prefill side's leases are gone and its pool is whole
     assert prefill.stats().num_leases_active == 0
     assert prefill.kv_pool_is_whole() and decode.kv_pool_is_whole()
@@ -200,7 +201,7 @@ def test_explicit_reject_and_abort_before_pull_release_the_lease(fresh):
     assert prefill.stats().num_leases_active == 2
     descriptor = firsts["a"].kv_descriptor
     client = TransferClient(SECRET)
-    with client.connect(descriptor["host"], descriptor["port"], "x-a") as sock:
+    with client.connect(descriptor.host, descriptor.port, "x-a") as sock:
         client.finish(sock, "x-a", ack=False)
     assert prefill.stats().num_leases_active == 1
     # a decode request aborted before its transfer starts rejects the lease in the background
@@ -225,9 +226,9 @@ def test_dead_prefill_peer_falls_back_to_recompute(fresh, peer):
             port = probe.getsockname()[1]
         listener = thread = None
     else:
-        listener, thread = serve_half_then_die(firsts["d"].kv_descriptor["bytes_per_block"])
+        listener, thread = serve_half_then_die(firsts["d"].kv_descriptor.bytes_per_block)
         port = listener.getsockname()[1]
-    firsts["d"].kv_descriptor = dict(firsts["d"].kv_descriptor, port=port)
+    firsts["d"].kv_descriptor = msgspec.structs.replace(firsts["d"].kv_descriptor, port=port)
     before = decode.stats()
     (tokens, _), = decode_all(decode, prompts, firsts, 6).values()
     if thread is not None:
@@ -269,9 +270,9 @@ def test_untrusted_peer_is_never_contacted_and_decode_recomputes(fresh):
     connector = decode.pd.connector
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
-    good, connector.peers = connector.peers, PeerAllowlist.parse((f"127.0.0.1:{real['port']}",))
+    good, connector.peers = connector.peers, PeerAllowlist.parse((f"127.0.0.1:{real.port}",))
     try:
-        firsts["u"].kv_descriptor = dict(real, port=listener.getsockname()[1])
+        firsts["u"].kv_descriptor = msgspec.structs.replace(real, port=listener.getsockname()[1])
         before = decode.stats()
         (tokens, final), = decode_all(decode, prompts, firsts, 5).values()
         assert tokens == case["output_ids"][:5] and final.num_transferred_blocks == 0
@@ -335,12 +336,12 @@ def test_bad_specs_are_refused_at_add_request(fresh):
     with pytest.raises(ValueError, match="num_tokens"):
         decode.add_request("q", ids + [5], greedy(4), spec)
     with pytest.raises(ValueError, match="KV layout"):
-        decode.add_request("q", ids, greedy(4), replace(spec, descriptor=dict(d, head_dim=32)))
+        decode.add_request("q", ids, greedy(4), replace(spec, descriptor=msgspec.structs.replace(d, head_dim=32)))
     with pytest.raises(ValueError, match="already leased"):
         prefill.add_request("q2", ids, greedy(1), KVTransfer("prefill", transfer_id="x-q"))
     assert decode.kv_pool_is_whole()
     client = TransferClient(SECRET)
-    with client.connect(d["host"], d["port"], "x-q") as sock:
+    with client.connect(d.host, d.port, "x-q") as sock:
         client.finish(sock, "x-q", ack=False)
     assert prefill.kv_pool_is_whole()
 

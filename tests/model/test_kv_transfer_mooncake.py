@@ -95,7 +95,7 @@ def test_pd_greedy_over_mooncake():
     try:
         prompts = {f"m{i}": c["prompt_ids"] for i, c in enumerate(CASES[:2])}
         firsts = prefill_all(prefill, prompts)
-        assert firsts["m0"].kv_descriptor["mooncake_session"]
+        assert firsts["m0"].kv_descriptor.mooncake_session
         results = decode_all(decode, prompts, firsts, 8)
         for (rid, ids), case in zip(prompts.items(), CASES):
             tokens, final = results[rid]

@@ -18,13 +18,14 @@ from hearth.engine.core_messages import (
     AddResult,
     BlockingChannel,
     FromCore,
-    LoadReport,
+    LoadReply,
     QueryLoad,
     Shutdown,
     StepOutputs,
     ToCore,
 )
 from hearth.engine.core_process import EngineCore
+from hearth.engine.rejection import Rejection, RequestRejected
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 
@@ -44,7 +45,7 @@ class ScriptedEngine:
 
     def add_request(self, request_id, prompt_token_ids, params):
         if not prompt_token_ids:
-            raise ValueError("prompt: must contain at least one token")
+            raise RequestRejected("prompt", "prompt: must contain at least one token")
         if request_id == "boom":
             self.explode_once = True
         self.requests[request_id] = 0
@@ -71,9 +72,9 @@ class ScriptedEngine:
         return outputs
 
     def stats(self):
-        from hearth.engine.engine import EngineStats
+        from hearth.engine.stats import EngineStats
 
-        return EngineStats(len(self.requests), 0, 10, 10, 0, 0, 0, 0, 0, 0, 0.0)
+        return EngineStats(num_running=len(self.requests), num_free_blocks=10, num_total_blocks=10)
 
     def kv_pool_is_whole(self):
         return not self.requests
@@ -120,20 +121,21 @@ def test_rejected_request_is_an_add_result_with_the_error(core_pair):
     _, server = core_pair
     server.send(AddRequest("bad", [], SamplingParams()))
     result = server.recv()
-    assert isinstance(result, AddResult) and result.error == "prompt: must contain at least one token"
+    assert isinstance(result, AddResult)
+    assert result.rejection == Rejection("prompt: must contain at least one token", param="prompt")
     server.send(QueryLoad(1, check_pool=True))
     report = server.recv()
-    assert isinstance(report, LoadReport) and report.kv_pool_is_whole is True
+    assert isinstance(report, LoadReply) and report.kv_pool_is_whole is True
 
 
 def test_step_exception_fails_requests_in_flight_and_the_loop_survives(core_pair):
     _, server = core_pair
     server.send(AddRequest("boom", [1], SamplingParams()))
-    assert server.recv().error is None
+    assert server.recv().rejection is None
     failed = receive_until_finished(server, {"boom"})["boom"][-1]
     assert failed.finish_reason == "error" and "kernel fault" in failed.error
     server.send(AddRequest("after", [1], SamplingParams()))  # the loop still serves
-    assert server.recv().error is None
+    assert server.recv().rejection is None
     assert receive_until_finished(server, {"after"})["after"][-1].finish_reason == "length"
 
 
@@ -141,7 +143,7 @@ def test_abort_reports_abort(core_pair):
     engine, server = core_pair
     engine.length = 10**9
     server.send(AddRequest("long", [1], SamplingParams()))
-    assert server.recv().error is None
+    assert server.recv().rejection is None
     server.send(AbortRequests(["long", "unknown-id"]))
     assert receive_until_finished(server, {"long"})["long"][-1].finish_reason == "abort"
 

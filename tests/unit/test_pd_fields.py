@@ -8,6 +8,7 @@ from hearth.disagg.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, check_ag
                                       descriptor_from_json, descriptor_to_json, tokens_hash)
 from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_request_field,
                                        decode_result, parse_kv_transfer, prefill_result, to_engine)
+from hearth.config import Role
 from hearth.engine.block_hash import hash_blocks
 from hearth.engine.connector import KVCacheGeometry, KVTransfer
 
@@ -36,9 +37,9 @@ def test_router_round_trip_from_prefill_response_to_engine_spec():
     hop = parse_kv_transfer(decode_field)
     assert isinstance(hop, DecodeHop) and hop.prompt_token_ids == PROMPT
     spec = to_engine(hop)
-    assert spec == KVTransfer("decode", "x1", make_descriptor(), 504)
-    d = descriptor_from_json(spec.descriptor)
-    check_against(d, GEOMETRY, PROMPT)
+    assert spec == KVTransfer("decode", "x1", descriptor_from_json(make_descriptor()), 504)
+    assert isinstance(spec.descriptor, KVDescriptor) and spec.role is Role.DECODE
+    check_against(spec.descriptor, GEOMETRY, PROMPT)
     assert decode_result(5, 1, 100) == {"num_transferred_tokens": 5, "num_transferred_blocks": 1,
                                         "num_transferred_bytes": 100}
 
@@ -54,10 +55,16 @@ def test_prefill_hop_parses():
     ({"role": "prefill", "transfer_id": ""}, "non-empty"),
     ({"role": "prefill", "transfer_id": "x" * 65}, "at most 64 bytes"),
     ({"role": "prefill", "transfer_id": "a", "extra": 1}, "extra"),
-    ({"role": "decode", "prompt_token_ids": [], "first_token_id": 1, "descriptor": {}}, "empty"),
-    ({"role": "decode", "prompt_token_ids": [1], "first_token_id": "1", "descriptor": {}}, "int"),
+    ({"role": "decode", "prompt_token_ids": [], "first_token_id": 1,
+      "descriptor": make_descriptor()}, "empty"),
+    ({"role": "decode", "prompt_token_ids": [1], "first_token_id": "1",
+      "descriptor": make_descriptor()}, "int"),
     ({"role": "decode", "prompt_token_ids": [1], "first_token_id": 1,
-      "descriptor": {"transfer_id": "a"}, "transfer_id": "b"}, "differs"),
+      "descriptor": make_descriptor(transfer_id="a"), "transfer_id": "b"}, "differs"),
+    ({"role": "decode", "prompt_token_ids": [1], "first_token_id": 1, "descriptor": {}},
+     "descriptor"),
+    ({"role": "decode", "prompt_token_ids": [1], "first_token_id": 1,
+      "descriptor": make_descriptor(port=0)}, "port"),
 ])
 def test_malformed_fields_are_refused(field, message):
     with pytest.raises(ValueError, match=message):
@@ -85,3 +92,50 @@ def test_descriptor_must_match_prompt_and_geometry():
         check_against(d, GEOMETRY, PROMPT + [7])
     with pytest.raises(ValueError, match="KV layout"):
         check_against(d, KVCacheGeometry(2, 64, 16, 3, 8, "bfloat16"), PROMPT)
+
+
+def test_descriptor_stays_one_type_from_export_to_the_decode_engine():
+    """The path a descriptor takes, each hop with its real codec: engine core -> server
+    (msgpack RequestOutput), prefill response (JSON), router (PrefillResult -> DecodeHop),
+    decode request (JSON), decode server -> engine core (msgpack AddRequest)."""
+    import msgspec
+
+    from hearth.engine.core_messages import AddRequest, FrameCodec, FromCore, StepOutputs, ToCore
+    from hearth.engine.request import RequestOutput
+    from hearth.engine.sampling_params import SamplingParams
+    from hearth.engine.stats import EngineStats
+    from hearth.router.pd_fields import PrefillDone, decode_body
+
+    exported = descriptor_from_json(make_descriptor())
+    up = FrameCodec(FromCore)
+    frame = up.encode(StepOutputs([RequestOutput("r", [504], "x", True, kv_descriptor=exported)],
+                                  EngineStats()))
+    output = up.decode_body(frame[4:]).outputs[0]
+    assert isinstance(output.kv_descriptor, KVDescriptor) and output.kv_descriptor == exported
+
+    response = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 37, "completion_tokens": 1},
+                "kv_transfer": prefill_result("x1", PROMPT, 504, None, 0, output.kv_descriptor)}
+    done = PrefillDone.from_response("http://p", json.loads(json.dumps(response)), chat=False)
+    assert isinstance(done.kv_transfer, DecodeHop) and done.kv_transfer.descriptor == exported
+    body = json.loads(json.dumps(decode_body({"prompt": "hi"}, done.kv_transfer)))
+
+    spec = to_engine(parse_kv_transfer(body["kv_transfer"]))
+    down = FrameCodec(ToCore)
+    add = down.decode_body(down.encode(AddRequest("r", PROMPT, SamplingParams(max_tokens=4),
+                                                  spec))[4:])
+    assert add.kv_transfer == spec and add.kv_transfer.descriptor == exported
+    assert add.kv_transfer.role is Role.DECODE and add.kv_transfer.first_token_id == 504
+    assert msgspec.to_builtins(add.kv_transfer.descriptor) == make_descriptor()
+
+
+def test_a_prefill_response_with_a_malformed_descriptor_is_the_workers_bug():
+    from hearth.router.hops import HopError
+    from hearth.router.pd_fields import PrefillDone
+
+    field = prefill_result("x1", PROMPT, 504, None, 0, descriptor_from_json(make_descriptor()))
+    response = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 37, "completion_tokens": 1},
+                "kv_transfer": {**field, "descriptor": {"transfer_id": "x1"}}}
+    with pytest.raises(HopError, match="malformed prefill response.*descriptor"):
+        PrefillDone.from_response("http://p", response, chat=False)

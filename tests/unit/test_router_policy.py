@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hearth.engine.block_hash import hash_blocks
 from hearth.router.endpoints import CacheView, EndpointPool, SessionTable, Ticket
+from hearth.server.load_report import LoadReport, decode_load_report
 from hearth.router.policy import (Decision, EndpointView, NoEndpointError, PolicyConfig, RequestView,
                                   choose, choose_prefill, num_cached_tokens)
 
@@ -202,17 +205,23 @@ def test_ticket_closed_before_the_first_token_and_after_a_prefill_retry():
     assert all((e.own_prefill_tokens, e.own_requests) == (0, 0) for e in pool)
 
 
+def load_report(**fields) -> LoadReport:
+    """A decode worker's /load body as the router decodes it (JSON -> LoadReport)."""
+    return decode_load_report(json.dumps({"role": "decode", "block_size": BLOCK, **fields}).encode())
+
+
 def test_load_estimate_adds_only_load_beyond_the_routers_own():
     pool = EndpointPool([], ["http://d"], [])
     d = pool["http://d"]
     d.own_decode_tokens = 1000
-    d.apply_report({"num_decode_tokens_active": 1500, "num_prefill_tokens_inflight": 0,
-                    "num_total_blocks": 10,
-                    "block_events": {"cursor": 7, "stored": [1, 2], "evicted": []}}, (1000, 1000))
+    d.apply_report(load_report(num_decode_tokens_active=1500, num_prefill_tokens_inflight=0,
+                               num_total_blocks=10,
+                               block_events={"cursor": 7, "stored": [1, 2], "evicted": []}),
+                   (1000, 1000))
     assert d.decode_tokens == 1500 and d.extra_decode_tokens == 500
     assert 1 in d.cache and d.events_cursor == 7 and d.cache.capacity == 10
     # A cursor that went backwards: the worker restarted, its cache is empty.
-    d.apply_report({"block_events": {"cursor": 2, "stored": [9], "evicted": []}}, (0, 0))
+    d.apply_report(load_report(block_events={"cursor": 2, "stored": [9], "evicted": []}), (0, 0))
     assert 1 not in d.cache and 9 in d.cache
 
 

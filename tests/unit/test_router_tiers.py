@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from hearth.engine.block_hash import hash_blocks
 from hearth.router.endpoints import EndpointPool
+from hearth.server.load_report import LoadReport
 from hearth.router.policy import (EndpointView, PolicyConfig, RequestView, choose,
                                   num_tier_tokens)
 
@@ -50,9 +52,10 @@ def test_a_decode_worker_whose_shared_tier_holds_the_prompt_skips_the_prefill_ho
     assert (d.prefill, d.decode, d.reason) == (None, "d1", "cached")
 
 
-def load_body(cursor: int, tiers: dict) -> dict:
-    return {"num_total_blocks": 64, "block_events": {"cursor": cursor, "stored": [],
-                                                     "evicted": [], "tiers": tiers}}
+def load_body(cursor: int, tiers: dict) -> LoadReport:
+    return msgspec.convert({"role": "both", "block_size": BLOCK, "num_total_blocks": 64,
+                            "block_events": {"cursor": cursor, "stored": [], "evicted": [],
+                                             "tiers": tiers}}, LoadReport)
 
 
 def test_reports_fill_own_and_shared_tier_views():

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from hearth.engine.rejection import RequestRejected
 from hearth.engine.sampler import apply_filters, apply_penalties, make_sampling_batch, sample
 from hearth.engine.sampling_params import SamplingParams
 
@@ -90,8 +91,9 @@ def test_logprobs_are_of_raw_distribution():
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_k", -5),
-                                         ("min_p", 2), ("max_tokens", 0), ("n", 0),
+                                         ("min_p", 2), ("max_tokens", 0),
                                          ("presence_penalty", 3), ("logprobs", 50)])
 def test_invalid_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(RequestRejected, match=field) as info:
         SamplingParams(**{field: value})
+    assert info.value.param == field

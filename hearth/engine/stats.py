@@ -1,0 +1,46 @@
+"""EngineStats: the engine's load and counters, one type from `LLMEngine.stats()` to the router.
+
+The engine builds it; the engine core sends it to the server as is (msgpack, inside
+`StepOutputs`, `LoadReply`, `EngineReady`); the server's `/load` body is it plus a few fields
+(hearth/server/load_report.py). So a field added or renamed here reaches every reader or
+fails to type-check, instead of vanishing on the way. Every field has a default: a server
+holds an all-zero one until the engine's first report.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0  # includes guided requests whose grammar is compiling
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_prefill_tokens_inflight: int = 0  # uncached prompt tokens not yet computed
+    num_decode_tokens_active: int = 0  # context tokens of running decodes
+    num_prompt_tokens: int = 0  # counters since start
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_forced_tokens: int = 0  # of those, appended by jump-forward without a decode step
+    num_preemptions: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    # prefill/decode disaggregation (zero on a `both` worker)
+    num_waiting_for_kv: int = 0  # decode side: requests whose prompt KV is being pulled
+    num_leases_active: int = 0  # prefill side: exported KV held for a decode worker
+    num_computed_prompt_tokens: int = 0  # prompt tokens run through the model (counter)
+    num_transferred_tokens: int = 0  # decode side: prompt tokens received instead (counter)
+    num_transferred_blocks: int = 0
+    num_transferred_bytes: int = 0
+    num_kv_transfer_failures: int = 0  # imports that fell back to local recompute
+    # structured output
+    num_waiting_for_grammar: int = 0  # guided requests whose grammar is compiling (in num_waiting)
+    num_grammars_compiling: int = 0  # compiles queued or running (timed-out ones until they end)
+    # speculative decoding (counters since start; zero with --speculative-method off)
+    num_spec_drafts: int = 0  # request-steps that verified draft tokens
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []  # [i]: drafts accepted at position i
+    # KV tiers below the pool: tier name ("host", "disk", "shared") -> counters, and
+    # "offload" -> the writer queue and loads (docs/kv_tiers.md); empty without tiers
+    kv_tiers: dict[str, dict[str, float]] = {}
