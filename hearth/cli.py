@@ -30,8 +30,10 @@ import time
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
-from hearth.config import (DEFAULT_MODEL, CacheConfig, EngineConfig, KVOffloadConfig,
+from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
+                           GuidedConfig, KVOffloadConfig, SpeculativeConfig,
                            KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+from hearth.logs import setup_logging
 from hearth.router.hops import HopTimeouts
 from hearth.router.policy import POLICIES, PolicyConfig
 from hearth.router.router_config import HealthConfig, RouterConfig, SupervisorConfig, UpConfig
@@ -87,6 +89,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="how long exported KV blocks wait for the decode worker")
     kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
                     "comma-separated host:port or host (default: loopback only)")
+    sp = p.add_argument_group("speculative decoding (docs/speculative.md)")
+    sp.add_argument("--speculative-method", default=SpeculativeConfig.method,
+                    choices=list(SPECULATIVE_METHODS),
+                    help="draft tokens from the request's own context (ngram: prompt lookup; "
+                         "suffix: plus recent outputs of other requests), verified in the same "
+                         "step; output is unchanged")
+    sp.add_argument("--num-speculative-tokens", type=int,
+                    default=SpeculativeConfig.num_speculative_tokens,
+                    help="the most draft tokens per request per step")
+    sp.add_argument("--speculative-max-batch", type=int, default=SpeculativeConfig.max_batch,
+                    help="no drafts while more requests than this decode at once")
+    sp.add_argument("--speculative-draft-model", default=None, metavar="MODEL",
+                    help="with --speculative-method draft: a small model of the same "
+                         "vocabulary that drafts greedily (GGUF path, HF folder or built-in name)")
+    sp.add_argument("--speculative-draft-num-blocks", type=int,
+                    default=SpeculativeConfig.draft_num_blocks,
+                    help="the draft model's own KV pool, in blocks")
+    p.add_argument_group("structured output").add_argument(
+        "--no-jump-forward", action="store_true",
+        help="decode the tokens a grammar forces (tool-call wrappers, keys) one step each "
+             "instead of appending them at once; the output is the same")
     t = p.add_argument_group("KV tiers below the pool (docs/kv_tiers.md)")
     t.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="write KV blocks evicted from the pool here and load them back on a "
@@ -123,6 +146,11 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                      port=a.kv_port, advertise_host=a.kv_advertise_host,
                                      secret=a.kv_secret or "", lease_seconds=a.kv_lease_seconds,
                                      peers=tuple(p for p in a.kv_peers.split(",") if p.strip())),
+        speculative=SpeculativeConfig(method=a.speculative_method,
+                                      num_speculative_tokens=a.num_speculative_tokens,
+                                      max_batch=a.speculative_max_batch,
+                                      draft_model=a.speculative_draft_model,
+                                      draft_num_blocks=a.speculative_draft_num_blocks),
         kv_offload=KVOffloadConfig(directory=a.kv_offload_dir, max_gb=a.kv_offload_gb,
                                    shared=a.kv_offload_shared, host_gb=a.kv_offload_host_gb,
                                    load_timeout_seconds=a.kv_offload_load_timeout),
@@ -197,6 +225,11 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--kv-offload-shared": e.kv_offload.shared,
         "--kv-offload-host-gb": e.kv_offload.host_gb,
         "--kv-offload-load-timeout": e.kv_offload.load_timeout_seconds,
+        "--speculative-method": e.speculative.method,
+        "--num-speculative-tokens": e.speculative.num_speculative_tokens,
+        "--speculative-max-batch": e.speculative.max_batch,
+        "--speculative-draft-model": e.speculative.draft_model,
+        "--speculative-draft-num-blocks": e.speculative.draft_num_blocks,
         "--tool-call-parser": s.tool_call_parser,
         "--no-guided-auto-tools": not s.guided_auto_tools,
         "--max-body-mb": s.max_body_bytes / 2**20, "--log-level": s.log_level,

@@ -152,7 +152,7 @@ class KVOffloadConfig:
         return self.directory is not None or self.host_gb > 0
 
 
-SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ class SpeculativeConfig:
     ngram_max: int = 5  # ngram: longest suffix tried first
     suffix_global_tokens: int = 1 << 18  # suffix: recent outputs kept across requests
     min_confidence: float = 0.3  # suffix: stop a draft where its empirical probability drops
+    draft_model: str | None = None  # draft: a model of the same vocabulary (path or name)
+    draft_num_blocks: int = 1024  # draft: its own KV pool, in blocks of the engine's size
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -174,6 +176,8 @@ class SpeculativeConfig:
                              f"{', '.join(SPECULATIVE_METHODS)}")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError("num_speculative_tokens: must be in [1, 32]")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative_draft_model: required with speculative_method draft")
         if not 1 <= self.ngram_min <= self.ngram_max <= 32:
             raise ValueError("ngram sizes: need 1 <= ngram_min <= ngram_max <= 32")
 

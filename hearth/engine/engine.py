@@ -227,6 +227,8 @@ class LLMEngine:
                 self.pd.abort(req)
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._aborted.append(req)
+            if self.speculator is not None:
+                self.speculator.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.num_unfinished > 0 or bool(self._aborted)
@@ -455,4 +457,6 @@ class LLMEngine:
             self.tiers.close()  # running loads end; pending writes finish
         if self._grammars is not None:
             self._grammars.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.executor.close()

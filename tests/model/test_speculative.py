@@ -126,3 +126,23 @@ def test_sampled_requests_finish_and_release_everything(checkpoint):
     out, counters = run(checkpoint, "suffix", PROMPTS, params)
     assert all(len(c.token_ids) > 0 and c.finish_reason in ("stop", "length") for c in out)
     assert counters.num_draft_tokens > 0
+
+
+def test_draft_model_path_with_the_model_as_its_own_draft(checkpoint, reference):
+    """The draft-model proposer behind the same interface: the default model drafts for itself
+    (so nearly every draft is accepted) and the output is still the reference."""
+    llm = LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", quantization="none",
+              num_blocks=256, speculative=SpeculativeConfig(
+                  method="draft", draft_model="smollm2-135m-instruct", num_speculative_tokens=4,
+                  draft_num_blocks=128))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=64)
+        out = llm.generate([chat_ids(llm, p) for p in PROMPTS[:2]], params)
+        assert [c.token_ids for c in out] == reference[:2]
+        c = llm.engine.speculator.counters
+        assert c.num_draft_tokens > 0 and c.num_accepted_tokens >= 0.8 * c.num_draft_tokens
+        assert llm.engine.kv_pool_is_whole()
+        proposer = llm.engine.speculator.proposer
+        assert not proposer.shadows and proposer.kv.pool.is_whole()  # draft pool whole too
+    finally:
+        llm.engine.close()

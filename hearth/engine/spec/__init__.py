@@ -40,18 +40,24 @@ class _State:
     steps: int = 0
 
 
-def make_speculator(config: SpeculativeConfig, vocab_size: int) -> Speculator | None:
-    if config.method == "off":
+def make_speculator(engine_config, vocab_size: int) -> Speculator | None:
+    if engine_config.speculative.method == "off":
         return None
-    return Speculator(config, vocab_size)
+    return Speculator(engine_config, vocab_size)
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, vocab_size: int) -> None:
+    def __init__(self, engine_config, vocab_size: int) -> None:
+        config: SpeculativeConfig = engine_config.speculative
         self.config = config
         self.vocab_size = vocab_size
-        self.proposer = (NgramProposer(config) if config.method == "ngram"
-                         else SuffixProposer(config))
+        if config.method == "ngram":
+            self.proposer = NgramProposer(config)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config)
+        else:
+            from hearth.engine.spec.draft_model import DraftModelProposer
+            self.proposer = DraftModelProposer(config, engine_config, vocab_size)
         self.method = self.proposer.name
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self._states: dict[str, _State] = {}
@@ -65,13 +71,17 @@ class Speculator:
                 decoding.append(req)
         if len(decoding) > self.config.max_batch:
             return
+        wants = []
         for req in decoding:
             state = self._states.setdefault(req.request_id, _State())
             state.steps += 1
             k = self._draft_len(req, state)
-            if k <= 0:
-                continue
-            drafts = self.proposer.propose(req, k)[:k]
+            if k > 0:
+                wants.append((req, k))
+        if not wants:
+            return
+        for (req, k), drafts in zip(wants, self.proposer.propose_many(wants)):
+            drafts = drafts[:k]
             if drafts and req.grammar is not None:
                 drafts = _grammar_prefix(req, drafts)
             req.spec_token_ids = drafts
@@ -103,11 +113,22 @@ class Speculator:
         self._states.pop(req.request_id, None)
         self.proposer.finished(req)
 
+    def drop(self, request_id: str) -> None:
+        """Forget an aborted request (nothing of it joins the shared store)."""
+        self._states.pop(request_id, None)
+        self.proposer.drop(request_id)
+
     def forget_missing(self, live_ids) -> None:
         """Drop state of requests that ended without `finished` (aborts, errors)."""
         for request_id in [r for r in self._states if r not in live_ids]:
             self._states.pop(request_id, None)
-            self.proposer.indexes.pop(request_id, None)
+        for request_id in [r for r in self.proposer.indexes if r not in live_ids]:
+            self.proposer.drop(request_id)
+        for request_id in [r for r in getattr(self.proposer, "shadows", {}) if r not in live_ids]:
+            self.proposer.drop(request_id)
+
+    def close(self) -> None:
+        self.proposer.close()
 
 
 def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:

@@ -45,8 +45,17 @@ class NgramProposer:
         best = max(found, key=lambda c: c.match_len)  # most recent among the longest (stable)
         return tokens[best.end + 1 : best.end + 1 + k]
 
+    def propose_many(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        return [self.propose(req, k) for req, k in wants]
+
+    def drop(self, request_id: str) -> None:
+        self.indexes.pop(request_id, None)
+
     def finished(self, req: Request) -> None:
-        self.indexes.pop(req.request_id, None)
+        self.drop(req.request_id)
+
+    def close(self) -> None:
+        pass
 
 
 class SuffixProposer:
@@ -96,8 +105,12 @@ class SuffixProposer:
                       if c.end + depth < len(c.seq) and c.seq[c.end + depth] == token]
         return draft
 
+    propose_many = NgramProposer.propose_many
+    drop = NgramProposer.drop
+    close = NgramProposer.close
+
     def finished(self, req: Request) -> None:
-        self.indexes.pop(req.request_id, None)
+        self.drop(req.request_id)
         if req.num_output_tokens == 0:
             return
         # The output with a little of the prompt before it, so a match can start in the prompt's
