@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -137,6 +138,47 @@ def test_up_refuses_a_stack_without_decoders(flags, error):
     with pytest.raises(ValueError, match=error):
         worker_specs(cli.up_config(a), cli.engine_config(a), cli.up_worker_server_config(a),
                      cli.worker_command, "k", "s")
+
+
+# Every flag each command had before the flags moved into hearth/cli.py (issue 10).
+FLAGS_BEFORE = {
+    "serve": """--api-key --api-key-file --block-size --collective-timeout --cpu-kernels --device
+        --dtype --host --kv-advertise-host --kv-cache-dtype --kv-cache-memory-gb --kv-host
+        --kv-lease-seconds --kv-peers --kv-port --kv-secret --kv-secret-file --kv-transport
+        --log-level --max-body-mb --max-model-len --max-num-batched-tokens --max-num-seqs
+        --max-waiting --model --no-guided-auto-tools --no-prefix-caching --num-kv-blocks
+        --num-micro-batches --pipeline-parallel-size --port --quantization --role --seed
+        --served-model-name --tensor-parallel-size --tool-call-parser -pp -tp""",
+    "up": """--affinity-max-cost-ratio --api-key --api-key-file --block-size --collective-timeout
+        --connect-timeout --cpu-kernels --decode --decode-weight --device --disagg-threshold
+        --dtype --eject-seconds --health-interval --health-timeout --host --kv-advertise-host
+        --kv-cache-dtype --kv-cache-memory-gb --kv-host --kv-lease-seconds --kv-peers --kv-port
+        --kv-secret --kv-secret-file --kv-transport --log-dir --log-level --max-body-mb
+        --max-model-len --max-num-batched-tokens --max-num-seqs --max-restarts --max-retries
+        --max-waiting --min-disagg-tokens --model --no-prefix-caching --num-kv-blocks
+        --num-micro-batches --pin --pipeline-parallel-size --policy --port --prefill
+        --prefill-weight --quantization --request-timeout --restart-backoff --restart-window
+        --role --seed --served-model-name --show-worker-urls --startup-timeout
+        --stream-idle-timeout --tensor-parallel-size --transfer-weight --worker-api-key
+        --worker-api-key-file --worker-arg --workers -pp -tp""",
+    "route": """--affinity-max-cost-ratio --api-key --api-key-file --block-size --connect-timeout
+        --decode --decode-weight --disagg-threshold --eject-seconds --health-interval
+        --health-timeout --host --log-level --max-body-mb --max-retries --min-disagg-tokens
+        --model --policy --port --prefill --prefill-weight --request-timeout --served-model-name
+        --show-worker-urls --stream-idle-timeout --transfer-weight --worker --worker-api-key
+        --worker-api-key-file""",
+}
+
+
+@pytest.mark.parametrize("command", sorted(FLAGS_BEFORE))
+def test_every_flag_a_command_had_is_still_there(command, capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    usage = text.split("\n\n")[0]  # lists every option by its first name
+    aliases = re.findall(r", (-{1,2}[a-z][\w-]*)", text)  # "--tensor-parallel-size N, -tp N"
+    listed = set(re.findall(r"\[(-{1,2}[a-z][\w-]*)", usage)) | set(aliases)
+    assert set(FLAGS_BEFORE[command].split()) - listed == set()
 
 
 # ---- layers -----------------------------------------------------------------------------------
