@@ -496,12 +496,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_args(up)
     add_router_args(up, with_block_size=False)  # --block-size comes with the engine flags
     up.set_defaults(func=cmd_up)
+
+    bench = sub.add_parser("bench", help="engine benchmark: cold start, prefill and decode "
+                                         "tokens/s (beside transformers), printed as a table")
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--prefill-tokens", type=int, default=2048)
+    bench.add_argument("--new-tokens", type=int, default=64, help="output tokens per stream")
+    bench.add_argument("--batches", default="1,8,32", help="stream counts for decode, comma-separated")
+    bench.add_argument("--quick", action="store_true", help="512-token prefill, 16 new tokens")
+    bench.add_argument("--compare", choices=["transformers", "none"], default="transformers")
+    bench.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart")
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from hearth.bench.engine import format_table, plot, run_engine_bench
+
+    rows = run_engine_bench(
+        a.model, a.dtype, prefill_len=512 if a.quick else a.prefill_tokens,
+        new_tokens=16 if a.quick else a.new_tokens,
+        batches=tuple(int(b) for b in a.batches.split(",")),
+        compare_transformers=a.compare == "transformers",
+        log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps([[r.metric, r.hearth, r.transformers] for r in rows],
+                                           indent=1))
+    if a.plot:
+        plot(rows, a.plot, f"hearth vs transformers, {a.model}, {a.dtype}, CPU")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging("info")
     try:
         read_secrets(a)
     except ValueError as exc:
