@@ -154,6 +154,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         kv_offload=KVOffloadConfig(directory=a.kv_offload_dir, max_gb=a.kv_offload_gb,
                                    shared=a.kv_offload_shared, host_gb=a.kv_offload_host_gb,
                                    load_timeout_seconds=a.kv_offload_load_timeout),
+        guided=GuidedConfig(jump_forward=not a.no_jump_forward),
     )
 
 
@@ -217,6 +218,7 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--pipeline-parallel-size": par.pipeline_parallel_size,
         "--num-micro-batches": par.num_micro_batches,
         "--collective-timeout": par.collective_timeout_s, "--device": par.device,
+        "--no-jump-forward": not e.guided.jump_forward,
         "--served-model-name": m.served_model_name,
         "--role": kv.role, "--kv-transport": kv.transport, "--kv-host": kv.host,
         "--kv-port": kv.port, "--kv-advertise-host": kv.advertise_host,
