@@ -43,7 +43,8 @@ def make_llm(checkpoint, method: str = "off", **kw) -> LLM:
                speculative=SpeculativeConfig(method=method, num_speculative_tokens=6), **kw)
 
 
-def chat_ids(llm: LLM, prompt: str) -> list[int]:
+def chat_ids(llm, prompt: str) -> list[int]:
+    """`llm`: an LLM or an LLMEngine (anything with a tokenizer)."""
     return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True))
 
@@ -146,3 +147,80 @@ def test_draft_model_path_with_the_model_as_its_own_draft(checkpoint, reference)
         assert not proposer.shadows and proposer.kv.pool.is_whole()  # draft pool whole too
     finally:
         llm.engine.close()
+
+
+def test_pd_decode_side_speculates_with_unchanged_output(checkpoint, reference):
+    """A decode worker importing the prompt's KV from a prefill worker drafts and verifies as
+    a monolithic one does: the same tokens as speculation off without PD."""
+    from dataclasses import replace
+
+    from hearth.config import KVTransferConfig
+    from hearth.disagg.connector import DisaggConnector
+    from hearth.engine.connector import KVTransfer
+    from hearth.engine.engine import LLMEngine
+    from hearth.engine.llm import make_engine_config
+
+    def engine(role: str, method: str) -> LLMEngine:
+        config = replace(make_engine_config("smollm2-135m-instruct", num_blocks=256,
+                                            quantization="none"),
+                         kv_transfer=KVTransferConfig(role=role, secret="s", lease_seconds=30),
+                         speculative=SpeculativeConfig(method=method, num_speculative_tokens=6))
+        return LLMEngine(config, checkpoint, connector_factory=DisaggConnector)
+
+    def run_engine(e: LLMEngine) -> dict:
+        outs: dict = {}
+        while e.has_unfinished():
+            for out in e.step():
+                outs.setdefault(out.request_id, []).append(out)
+        return outs
+
+    prefill, decode = engine("prefill", "off"), engine("decode", "suffix")
+    try:
+        prompts = {f"p{i}": chat_ids(decode, p)
+                   for i, p in enumerate(PROMPTS[:2])}
+        for rid, ids in prompts.items():
+            prefill.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=1),
+                                KVTransfer("prefill", transfer_id=f"x-{rid}"))
+        firsts = {rid: outs[-1] for rid, outs in run_engine(prefill).items()}
+        for rid, ids in prompts.items():
+            first = firsts[rid]
+            decode.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=64),
+                               KVTransfer("decode", descriptor=first.kv_descriptor,
+                                          first_token_id=first.new_token_ids[0]))
+        results = run_engine(decode)
+        for i, rid in enumerate(prompts):
+            tokens = firsts[rid].new_token_ids + [t for o in results[rid] for t in o.new_token_ids]
+            assert results[rid][-1].num_transferred_tokens == len(prompts[rid])
+            assert tokens == reference[i]
+        assert decode.speculator.counters.num_accepted_tokens > 0
+        assert prefill.kv_pool_is_whole() and decode.kv_pool_is_whole()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_verify_drafts_like_one_process(tmp_path, tp, pp):
+    """On T x P rank processes (a tiny random model that loops, so drafts get accepted) the
+    sampler on the last stage verifies the drafts: tokens equal one process without them."""
+    from hearth.models.random_checkpoint import write_random_checkpoint
+
+    tiny = str(write_random_checkpoint(tmp_path / "tiny", num_layers=2, hidden_size=64,
+                                       num_heads=4, num_kv_heads=2, intermediate_size=128,
+                                       vocab_size=256))
+    prompts = [[(5 * i + j % 7) % 250 + 3 for j in range(n)] for i, n in enumerate([9, 20, 33])]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+
+    def generate(method: str, **kw):
+        llm = LLM(tiny, num_blocks=64, speculative=SpeculativeConfig(method=method), **kw)
+        try:
+            out = llm.generate(prompts, params)
+            assert llm.engine.kv_pool_is_whole()
+            return out, llm.engine.speculator
+        finally:
+            llm.engine.close()
+
+    want, _ = generate("off")
+    got, spec = generate("ngram", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert spec.counters.num_accepted_tokens > 0
