@@ -71,7 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds a rank waits on a peer before the step fails")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may give as `model` (the first is the one responses "
+                        "carry; default: the model's own name)")
     kv = p.add_argument_group("prefill/decode disaggregation (docs/pd_protocol.md)")
     kv.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     kv.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
@@ -126,10 +128,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a load from the tiers may take before the rest is recomputed")
 
 
+def _first(values: list[str] | None) -> str | None:
+    return values[0] if values else None
+
+
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                          served_model_name=a.served_model_name, seed=a.seed,
+                          served_model_name=_first(a.served_model_name), seed=a.seed,
                           quantization=a.quantization, cpu_kernels=a.cpu_kernels),
         cache=CacheConfig(block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
                           kv_cache_dtype=a.kv_cache_dtype,
@@ -178,14 +184,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20,
                    help="larger request bodies get 413")
     g.add_argument("--log-level", default=defaults.log_level)
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="CORS: browser origins allowed to call this server, e.g. "
+                        "http://localhost:3000, or * for any (default: none, CORS off)")
+    g.add_argument("--no-access-log", action="store_true",
+                   help="no log line per request (method, path, status, ms, request id)")
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+        host=a.host, port=a.port, served_model_names=tuple(a.served_model_name or ()),
+        api_key=a.api_key,
         max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
         tool_call_parser=a.tool_call_parser, guided_auto_tools=not a.no_guided_auto_tools,
-        log_level=a.log_level)
+        log_level=a.log_level, allowed_origins=tuple(a.allowed_origins),
+        access_log=not a.no_access_log)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -219,7 +232,7 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--num-micro-batches": par.num_micro_batches,
         "--collective-timeout": par.collective_timeout_s, "--device": par.device,
         "--no-jump-forward": not e.guided.jump_forward,
-        "--served-model-name": m.served_model_name,
+        "--served-model-name": s.served_model_names,
         "--role": kv.role, "--kv-transport": kv.transport, "--kv-host": kv.host,
         "--kv-port": kv.port, "--kv-advertise-host": kv.advertise_host,
         "--kv-lease-seconds": kv.lease_seconds, "--kv-peers": ",".join(kv.peers),
@@ -235,6 +248,7 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--tool-call-parser": s.tool_call_parser,
         "--no-guided-auto-tools": not s.guided_auto_tools,
         "--max-body-mb": s.max_body_bytes / 2**20, "--log-level": s.log_level,
+        "--allowed-origins": s.allowed_origins, "--no-access-log": not s.access_log,
     }
 
 
@@ -333,6 +347,11 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
                    help="list worker URLs on /load even without --api-key (with a key they are "
                         "shown to key holders)")
     g.add_argument("--log-level", default="info")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="CORS: browser origins allowed to call this server, e.g. "
+                        "http://localhost:3000, or * for any (default: none, CORS off)")
+    g.add_argument("--no-access-log", action="store_true",
+                   help="no log line per request (method, path, status, ms, request id)")
 
 
 def add_route_args(p: argparse.ArgumentParser) -> None:
@@ -350,7 +369,9 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="tokenize in the router with this model's tokenizer (built-in name, "
                         ".gguf or HF folder); without it the router asks a worker's /tokenize")
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may give as `model` (the first is the one responses "
+                        "carry; default: the model's own name)")
     add_router_args(p)
 
 
@@ -365,9 +386,10 @@ def router_config(a: argparse.Namespace, prefill=(), decode=(), workers=(),
     return RouterConfig(
         prefill=tuple(prefill), decode=tuple(decode), workers=tuple(workers), host=a.host,
         port=a.port, api_key=a.api_key, worker_api_key=worker_api_key,
-        served_model_name=a.served_model_name, tokenizer_model=a.model,
+        served_model_names=tuple(a.served_model_name or ()), tokenizer_model=a.model,
         log_level=a.log_level, policy=policy, max_body_bytes=int(a.max_body_mb * 2**20),
-        show_worker_urls=a.show_worker_urls,
+        show_worker_urls=a.show_worker_urls, allowed_origins=tuple(a.allowed_origins),
+        access_log=not a.no_access_log,
         health=HealthConfig(interval_seconds=a.health_interval, eject_seconds=a.eject_seconds,
                             max_retries=a.max_retries, timeout_seconds=a.health_timeout),
         timeouts=HopTimeouts(connect=a.connect_timeout, request=a.request_timeout,
@@ -414,8 +436,9 @@ def up_config(a: argparse.Namespace) -> UpConfig:
 def up_worker_server_config(a: argparse.Namespace) -> ServerConfig:
     """What every `hearth up` worker's server gets from up's flags (its address is up's choice;
     up has no server flags of its own but the ones it shares with the router)."""
-    return ServerConfig(served_model_name=a.served_model_name, max_waiting=a.max_waiting,
-                        max_body_bytes=int(a.max_body_mb * 2**20))
+    return ServerConfig(served_model_names=tuple(a.served_model_name or ()),
+                        max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
+                        access_log=not a.no_access_log)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

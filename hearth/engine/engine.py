@@ -428,6 +428,7 @@ class LLMEngine:
             num_kv_transfer_failures=pd.get("transfer_failures", 0),
             num_waiting_for_grammar=len(self._grammar_waits),
             num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
+            num_forced_tokens=self.counters["forced"],
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
         )
 

@@ -2,7 +2,8 @@
 
 Routes (auth with --api-key on all but /health and /metrics):
     GET  /health              200 once a decode (or monolithic) endpoint is healthy, else 503
-    GET  /v1/models           the model the workers serve
+    GET  /v1/models           the model the workers serve, under each name (--served-model-name)
+    GET  /v1/models/{id}      one of them; an unknown id (or `model`) is a 404 model_not_found
     POST /v1/chat/completions, /v1/completions    routed, PD-orchestrated, stitched
     POST /v1/responses, /v1/messages              translated into chat at the edge, then the same
     GET  /v1/responses/{id}; POST /v1/messages/count_tokens   (hearth/router/front_doors.py)
@@ -38,11 +39,13 @@ from hearth.router.prompts import PromptTokens
 from hearth.router.router_config import RouterConfig
 from hearth.server.edge import CpuPool, api_key_matches, read_json
 from hearth.server.errors import error_response, install_error_handlers
+from hearth.server.middleware import install_edge_middleware
 from hearth.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    model_not_found,
     parse_request,
 )
 from hearth.server.responses_api import ResponseStore
@@ -84,7 +87,24 @@ class Router:
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or self.model.name or "unknown"
+        return self.model_names[0] if self.model_names else "unknown"
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names clients may give: the router's own (--served-model-name), else the workers'."""
+        return self.config.served_model_names or self.model.names
+
+    def for_worker(self, raw: Any) -> Any:
+        """The request body to forward: its `model` checked (404 model_not_found) and, where the
+        router's own names differ from the workers', replaced by the workers' name."""
+        model = raw.get("model") if isinstance(raw, dict) else None
+        if not isinstance(model, str) or not self.model_names:
+            return raw  # not known yet (no healthy worker), or no model given: the worker decides
+        if model not in self.model_names:
+            raise model_not_found(model)
+        if self.model.name is not None and model not in self.model.names:
+            return {**raw, "model": self.model.name}
+        return raw
 
     async def ask_worker(self, path: str, body: dict) -> dict:
         """POST to any healthy endpoint (tokenize/detokenize), trying each in turn."""
@@ -101,6 +121,7 @@ class Router:
 
     async def job(self, raw: Any, request: Request, chat: bool) -> Job:
         model = ChatCompletionRequest if chat else CompletionRequest
+        raw = self.for_worker(raw)
         parsed = parse_request(model, raw)
         if parsed.kv_transfer is not None:
             raise bad_request("kv_transfer is set by the router, not by clients", param="kv_transfer")
@@ -157,6 +178,7 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
                   openapi_url=None)
     app.state.router = router
     _install_error_handlers(app)
+    install_edge_middleware(app, config.allowed_origins, config.access_log)
 
     async def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -178,11 +200,21 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
                                 status_code=503)
         return JSONResponse({"status": "ok", **extra})
 
+    created = int(time.time())
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "hearth",
+                "max_model_len": router.model.max_model_len}
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": router.model_name, "object": "model",
-                                            "created": int(time.time()), "owned_by": "hearth",
-                                            "max_model_len": router.model.max_model_len}]}
+        return {"object": "list", "data": [model_card(n) for n in router.model_names]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict:
+        if model_id not in router.model_names:
+            raise model_not_found(model_id)
+        return model_card(model_id)
 
     async def complete(request: Request, chat: bool) -> Response:
         raw = await read_json(request, config.max_body_bytes, router.cpu)
@@ -203,13 +235,13 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict:
-        return await router.ask_worker("/tokenize", await read_json(request, config.max_body_bytes,
-                                                                    router.cpu))
+        return await router.ask_worker("/tokenize", router.for_worker(
+            await read_json(request, config.max_body_bytes, router.cpu)))
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict:
-        return await router.ask_worker("/detokenize", await read_json(request, config.max_body_bytes,
-                                                                      router.cpu))
+        return await router.ask_worker("/detokenize", router.for_worker(
+            await read_json(request, config.max_body_bytes, router.cpu)))
 
     @app.get("/load", dependencies=auth)
     async def load() -> dict:

@@ -8,8 +8,8 @@ hearth/cli.py's (the one module that reads flags); `hearth up` (hearth/router/up
 from __future__ import annotations
 
 import logging
-import sys
 
+from hearth.logs import setup_logging
 from hearth.router.router_config import RouterConfig
 
 
@@ -29,8 +29,7 @@ def route(config: RouterConfig, supervisor=None) -> int:
 
     from hearth.router.app import build_app
 
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     app = build_app(config, load_tokenizer(config.tokenizer_model),
                     supervisor_state=supervisor.state if supervisor else None)
     logging.getLogger("hearth.router").info(
@@ -39,9 +38,12 @@ def route(config: RouterConfig, supervisor=None) -> int:
         config.policy.name)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-        access_log=False, timeout_graceful_shutdown=5))
+        access_log=False, log_config=None, timeout_graceful_shutdown=5))
     if supervisor is not None:
         supervisor.watch(on_give_up=lambda: setattr(server, "should_exit", True))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+        pass
     return 1 if supervisor is not None and supervisor.gave_up else 0
 

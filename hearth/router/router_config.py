@@ -56,13 +56,16 @@ class RouterConfig:
     port: int = 8000
     api_key: str | None = None  # clients must send "Authorization: Bearer KEY"
     worker_api_key: str | None = None  # what the router sends to workers
-    served_model_name: str | None = None  # None: the name the workers serve
+    # names `model` may give, the first is the one responses carry; (): the workers' names
+    served_model_names: tuple[str, ...] = ()
     tokenizer_model: str | None = None  # tokenize in the router (else ask a worker's /tokenize)
     max_body_bytes: int = 32 * 2**20  # larger request bodies: 413
     cpu_threads: int = 2  # rendering/tokenizing off the event loop (hearth.server.edge.CpuPool)
     show_worker_urls: bool = False  # /load names workers by URL even without an api_key
     session_capacity: int = 65536  # x-session-affinity keys remembered (LRU)
     log_level: str = "info"
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any); (): off
+    access_log: bool = True  # one line per request on the hearth.access logger
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)

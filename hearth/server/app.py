@@ -6,7 +6,8 @@ bytes, so /health stays responsive during long prefills.
 
 Routes (auth with --api-key on all but /health and /metrics):
     GET  /health              200 {"status": "ok"} once the model is loaded, else 503
-    GET  /v1/models           the served model
+    GET  /v1/models           the served model, under each of its names (--served-model-name A B)
+    GET  /v1/models/{id}      one of them; an unknown id is OpenAI's 404 model_not_found
     POST /v1/chat/completions, /v1/completions
     POST /v1/responses, GET /v1/responses/{id}        (hearth/server/front_doors.py)
     POST /v1/messages, /v1/messages/count_tokens      (Anthropic-shaped errors)
@@ -35,6 +36,7 @@ from hearth.server.errors import install_error_handlers
 from hearth.server.front_doors import front_door_routes
 from hearth.server.load_report import BlockEvents, LoadReport, TierEvents, encode_load_report
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
+from hearth.server.middleware import install_edge_middleware
 from hearth.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -113,17 +115,19 @@ class Worker:
             log.exception("tokenizer failed to load")
             self._fail(f"tokenizer failed to load: {exc}")
             return
-        name = self.config.served_model_name or info.model_name
+        names = self.config.served_model_names or (info.model_name,)
+        name = names[0]
         self.state = ServerState(
             engine=self.engine, tokenizer=tokenizer, config=self.config,
             metrics=ServerMetrics(name), model_name=name, max_model_len=info.max_model_len,
             tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
             token_texts=TokenTexts(tokenizer), cpu=self.cpu,
             max_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
-            role=self.engine_config.kv_transfer.role,
+            role=self.engine_config.kv_transfer.role, aliases=tuple(names[1:]),
         )
         self.state.metrics.set_engine_stats(info.stats)
-        log.info("serving %s on http://%s:%d", name, self.config.host, self.config.port)
+        log.info("serving %s on http://%s:%d", " | ".join(names), self.config.host,
+                 self.config.port)
 
     async def stop(self) -> None:
         if self._startup is not None:
@@ -154,6 +158,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig,
     app = FastAPI(title="hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     _install_error_handlers(app)
+    install_edge_middleware(app, server_config.allowed_origins, server_config.access_log)
     auth = [Depends(_authorizer(worker))]
 
     @app.get("/health")
@@ -198,12 +203,22 @@ def _openai_routes(worker: Worker) -> APIRouter:
     async def read(request: Request, model: type) -> Any:
         return parse_request(model, await read_json(request, limit, worker.cpu))
 
+    created = int(time.time())
+
+    def model_card(state: ServerState, name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "hearth",
+                "max_model_len": state.max_model_len}
+
     @router.get("/v1/models")
     async def models() -> dict:
         state = worker.ready_state()
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "hearth", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card(state, n) for n in state.model_names]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        state = worker.ready_state()
+        check_model(state, model_id)
+        return model_card(state, model_id)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

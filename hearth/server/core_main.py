@@ -10,12 +10,13 @@ inherited socket and a log level), not user flags: those are hearth/cli.py's.
 from __future__ import annotations
 
 import argparse
-import logging
+import signal
 import socket
 import sys
 
 from hearth.config import EngineConfig
 from hearth.engine.core_process import run_core
+from hearth.logs import setup_logging
 
 
 def connector_factory_for(config: EngineConfig):
@@ -41,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="inherited socketpair end")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
+    # Ctrl-C reaches the whole process group: this process stops when its server says so
+    # (Shutdown) or closes the socket, never half-way through the server's own shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     try:
         return run_core(sock, connector_factory_for, store_factory_for)

@@ -115,6 +115,10 @@ class EngineClient:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def begin_shutdown(self) -> None:
+        """A normal shutdown began (a signal): the core process may end from now on."""
+        self._closing = True
+
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
         if self._writer is not None and not self._writer.is_closing():
@@ -253,7 +257,7 @@ class EngineClient:
         first = self.failure is None
         if first:
             self.failure = reason
-            log.error("%s", reason)
+            log.log(logging.INFO if self._closing else logging.ERROR, "%s", reason)
         self._ready.set()
         self._fail_everything(reason)
         if first and self.on_dead is not None and not self._closing:

@@ -7,20 +7,17 @@ calls this for `hearth serve`; `hearth up` starts each of its workers as `hearth
 
 from __future__ import annotations
 
-import logging
-import sys
-
 import uvicorn
 
 from hearth.config import EngineConfig
+from hearth.logs import setup_logging
 from hearth.server.app import build_app
 from hearth.server.server_config import ServerConfig
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Run the worker until interrupted; exit code 1 if its engine failed or died."""
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level)
     server: uvicorn.Server | None = None
 
     def stop() -> None:  # the engine is gone: finish in-flight responses, then exit
@@ -30,8 +27,11 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     app = build_app(engine_config, config, on_fatal=stop)
     server = _Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-        access_log=False, timeout_graceful_shutdown=5))
-    server.run()
+        access_log=False, log_config=None, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+        pass
     return 1 if app.state.worker.failure else 0
 
 

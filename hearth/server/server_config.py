@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # None: the engine's model name
+    # names `model` may give; the first is the one responses carry. (): the engine's model name
+    served_model_names: tuple[str, ...] = ()
     api_key: str | None = None  # when set, every /v1 and admin route needs "Authorization: Bearer KEY"
     max_waiting: int = 256  # requests queued beyond the engine's running set; past it: 429
     max_body_bytes: int = 32 * 2**20  # request bodies larger than this: 413
@@ -17,4 +18,6 @@ class ServerConfig:
     guided_auto_tools: bool = True  # constrain tool-call arguments also under tool_choice "auto"
     cpu_threads: int = 2  # threads for rendering/tokenizing off the event loop (edge.CpuPool)
     log_level: str = "info"
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any); (): off
+    access_log: bool = True  # one line per request on the hearth.access logger
     exit_on_engine_failure: bool = True  # a worker whose engine died stops (exit code 1)

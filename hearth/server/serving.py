@@ -24,7 +24,7 @@ from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 from hearth.server.edge import CpuPool
 from hearth.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
 from hearth.server.metrics import ServerMetrics
-from hearth.server.protocol import APIError, ResponseFormat, bad_request
+from hearth.server.protocol import APIError, ResponseFormat, bad_request, model_not_found
 from hearth.server.responses import TokenTexts, Usage
 from hearth.server.server_config import ServerConfig
 
@@ -45,6 +45,12 @@ class ServerState:
     cpu: CpuPool  # rendering and tokenizing run here, off the event loop
     max_token_chars: int  # the longest token's text (bounds the characters of a fitting prompt)
     role: Role = Role.BOTH  # which kv_transfer hops it serves (see hearth/server/pd.py)
+    aliases: tuple[str, ...] = ()  # more names `model` may give (--served-model-name A B C)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name this worker answers to; `model_name` (the first) is what responses carry."""
+        return (self.model_name, *self.aliases)
 
 
 def new_id(prefix: str) -> str:
@@ -52,9 +58,9 @@ def new_id(prefix: str) -> str:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise bad_request(f"model {model!r} is not served here; this server serves {state.model_name!r}",
-                          param="model", code="model_not_found")
+    """`model` must be one of the served names (its aliases included); None means any."""
+    if model is not None and model not in state.model_names:
+        raise model_not_found(model)
 
 
 def check_token_ids(state: ServerState, token_ids: Any, param: str) -> None:

@@ -15,6 +15,7 @@ import time
 import msgspec
 import torch
 
+from hearth.logs import setup_logging
 from hearth.engine.parallel.messages import (Command, LoadModel, LoadReport, Reply, StepCommand,
                                              decode_command, encode)
 from hearth.ops.distributed import (Heartbeat, RankGroups, RankLayout, close_rank_groups,
@@ -124,8 +125,7 @@ def run_step(groups: RankGroups, shard, cmd: StepCommand) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     spec = msgspec.json.decode(args[0], type=RankSpec)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s rank{spec.rank} %(name)s %(levelname)s %(message)s")
+    setup_logging("info", tag=f"rank{spec.rank}")
     return serve_rank(spec)
 
 
