@@ -81,6 +81,28 @@ class Server:
 
 
 def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
+    return wait_healthy(launch_server(tmp_dir, *flags, api_key=api_key))
+
+
+def start_servers(tmp_dir: Path, *flag_sets: tuple[str, ...], at_once: int = 2) -> list[Server]:
+    """Several workers, `at_once` starting together (one per core: a start is mostly one busy
+    thread, more at once only thrash); all healthy, or none left running."""
+    servers: list[Server] = []
+    try:
+        for i in range(0, len(flag_sets), at_once):
+            batch = [launch_server(tmp_dir, *flags) for flags in flag_sets[i : i + at_once]]
+            servers += batch
+            for server in batch:
+                wait_healthy(server)
+        return servers
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+def launch_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
+    """`hearth serve` started, not yet waited for (see `wait_healthy`)."""
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "hearth.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
@@ -90,7 +112,11 @@ def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Serv
     log_file = open(log_path, "w")
     process = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = Server(process, f"http://127.0.0.1:{port}", api_key, log_path)
+    return Server(process, f"http://127.0.0.1:{port}", api_key, log_path)
+
+
+def wait_healthy(server: Server) -> Server:
+    process, log_path = server.process, server.log_path
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -100,7 +126,7 @@ def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Serv
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"server not healthy after {STARTUP_SECONDS}s:\n{log_path.read_text()[-3000:]}")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -158,7 +157,7 @@ def test_full_waiting_queue_is_429_and_recovers(tiny_queue_server):
 
     codes = asyncio.run(burst())
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
-    time.sleep(0.5)
+    assert server.wait_idle_and_whole()["kv_pool_is_whole"] is True  # the burst is over
     response = httpx.post(server.url + CHAT, json=HELLO, timeout=60)
     assert response.status_code == 200  # capacity is back once the burst is done
     assert server.wait_idle_and_whole()["kv_pool_is_whole"] is True

@@ -3,9 +3,10 @@
 Processes (started once for the module; each worker loads the default model, ~1 GB):
     P0, P1  hearth serve --role prefill     (P1 with a short lease, for the stall test)
     D0, D1  hearth serve --role decode
-    B       hearth serve                    (monolithic: the reference for greedy outputs)
+    the session's monolithic `server` (conftest.py) is the reference for greedy outputs
     routers hearth route (no model), started per purpose: they take ~2 s
-Tests that kill workers run last (pytest keeps file order) and say what they leave behind.
+No test depends on another having run (they pass in any order: `pytest --reverse`): a test that
+kills or freezes workers does so to workers it starts itself, or thaws them before it ends.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, REPO, Server, free_port, start_server
+from tests.e2e.conftest import MODEL, REPO, Server, free_port, start_servers, wait_for
 from tests.e2e.test_tools import TOOLS, assemble_stream
 
 SECRET = "pd-test-secret"
@@ -58,13 +59,11 @@ def start_router(tmp: Path, *flags: str) -> Server:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
-    workers = {}
+    workers = dict(zip(("P0", "P1", "D0", "D1"), start_servers(
+        tmp, ("--role", "prefill", "--kv-lease-seconds", "20", *WORKER_FLAGS),
+        ("--role", "prefill", "--kv-lease-seconds", "3", *WORKER_FLAGS),
+        ("--role", "decode", *WORKER_FLAGS), ("--role", "decode", *WORKER_FLAGS))))
     try:
-        workers["P0"] = start_server(tmp, "--role", "prefill", "--kv-lease-seconds", "20", *WORKER_FLAGS)
-        workers["P1"] = start_server(tmp, "--role", "prefill", "--kv-lease-seconds", "3", *WORKER_FLAGS)
-        workers["D0"] = start_server(tmp, "--role", "decode", *WORKER_FLAGS)
-        workers["D1"] = start_server(tmp, "--role", "decode", *WORKER_FLAGS)
-        workers["B"] = start_server(tmp, "--num-kv-blocks", "256", "--max-num-seqs", "8")
         yield tmp, workers
     finally:
         for worker in workers.values():
@@ -81,8 +80,8 @@ def router(stack):
 
 
 @pytest.fixture(scope="module")
-def reference(stack) -> openai.OpenAI:
-    return stack[1]["B"].client()
+def reference(client) -> openai.OpenAI:
+    return client  # the session's monolithic worker
 
 
 def process_tree(pid: int) -> list[int]:
@@ -308,9 +307,11 @@ def test_transfer_stalled_past_its_lease_recomputes_and_frees_everything(stack, 
         **body, "max_tokens": 1, "kv_transfer": {"role": "prefill", "transfer_id": "stall-1"}},
         timeout=60).json()
     before = d.load()
+    expires_at = prefill["kv_transfer"]["descriptor"]["expires_at"]  # unix time, this host's clock
     signal_worker(p, signal.SIGSTOP)
     try:
-        time.sleep(4)  # past the lease
+        # The lease is a clock: what is waited for is its end (plus a second of margin).
+        wait_for(lambda: time.time() > expires_at + 1.0, "the lease's end", p.log_path, timeout=60)
         result = {}
 
         def decode():
@@ -322,7 +323,10 @@ def test_transfer_stalled_past_its_lease_recomputes_and_frees_everything(stack, 
                 timeout=120).json()
         thread = threading.Thread(target=decode)
         thread.start()
-        time.sleep(1)
+        # thawed only once the decode worker holds the request (its pull meets a frozen peer)
+        wait_for(lambda: not thread.is_alive() or d.load()["num_requests_inflight"] > 0,
+                 "the decode hop in flight",
+                 d.log_path, timeout=60)
     finally:
         signal_worker(p, signal.SIGCONT)
     thread.join(timeout=120)
@@ -338,11 +342,11 @@ def test_transfer_stalled_past_its_lease_recomputes_and_frees_everything(stack, 
 
 def test_killed_prefill_worker_is_retried_on_the_other(stack, reference):
     tmp, w = stack
+    [victim] = start_servers(tmp, ("--role", "prefill", *WORKER_FLAGS))  # this test's own
     # No active checks after the first: the router can only learn of the death from the hop.
-    r = start_router(tmp, "--prefill", w["P0"].url, w["P1"].url, "--decode", w["D0"].url,
+    r = start_router(tmp, "--prefill", victim.url, w["P1"].url, "--decode", w["D0"].url,
                      "--health-interval", "3600")
     try:
-        victim = w["P0"]
         kill_worker(victim)
         kwargs = dict(GREEDY, messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=16)
         got = r.client().chat.completions.create(**kwargs)
@@ -352,6 +356,7 @@ def test_killed_prefill_worker_is_retried_on_the_other(stack, reference):
         assert view[w["P1"].url]["routed"] == 1
     finally:
         r.stop()
+        victim.stop()
     assert_whole(w["P1"], w["D0"])
 
 
@@ -372,28 +377,37 @@ def kill_decode_mid_stream(router: Server, w: dict, **kwargs) -> tuple[str, list
     return text, chunks
 
 
-def test_killed_decode_worker_mid_stream_continues_the_same_stream(router, stack, reference):
-    _, w = stack
-    kwargs = dict(GREEDY, messages=[{"role": "user", "content": "Count from one to thirty in words."}],
-                  max_tokens=60, extra_body={"ignore_eos": True})
-    expected = reference.chat.completions.create(**kwargs).choices[0].message.content
-    text, chunks = kill_decode_mid_stream(router, w, **kwargs)
-    assert text == expected  # continued on the other decode worker, nothing repeated or lost
-    assert len({c.id for c in chunks}) == 1 and chunks[-1].choices[0].finish_reason == "length"
-    metrics = httpx.get(router.url + "/metrics", timeout=10).text
-    assert "hearth:router_continuations_total 1.0" in metrics
+def test_killed_decode_workers_mid_stream(stack, reference):
+    """Two decode workers of this test's own, killed one after the other while they stream:
+    the first death is continued on the other worker in the same stream; after the second, a
+    sampled stream ends with an error event and the router answers 503."""
+    tmp, w = stack
+    decoders = dict(zip(("Dx", "Dy"), start_servers(tmp, ("--role", "decode", *WORKER_FLAGS),
+                                                    ("--role", "decode", *WORKER_FLAGS))))
+    router = start_router(tmp, "--prefill", w["P0"].url, "--decode",
+                          *(d.url for d in decoders.values()))
+    try:
+        kwargs = dict(GREEDY, messages=[{"role": "user", "content": "Count from one to thirty in words."}],
+                      max_tokens=60, extra_body={"ignore_eos": True})
+        expected = reference.chat.completions.create(**kwargs).choices[0].message.content
+        text, chunks = kill_decode_mid_stream(router, decoders, **kwargs)
+        assert text == expected  # continued on the other decode worker, nothing repeated or lost
+        assert len({c.id for c in chunks}) == 1 and chunks[-1].choices[0].finish_reason == "length"
+        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        assert "hearth:router_continuations_total 1.0" in metrics
 
-
-def test_sampled_stream_without_a_decode_worker_left_ends_with_an_error_event(router, stack):
-    _, w = stack
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
-                  max_tokens=60, temperature=1.0, extra_body={"ignore_eos": True})
-    with pytest.raises(openai.APIError) as error:
-        kill_decode_mid_stream(router, w, **kwargs)
-    assert "decode" in str(error.value)
-    # The router stays up and says why it cannot serve.
-    with pytest.raises(openai.APIStatusError) as unavailable:
-        router.client().chat.completions.create(**GREEDY, messages=QUESTION, max_tokens=4)
-    assert unavailable.value.status_code == 503
-    survivors = [x for x in w.values() if x.process.poll() is None]
-    assert_whole(*survivors)
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
+                      max_tokens=60, temperature=1.0, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError) as error:
+            kill_decode_mid_stream(router, decoders, **kwargs)
+        assert "decode" in str(error.value)
+        # The router stays up and says why it cannot serve.
+        with pytest.raises(openai.APIStatusError) as unavailable:
+            router.client().chat.completions.create(**GREEDY, messages=QUESTION, max_tokens=4)
+        assert unavailable.value.status_code == 503
+        assert all(d.process.poll() is not None for d in decoders.values())
+    finally:
+        router.stop()
+        for decoder in decoders.values():
+            decoder.stop()
+    assert_whole(w["P0"])

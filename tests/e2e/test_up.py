@@ -71,7 +71,7 @@ def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None,
     log_path = tmp / f"up-{port}.log"
     cmd = [sys.executable, "-m", "hearth.cli", "up", "--model", model, "--port", str(port),
            "--num-kv-blocks", "64", "--max-num-seqs", "4", "--health-interval", "0.3",
-           "--log-dir", str(tmp / f"workers-{port}"), *flags]
+           "--restart-backoff", "0.1", "--log-dir", str(tmp / f"workers-{port}"), *flags]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     stack = Stack(process, f"http://127.0.0.1:{port}", log_path, Path(model).name)
