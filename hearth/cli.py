@@ -126,6 +126,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-offload-load-timeout", type=float,
                    default=KVOffloadConfig.load_timeout_seconds,
                    help="seconds a load from the tiers may take before the rest is recomputed")
+    t.add_argument("--kv-offload-mooncake-master", default=None, metavar="HOST:PORT",
+                   help="a Mooncake Store tier (shared by every worker of the cluster) instead of "
+                        "--kv-offload-dir: its mooncake_master")
+    t.add_argument("--kv-offload-mooncake-metadata", default="", metavar="URL",
+                   help="its metadata service (default: http://MASTER_HOST:8080/metadata)")
+    t.add_argument("--kv-offload-mooncake-gb", type=float,
+                   default=KVOffloadConfig.mooncake_segment_gb,
+                   help="memory this worker contributes to the Mooncake Store")
 
 
 def _first(values: list[str] | None) -> str | None:
@@ -159,7 +167,10 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                       draft_num_blocks=a.speculative_draft_num_blocks),
         kv_offload=KVOffloadConfig(directory=a.kv_offload_dir, max_gb=a.kv_offload_gb,
                                    shared=a.kv_offload_shared, host_gb=a.kv_offload_host_gb,
-                                   load_timeout_seconds=a.kv_offload_load_timeout),
+                                   load_timeout_seconds=a.kv_offload_load_timeout,
+                                   mooncake_master=a.kv_offload_mooncake_master,
+                                   mooncake_metadata=a.kv_offload_mooncake_metadata,
+                                   mooncake_segment_gb=a.kv_offload_mooncake_gb),
         guided=GuidedConfig(jump_forward=not a.no_jump_forward),
     )
 
@@ -240,6 +251,9 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--kv-offload-shared": e.kv_offload.shared,
         "--kv-offload-host-gb": e.kv_offload.host_gb,
         "--kv-offload-load-timeout": e.kv_offload.load_timeout_seconds,
+        "--kv-offload-mooncake-master": e.kv_offload.mooncake_master,
+        "--kv-offload-mooncake-metadata": e.kv_offload.mooncake_metadata,
+        "--kv-offload-mooncake-gb": e.kv_offload.mooncake_segment_gb,
         "--speculative-method": e.speculative.method,
         "--num-speculative-tokens": e.speculative.num_speculative_tokens,
         "--speculative-max-batch": e.speculative.max_batch,
@@ -329,6 +343,8 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
     g.add_argument("--prefill-weight", type=float, default=policy.prefill_weight)
     g.add_argument("--decode-weight", type=float, default=policy.decode_weight)
     g.add_argument("--transfer-weight", type=float, default=policy.transfer_weight)
+    g.add_argument("--tier-weight", type=float, default=policy.tier_weight,
+                   help="cost per prompt token a worker loads from its KV tiers (docs/kv_tiers.md)")
     g.add_argument("--affinity-max-cost-ratio", type=float, default=policy.affinity_max_cost_ratio,
                    help="a session's endpoints are left when they cost more than this times the best")
     g.add_argument("--health-interval", type=float, default=health.interval_seconds,
@@ -380,7 +396,7 @@ def router_config(a: argparse.Namespace, prefill=(), decode=(), workers=(),
     """The router `a` asks for, in front of these worker URLs (`hearth up` adds its own)."""
     policy = PolicyConfig(
         name=a.policy, block_size=a.block_size, prefill_weight=a.prefill_weight,
-        decode_weight=a.decode_weight, transfer_weight=a.transfer_weight,
+        decode_weight=a.decode_weight, transfer_weight=a.transfer_weight, tier_weight=a.tier_weight,
         disagg_threshold=a.disagg_threshold, min_disagg_tokens=a.min_disagg_tokens,
         affinity_max_cost_ratio=a.affinity_max_cost_ratio)
     return RouterConfig(

@@ -143,13 +143,23 @@ class KVOffloadConfig:
     # they are computed (write-through), so the others find them before this pool evicts them
     shared: bool = False
     host_gb: float = 0.0  # host-memory tier above the disk (for a pool on a GPU)
+    # Mooncake Store instead of a directory: its master ("host:port"), its metadata service URL
+    # and the memory segment this worker contributes (hearth/disagg/mooncake_store.py)
+    mooncake_master: str | None = None
+    mooncake_metadata: str = ""
+    mooncake_segment_gb: float = 1.0
     max_pending_blocks: int = 128  # staging buffers of blocks waiting to be written
     load_timeout_seconds: float = 5.0  # a load still running then ends; the rest is recomputed
     num_load_threads: int = 2
 
     @property
     def enabled(self) -> bool:
-        return self.directory is not None or self.host_gb > 0
+        return self.directory is not None or self.host_gb > 0 or self.mooncake_master is not None
+
+    @property
+    def write_through(self) -> bool:
+        """A tier other workers read is written as blocks are computed, not only at eviction."""
+        return self.shared or self.mooncake_master is not None
 
 
 SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")

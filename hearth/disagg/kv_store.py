@@ -18,7 +18,8 @@ Invariants:
   * each tier keeps its size under its cap, least recently used first; a directory tier
     rebuilds its index from the files at start, so a restarted worker finds its blocks again.
 
-A shared directory (several workers, one machine) is the same directory tier with `shared`:
+A Mooncake Store tier (hearth/disagg/mooncake_store.py) takes the directory's place across
+machines. A shared directory (several workers, one machine) is the directory tier with `shared`:
 a block not in this worker's index is looked up on disk (another worker may have written it),
 and a record deleted by another worker is just a miss.
 """
@@ -273,6 +274,15 @@ class TieredStore:
             self.tiers.append(DirectoryTier(
                 "shared" if config.shared else "disk", config.directory, namespace,
                 int(config.max_gb * 2**30), config.shared, geometry, self._event))
+        if config.mooncake_master is not None:
+            if config.directory is not None:
+                raise ValueError("kv offload: give --kv-offload-dir or a Mooncake Store, not both")
+            from hearth.disagg.mooncake_store import MooncakeTier
+            host = config.mooncake_master.rpartition(":")[0]
+            self.tiers.append(MooncakeTier(
+                namespace, config.mooncake_master,
+                config.mooncake_metadata or f"http://{host}:8080/metadata",
+                int(config.mooncake_segment_gb * 2**30), self._event))
         if not self.tiers:
             raise ValueError("kv offload: give --kv-offload-dir or --kv-offload-host-gb")
         self.tier_names = tuple(t.name for t in self.tiers)
@@ -446,6 +456,9 @@ class TieredStore:
         for load_id in list(self._loads):
             self.cancel(load_id)
         self._loaders.shutdown(wait=False, cancel_futures=True)
+        for tier in self.tiers:
+            if hasattr(tier, "close"):
+                tier.close()
 
 
 def _unlink(path: str) -> None:

@@ -115,7 +115,7 @@ class LLMEngine:
                                   store_namespace(mc, geometry))
             self.tiers = KVTierDriver(store, self.scheduler, self.kv,
                                       config.kv_offload.load_timeout_seconds,
-                                      write_through=config.kv_offload.shared)
+                                      write_through=config.kv_offload.write_through)
         self.load_seconds = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens", self.load_seconds,
                  self.model_name, num_blocks, cc.block_size)

@@ -24,6 +24,7 @@ from hearth.server.load_report import LoadReport
 
 DEFAULT_CACHE_BLOCKS = 1 << 16  # until the worker reports its pool size
 TIER_CACHE_BLOCKS = 1 << 20  # a view of KV tiers below the pool (bounded; tiers report evictions)
+SHARED_TIERS = ("shared", "mooncake")  # tiers every worker reporting one reaches
 
 
 class CacheView:
@@ -140,7 +141,7 @@ class Endpoint:
             self.cache.apply_events(events.stored, events.evicted)
             tiers = events.tiers if events.tiers is not msgspec.UNSET else {}
             for tier, tier_events in tiers.items():
-                if tier == "shared" and self.shared_cache is not None:
+                if tier in SHARED_TIERS and self.shared_cache is not None:
                     self.has_shared_tier = True
                     self.shared_cache.apply_events(tier_events.stored, tier_events.evicted)
                 else:

@@ -58,7 +58,7 @@ class Rig:
         self.store = TieredStore(config, self.kv_cache, self.geometry, NS)
         self.clock = FakeClock()
         self.driver = KVTierDriver(self.store, self.scheduler, self.kv, 5.0,
-                                   write_through=config.shared, clock=self.clock)
+                                   write_through=config.write_through, clock=self.clock)
         self.gen = torch.Generator().manual_seed(seed)
 
     def compute(self, req: Request) -> None:
