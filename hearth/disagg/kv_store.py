@@ -1,38 +1,30 @@
-"""TieredStore: the engine's KVStore, over a host-memory tier and/or a directory tier.
+"""TieredStore: the engine's KVStore, over the tiers of hearth/disagg/local_tiers.py (host
+memory, a directory) or Mooncake Store (hearth/disagg/mooncake_store.py).
 
     pool --evict--> staging buffer (memcpy, engine thread) --> writer thread --> tiers[0]
                                                              host (LRU) --overflow--> disk|shared
     admission --start_load--> loader threads: read record, check it, copy into the pool block
 
 Invariants:
-  * a record is found under its final name only complete: it is written to a temporary file
-    and renamed into place (atomic on one filesystem), so a writer killed mid-write leaves a
-    temporary file (swept at start) and never a torn record under a block's name; every
-    record is checked (hash, namespace, layout, length, crc32) before a byte reaches the pool;
+  * every record is checked (hash, namespace, layout, length, crc32) before a byte reaches the
+    pool; a copy that fails is dropped from its tier and the next tier is tried;
   * a load copies into the pool only under its state's lock, after checking it was not
     cancelled, so `cancel` returning means no write to its blocks follows;
   * nothing here blocks the engine thread on the store: `offload` is a memcpy or a drop,
-    `contains` an index lookup (plus one stat for a shared directory), loads and writes run on
-    threads; a failing store (disk full, directory gone, corrupt files) counts the error,
-    drops the record and degrades to recompute;
-  * each tier keeps its size under its cap, least recently used first; a directory tier
-    rebuilds its index from the files at start, so a restarted worker finds its blocks again.
+    `contains` an index lookup (at most a stat, or a 50 ms-bounded Mooncake lookup), loads and
+    writes run on threads; a failing store (disk full, directory gone, corrupt files, a dead
+    master) counts the error, drops the record and degrades to recompute.
 
-A Mooncake Store tier (hearth/disagg/mooncake_store.py) takes the directory's place across
-machines. A shared directory (several workers, one machine) is the directory tier with `shared`:
-a block not in this worker's index is looked up on disk (another worker may have written it),
-and a record deleted by another worker is just a miss.
+A shared directory (several workers, one machine) is the directory tier with `shared`: a block
+not in this worker's index is looked up on disk (another worker may have written it), and a
+record deleted by another worker is just a miss.
 """
-
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -40,214 +32,11 @@ import torch
 from hearth.config import KVOffloadConfig
 from hearth.disagg.block_file import (HEADER, BlockRecordError, check_record, encode_header,
                                       record_bytes)
+from hearth.disagg.local_tiers import DirectoryTier, MemoryTier
 from hearth.engine.connector import KVCacheGeometry
 from hearth.engine.kv_store import LoadResult, StoreEvents
 
 log = logging.getLogger("hearth.disagg.kv_store")
-
-SUFFIX = ".kvb"
-STALE_TMP_SECONDS = 60.0  # a temporary file this old has no live writer (swept at start)
-
-
-def _counters() -> dict[str, float]:
-    return dict(hits=0, bytes_read=0, stored=0, bytes_written=0, evicted=0, write_errors=0,
-                corrupt=0, num_blocks=0, num_bytes=0)
-
-
-class MemoryTier:
-    """Records in host memory (for a pool on a GPU: one PCIe copy away), LRU under a cap."""
-
-    def __init__(self, name: str, max_bytes: int, on_event) -> None:
-        self.name = name
-        self.max_bytes = max_bytes
-        self.on_event = on_event
-        self._records: OrderedDict[int, bytes] = OrderedDict()
-        self._leaving: dict[int, bytes] = {}  # pushed out, still readable until demoted
-        self._lock = threading.Lock()
-        self.counters = _counters()
-
-    def contains(self, block_hash: int) -> bool:
-        return block_hash in self._records or block_hash in self._leaving
-
-    def put(self, block_hash: int, header: bytes, payload: memoryview) -> list[tuple[int, bytes]]:
-        """Store; returns the (hash, record) pairs pushed out (for the next tier)."""
-        record = bytes(header) + bytes(payload)  # immutable: read without the lock
-        out = []
-        with self._lock:
-            self._records[block_hash] = record
-            self._records.move_to_end(block_hash)
-            size = self.counters["num_bytes"] + len(record)
-            while size > self.max_bytes and len(self._records) > 1:
-                old_hash, old = self._records.popitem(last=False)
-                size -= len(old)
-                out.append((old_hash, old))
-                self._leaving[old_hash] = old
-            self.counters.update(num_bytes=size, num_blocks=len(self._records))
-        self.counters["stored"] += 1
-        self.counters["bytes_written"] += len(record)
-        self.on_event("stored", block_hash, self.name)
-        for old_hash, _ in out:
-            self.counters["evicted"] += 1
-            self.on_event("evicted", old_hash, self.name)
-        return out
-
-    def left(self, block_hash: int) -> None:
-        """A pushed-out record is in the next tier now (or was dropped there)."""
-        with self._lock:
-            self._leaving.pop(block_hash, None)
-
-    def read(self, block_hash: int, buffer: torch.Tensor) -> memoryview:
-        with self._lock:
-            record = self._records.get(block_hash) or self._leaving.get(block_hash)
-            if record is None:
-                raise FileNotFoundError(f"block {block_hash:016x} left the {self.name} tier")
-            if block_hash in self._records:
-                self._records.move_to_end(block_hash)
-        view = memoryview(buffer.numpy())[:len(record)]
-        view[:] = record  # into the reader's own buffer: the record itself stays immutable
-        return view
-
-    def discard(self, block_hash: int) -> None:
-        with self._lock:
-            record = self._records.pop(block_hash, None)
-            self._leaving.pop(block_hash, None)
-            if record is not None:
-                self.counters["num_bytes"] -= len(record)
-                self.counters["num_blocks"] = len(self._records)
-
-
-class DirectoryTier:
-    """One record file per block: `<root>/<namespace>/<first 2 hex>/<hash as 16 hex>.kvb`."""
-
-    def __init__(self, name: str, root: str, namespace: str, max_bytes: int, shared: bool,
-                 geometry: KVCacheGeometry, on_event) -> None:
-        self.name = name
-        self.dir = os.path.join(root, namespace)
-        self.tmp_dir = os.path.join(self.dir, "tmp")
-        self.max_bytes = max_bytes
-        self.shared = shared
-        self.record_bytes = record_bytes(geometry)
-        self.on_event = on_event
-        self._index: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self._lock = threading.Lock()
-        self.counters = _counters()
-        os.makedirs(self.tmp_dir, exist_ok=True)
-        self._rebuild()
-
-    def path(self, block_hash: int) -> str:
-        name = f"{block_hash:016x}"
-        return os.path.join(self.dir, name[:2], name + SUFFIX)
-
-    def _rebuild(self) -> None:
-        """Index the records already here (oldest use first); sweep stale temporary files."""
-        now = time.time()
-        for entry in os.scandir(self.tmp_dir):
-            try:
-                if now - entry.stat().st_mtime > STALE_TMP_SECONDS or not self.shared:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
-        found = []
-        for sub in os.scandir(self.dir):
-            if not sub.is_dir() or len(sub.name) != 2:
-                continue
-            for entry in os.scandir(sub.path):
-                if not entry.name.endswith(SUFFIX):
-                    continue
-                try:
-                    block_hash = int(entry.name[:-len(SUFFIX)], 16)
-                    st = entry.stat()
-                except (ValueError, OSError):
-                    continue
-                if st.st_size != self.record_bytes:  # cannot be a whole record: drop it
-                    _unlink(entry.path)
-                    continue
-                found.append((st.st_mtime, block_hash))
-        for _, block_hash in sorted(found):
-            self._index[block_hash] = None
-            self.on_event("stored", block_hash, self.name)
-        self._set_size()
-        self._trim()
-        log.info("%s tier %s: %d blocks found", self.name, self.dir, len(self._index))
-
-    def _set_size(self) -> None:
-        self.counters["num_blocks"] = len(self._index)
-        self.counters["num_bytes"] = len(self._index) * self.record_bytes
-
-    def contains(self, block_hash: int) -> bool:
-        if block_hash in self._index:
-            return True
-        if self.shared and os.path.exists(self.path(block_hash)):  # another worker wrote it
-            with self._lock:
-                self._index[block_hash] = None
-                self._set_size()
-            return True
-        return False
-
-    def put(self, block_hash: int, header: bytes, payload: memoryview) -> bool:
-        """Write one record (writer thread). False when it could not be written."""
-        final = self.path(block_hash)
-        tmp = os.path.join(self.tmp_dir, f"{block_hash:016x}.{os.getpid()}.{threading.get_ident()}")
-        try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.makedirs(self.tmp_dir, exist_ok=True)  # the directory may have been removed
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, final)
-        except OSError as exc:
-            _unlink(tmp)
-            self.counters["write_errors"] += 1
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                self._make_room()  # the disk is fuller than our cap assumed
-            log.warning("%s tier: could not write block %016x: %s", self.name, block_hash, exc)
-            return False
-        with self._lock:
-            self._index[block_hash] = None
-            self._index.move_to_end(block_hash)
-            self._set_size()
-        self.counters["stored"] += 1
-        self.counters["bytes_written"] += len(header) + len(payload)
-        self.on_event("stored", block_hash, self.name)
-        self._trim()
-        return True
-
-    def _make_room(self) -> None:
-        """Disk full: shrink the cap to what fits now and free an eighth of it."""
-        with self._lock:
-            self.max_bytes = max(self.record_bytes,
-                                 min(self.max_bytes, len(self._index) * self.record_bytes * 7 // 8))
-        self._trim()
-
-    def _trim(self) -> None:
-        while True:
-            with self._lock:
-                if len(self._index) * self.record_bytes <= self.max_bytes or not self._index:
-                    return
-                block_hash, _ = self._index.popitem(last=False)
-                self._set_size()
-            _unlink(self.path(block_hash))
-            self.counters["evicted"] += 1
-            self.on_event("evicted", block_hash, self.name)
-
-    def read(self, block_hash: int, buffer: torch.Tensor) -> memoryview:
-        """The record's bytes, read into `buffer` (uint8, record_bytes long)."""
-        view = memoryview(buffer.numpy())
-        with open(self.path(block_hash), "rb") as f:
-            n = f.readinto(view)
-            if f.read(1):
-                raise BlockRecordError("file is longer than a record")
-        with self._lock:
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
-        return view[:n]
-
-    def discard(self, block_hash: int) -> None:
-        """A record failed its checks or vanished: forget it (and remove a bad file)."""
-        with self._lock:
-            self._index.pop(block_hash, None)
-            self._set_size()
-        _unlink(self.path(block_hash))
 
 
 class _LoadState:
@@ -459,13 +248,6 @@ class TieredStore:
         for tier in self.tiers:
             if hasattr(tier, "close"):
                 tier.close()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def make_store(config: KVOffloadConfig, kv_cache: torch.Tensor, geometry: KVCacheGeometry,

@@ -48,12 +48,12 @@ class MooncakeTier:
                  on_event, local_hostname: str = "127.0.0.1") -> None:
         from mooncake.store import MooncakeDistributedStore
 
-        from hearth.disagg.kv_store import _counters
+        from hearth.disagg.local_tiers import tier_counters
 
         self.name = "mooncake"
         self.prefix = f"hearth/{namespace}/"
         self.on_event = on_event
-        self.counters = _counters()
+        self.counters = tier_counters()
         self._known: set[int] = set()  # written or seen here (the store may still evict them)
         self._lock = threading.Lock()
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="hearth-mooncake-lookup")

@@ -20,7 +20,8 @@ import torch
 
 from hearth.config import KVOffloadConfig, SchedulerConfig
 from hearth.disagg.block_file import BlockRecordError, check_record, encode_header
-from hearth.disagg.kv_store import DirectoryTier, TieredStore
+from hearth.disagg.kv_store import TieredStore
+from hearth.disagg.local_tiers import DirectoryTier
 from hearth.engine.block_pool import BlockPool
 from hearth.engine.connector import KVCacheGeometry
 from hearth.engine.kv_cache import KVCacheManager
@@ -422,7 +423,7 @@ def test_offload_drops_instead_of_blocking_when_staging_is_full(tmp_path):
 WRITER = textwrap.dedent("""
     import sys, torch
     from hearth.disagg.block_file import encode_header
-    from hearth.disagg.kv_store import DirectoryTier
+    from hearth.disagg.local_tiers import DirectoryTier
     from hearth.engine.connector import KVCacheGeometry
     g = KVCacheGeometry(32, 4, 16, 8, 64, "float32")  # 2 MiB blocks: writes take a while
     ns = "0123456789abcdef"
