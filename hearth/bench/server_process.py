@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from hearth.server.readiness import NotReadyError, answers, wait_ready
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,11 @@ class ServerStartError(RuntimeError):
     pass
 
 
-def _probe(url: str) -> bool:
-    for path in ("/health", "/v1/models"):
-        try:
-            with httpx.Client(timeout=2, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-                if client.get(url + path).status_code == 200:
-                    return True
-        except httpx.HTTPError:
-            pass
-    return False
+PROBE_PATHS = ("/health", "/v1/models")  # peers without /health answer /v1/models once ready
 
 
 def start_server(spec: ServerSpec, log_path: Path, timeout_s: float) -> RunningServer:
-    if _probe(spec.url):
+    if answers(spec.url, PROBE_PATHS):
         raise ServerStartError(f"{spec.name}: something already answers on port {spec.port}")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")
@@ -67,14 +59,15 @@ def start_server(spec: ServerSpec, log_path: Path, timeout_s: float) -> RunningS
     process = subprocess.Popen(spec.command(), stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, **spec.env}, start_new_session=True)
     log.close()  # the child holds its own descriptor
-    while time.perf_counter() - start < timeout_s:
-        if process.poll() is not None:
-            raise ServerStartError(f"{spec.name} exited with {process.returncode} before ready; see {log_path}")
-        if _probe(spec.url):
-            return RunningServer(spec, process, time.perf_counter() - start, log_path)
-        time.sleep(0.1)
-    _kill_group(process)
-    raise ServerStartError(f"{spec.name} not ready after {timeout_s:.0f} s; see {log_path}")
+    try:
+        wait_ready(spec.url, process, timeout_s, PROBE_PATHS)
+    except NotReadyError as exc:
+        if exc.exited:
+            raise ServerStartError(f"{spec.name} exited with {process.returncode} before ready; "
+                                   f"see {log_path}") from None
+        _kill_group(process)
+        raise ServerStartError(f"{spec.name} not ready after {timeout_s:.0f} s; see {log_path}") from None
+    return RunningServer(spec, process, time.perf_counter() - start, log_path)
 
 
 def _kill_group(process: subprocess.Popen, grace_s: float = 20) -> None:
@@ -93,7 +86,7 @@ def _kill_group(process: subprocess.Popen, grace_s: float = 20) -> None:
 def stop_server(server: RunningServer) -> None:
     _kill_group(server.process)
     deadline = time.perf_counter() + 10
-    while _probe(server.spec.url) and time.perf_counter() < deadline:  # port freed before the next start
+    while answers(server.spec.url, PROBE_PATHS) and time.perf_counter() < deadline:  # port freed before the next start
         time.sleep(0.2)
 
 

@@ -37,7 +37,7 @@ from hearth.router.orchestrator import Job, Orchestrator
 from hearth.router.policy import NoEndpointError
 from hearth.router.prompts import PromptTokens
 from hearth.router.router_config import RouterConfig
-from hearth.server.edge import CpuPool, api_key_matches, read_json
+from hearth.server.edge import SSE_HEADERS, CpuPool, check_api_key, read_json
 from hearth.server.errors import error_response, install_error_handlers
 from hearth.server.middleware import install_edge_middleware
 from hearth.server.protocol import (
@@ -52,7 +52,6 @@ from hearth.server.responses_api import ResponseStore
 
 log = logging.getLogger("hearth.router")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Router:
@@ -181,11 +180,7 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
     install_edge_middleware(app, config.allowed_origins, config.access_log)
 
     async def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        if not api_key_matches(request.headers, config.api_key):
-            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                           "authentication_error", code="invalid_api_key")
+        check_api_key(request.headers, config.api_key)
 
     auth = [Depends(authorize)]
 

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 
@@ -39,6 +39,7 @@ from hearth.router.stitch import Stitcher
 from hearth.server.protocol import bad_request
 
 log = logging.getLogger("hearth.router")
+T = TypeVar("T")
 
 
 @dataclass
@@ -95,8 +96,11 @@ class Orchestrator:
         self.metrics.requests.labels("pd" if decision.prefill else "local").inc()
         return self.pool.begin(decision, len(ids), hash_blocks(ids, self.config.policy.block_size))
 
-    def _failed(self, error: HopError, hop: str) -> None:
+    def _failed(self, job: Job, error: HopError, hop: str) -> None:
+        """Record a failed hop: on its endpoint (ejected unless only busy) and on the job (not
+        tried again for this request)."""
         log.warning("%s hop failed: %s", hop, error)
+        job.tried.add(error.endpoint)
         endpoint = self.pool[error.endpoint]
         if error.eject:
             endpoint.mark_failed(str(error), self.config.health.eject_seconds)
@@ -105,6 +109,7 @@ class Orchestrator:
         endpoint.counters.retries += 1
 
     def _may_retry(self, job: Job, hop: str) -> bool:
+        """Whether the job has a retry left (one more is then counted)."""
         if job.num_retries >= self.config.health.max_retries:
             return False
         job.num_retries += 1
@@ -158,37 +163,40 @@ class Orchestrator:
                 f"{num_prompt} tokens and {max_tokens} more were requested for the output",
                 param="max_tokens", code="context_length_exceeded").body())
 
-    async def _open_local(self, job: Job, ticket: Ticket) -> Stream:
-        """The decode stream of a request without a prefill hop, retried on other endpoints."""
-        endpoint = ticket.decode.url
+    async def _on_decode_endpoints(self, job: Job, ticket: Ticket, endpoint: str,
+                                   attempt: Callable[[str], Awaitable[T]]) -> tuple[str, T]:
+        """(endpoint, result) of `attempt(endpoint)` for a hop that nothing was sent of yet and
+        that needs no prefill hop: on failure it moves to the next decode endpoint while the
+        job has retries left (the ticket moves with it), else the last HopError is raised."""
         while True:
             try:
-                return await open_stream(self.client, endpoint, job.path, decode_body(job.raw, None),
-                                         job.headers, self.config.timeouts)
+                return endpoint, await attempt(endpoint)
             except HopError as error:
-                self._failed(error, "decode")
-                job.tried.add(error.endpoint)
+                self._failed(job, error, "decode")
                 if not self._may_retry(job, "decode"):
                     raise
                 endpoint = self._choose(job, can_disaggregate=False).decode
                 ticket.move_decode(self.pool[endpoint])
 
+    async def _open_local(self, job: Job, ticket: Ticket) -> Stream:
+        """The decode stream of a request without a prefill hop, retried on other endpoints."""
+        body = decode_body(job.raw, None)
+
+        def attempt(endpoint: str) -> Awaitable[Stream]:
+            return open_stream(self.client, endpoint, job.path, body, job.headers,
+                               self.config.timeouts)
+
+        _, stream = await self._on_decode_endpoints(job, ticket, ticket.decode.url, attempt)
+        return stream
+
     async def _proxy(self, job: Job, decision: Decision, ticket: Ticket) -> dict:
         """A non-streamed request without a prefill hop: forwarded whole, retried whole."""
-        endpoint = decision.decode
+        def attempt(endpoint: str) -> Awaitable[dict]:
+            return post_json(self.client, endpoint, job.path, job.raw, job.headers,
+                             self.config.timeouts)
+
         try:
-            while True:
-                try:
-                    body = await post_json(self.client, endpoint, job.path, job.raw, job.headers,
-                                           self.config.timeouts)
-                    break
-                except HopError as error:
-                    self._failed(error, "decode")
-                    job.tried.add(error.endpoint)
-                    if not self._may_retry(job, "decode"):
-                        raise
-                    endpoint = self._choose(job, can_disaggregate=False).decode
-                    ticket.move_decode(self.pool[endpoint])
+            endpoint, body = await self._on_decode_endpoints(job, ticket, decision.decode, attempt)
             self._observe_cached(endpoint, body.get("usage"))
             self.sessions.put(job.session_key, (None, endpoint))
             body.pop("kv_transfer", None)
@@ -207,8 +215,7 @@ class Orchestrator:
                                        job.headers, self.config.timeouts)
                 done = PrefillDone.from_response(endpoint, body, job.chat)
             except HopError as error:
-                self._failed(error, "prefill")
-                job.tried.add(error.endpoint)
+                self._failed(job, error, "prefill")
                 endpoint, cached = None, 0
                 if self._may_retry(job, "prefill"):
                     endpoint, cached = self._next_prefill(job)
@@ -266,8 +273,7 @@ class Orchestrator:
                 return
             except HopError as error:
                 opened = None
-                self._failed(error, "decode")
-                job.tried.add(error.endpoint)
+                self._failed(job, error, "decode")
                 replacement = self._replacement(job, stitcher, prefill, sent_from_decode)
                 if replacement is None and not job.stream:
                     raise  # nothing was sent: the client gets a 503, not a partial body

@@ -30,12 +30,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 from hearth.config import EngineConfig
 from hearth.router.launch import route
 from hearth.router.router_config import RouterConfig, UpConfig
 from hearth.router.supervisor import Supervisor, WorkerSpec
+from hearth.server.readiness import NotReadyError, wait_ready
 from hearth.server.server_config import ServerConfig
 
 log = logging.getLogger("hearth.up")
@@ -104,25 +103,18 @@ class StartupError(RuntimeError):
 
 
 def wait_healthy(supervisor: Supervisor, timeout: float) -> None:
+    """Every worker healthy within `timeout` seconds (they load in parallel: one deadline)."""
     deadline = time.monotonic() + timeout
-    pending = list(supervisor.workers)
-    while pending:
-        for w in list(pending):
-            if w.process.poll() is not None:
-                log_path = w.spec.log_path
-                tail = log_path.read_text()[-3000:] if log_path else "(see the output above)"
-                raise StartupError(f"{w.spec.role} worker {w.spec.url} exited with "
-                                   f"{w.process.returncode} before it was healthy:\n{tail}")
-            try:
-                if httpx.get(w.spec.url + "/health", timeout=2.0).status_code == 200:
-                    pending.remove(w)
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise StartupError(f"workers not healthy after {timeout:.0f}s: "
-                               f"{[w.spec.url for w in pending]}")
-        if pending:
-            time.sleep(0.3)
+    for w in supervisor.workers:
+        try:
+            wait_ready(w.spec.url, w.process, max(0.0, deadline - time.monotonic()))
+        except NotReadyError as exc:
+            if not exc.exited:
+                raise StartupError(f"workers not healthy after {timeout:.0f}s: {w.spec.url}") from None
+            log_path = w.spec.log_path
+            tail = log_path.read_text()[-3000:] if log_path else "(see the output above)"
+            raise StartupError(f"{w.spec.role} worker {w.spec.url} exited with "
+                               f"{w.process.returncode} before it was healthy:\n{tail}") from None
 
 
 def up(stack: UpConfig, engine: EngineConfig, server: ServerConfig, router: RouterConfig,

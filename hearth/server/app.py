@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.config import EngineConfig
 from hearth.server.chat import render_chat_prompt
-from hearth.server.edge import CpuPool, api_key_matches, longest_token_chars, read_json
+from hearth.server.edge import SSE_HEADERS, CpuPool, check_api_key, longest_token_chars, read_json
 from hearth.server.engine_client import EngineClient, EngineDeadError
 from hearth.server.errors import install_error_handlers
 from hearth.server.front_doors import front_door_routes
@@ -56,7 +56,6 @@ from hearth.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 log = logging.getLogger("hearth.server")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def load_tokenizer(engine_config: EngineConfig):
@@ -184,14 +183,12 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig,
 
 def _authorizer(worker: Worker) -> Callable:
     async def authorize(request: Request) -> None:
-        key = worker.config.api_key
-        if key is None:
-            return
-        if not api_key_matches(request.headers, key):
+        try:
+            check_api_key(request.headers, worker.config.api_key)
+        except APIError:
             if worker.state is not None:
                 worker.state.metrics.observe_rejected("auth")
-            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                           "authentication_error", code="invalid_api_key")
+            raise
 
     return authorize
 

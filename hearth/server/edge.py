@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from hearth.server.protocol import APIError, bad_request
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffers a stream
 MAX_JSON_DEPTH = 64  # arrays/objects inside each other; OpenAI's own schema limits are far lower
 MAX_CONTENT_LENGTH_DIGITS = 19  # a Content-Length header longer than this is past any limit
 
@@ -136,6 +137,17 @@ def bearer_matches(authorization: str, key: str) -> bool:
         return False
     sent = token.strip().encode("latin-1", errors="replace")
     return hmac.compare_digest(sent, key.encode("utf-8"))
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                    "authentication_error", code="invalid_api_key")
+
+
+def check_api_key(headers: Any, key: str | None) -> None:
+    """The 401 of a request without the key (`key` None: no key is required)."""
+    if key is not None and not api_key_matches(headers, key):
+        raise unauthorized()
 
 
 def api_key_matches(headers: Any, key: str) -> bool:

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from hearth.server.readiness import NotReadyError, wait_ready
+
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
@@ -116,19 +118,13 @@ def launch_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Ser
 
 
 def wait_healthy(server: Server) -> Server:
-    process, log_path = server.process, server.log_path
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(f"server not healthy after {STARTUP_SECONDS}s:\n{log_path.read_text()[-3000:]}")
+    try:
+        wait_ready(server.url, server.process, STARTUP_SECONDS)
+    except NotReadyError as exc:
+        if not exc.exited:
+            server.stop()
+        raise RuntimeError(f"{exc}:\n{server.log_path.read_text()[-3000:]}") from None
+    return server
 
 
 @pytest.fixture(scope="session")
