@@ -45,14 +45,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF checkpoint folder, .gguf file, or built-in name (default: %(default)s)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "q8_0"],
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "q8_0",
+                                                                  "gguf-a8", "q8_0-a8"],
                    help="decode-path weights: gguf = the file's own blocks (Q4_0/Q4_1/Q8_0), "
                         "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
                         "kernels run here (docs/formats.md)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="KV cache storage (auto: the model dtype; bfloat16 halves it)")
-    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512", "avx2", "off"],
+    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512vnni", "avx512", "avx2", "off"],
                    help="hearth's compiled CPU kernels (built by make setup)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)

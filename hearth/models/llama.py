@@ -105,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
             return False
         weights = [t for m in linears for t in (m.qweight.qs, m.qweight.d, m.qweight.m)]
         self._fused = (kernels.ops.decode_layer, weights, [m.qweight.qtype for m in linears],
-                       kernels)
+                       kernels, any(m.qweight.int8_act for m in linears))
         return True
 
     _fused = None
@@ -114,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
         # The residual stream is carried separately so a pipeline stage can hand both on.
         if (self._fused is not None and meta.num_decodes == meta.num_tokens
                 and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32):
-            op, weights, types, kernels = self._fused
+            op, weights, types, kernels, int8_act = self._fused
             attn = self.self_attn
             return op(x, x if residual is None else residual, residual is not None,
                       self.input_layernorm.weight, self.post_attention_layernorm.weight,
@@ -122,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
                       positions, kv_cache[0], kv_cache[1], meta.slot_mapping,
                       meta.decode_block_table_i32, meta.decode_context_lens, attn.num_heads,
                       attn.num_kv_heads, attn.head_dim, self.mlp.inter, attn.scale,
-                      kernels.decode_split, kernels.threads.count)
+                      kernels.decode_split, kernels.threads.count, int8_act)
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:

@@ -6,6 +6,10 @@ format that hearth's CPU kernels read directly (`qlinear`).
            the same numbers the float reference dequantizes, at 4.5-8.5 bits per weight;
            other tensors (K-quants, float files) are requantized to Q8_0
     q8_0   every linear requantized to Q8_0 (32-element blocks, one fp16 scale): any checkpoint
+    gguf-a8, q8_0-a8
+           the same weights, with the activations of a few-row step quantized to 8 bits per
+           32-element block (llama.cpp's way: integer dot products, VNNI where the CPU has it).
+           Not exact: held to top-1 / KL bounds against fp32 like q8_0
 
 The float weights stay: a layer multiplies through `qlinear` when a step has few rows (decode,
 weight-bandwidth bound) and through the float GEMM when it has many (prefill, compute bound).
@@ -23,7 +27,7 @@ from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml
 
 log = logging.getLogger("hearth.models")
 
-QUANTIZATIONS = ("none", "gguf", "q8_0")
+QUANTIZATIONS = ("none", "gguf", "q8_0", "gguf-a8", "q8_0-a8")
 
 
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
@@ -74,6 +78,8 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
     if quantization == "none":
         return counts
     single_rank = model.tp.size == 1
+    int8_act = quantization.endswith("-a8")
+    quantization = quantization.removesuffix("-a8")
     for module, sources in _linear_sources(model, set(checkpoint.tensor_names())):
         weight = module.weight.data
         if weight.shape[1] % 32:
@@ -86,8 +92,9 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
                 packed = None  # e.g. a vocabulary padded for TP
         if packed is None:
             packed = (QTYPE_IDS["q8_0"], quantize_q8_0(weight))
-        module.set_quantized(pack_ggml(*packed), kernels)
+        module.set_quantized(pack_ggml(*packed, int8_act=int8_act), kernels)
         name = QTYPES[packed[0]][1]
         counts[name] = counts.get(name, 0) + 1
-    log.info("decode weights: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
+    log.info("decode weights: %s%s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())),
+             ", 8-bit activations" if int8_act else "")
     return counts

@@ -2,7 +2,7 @@
 
     python -m hearth.ops.build_kernels     (run by `make setup`; idempotent)
 
-The source is compiled twice, for AVX-512 and for AVX2, into `hearth/ops/_build/` under names that
+The source is compiled three times (AVX-512 + VNNI, AVX-512, AVX2) into `hearth/ops/_build/` under names that
 carry a hash of the source and the torch version, so a stale build is never loaded. Each build is
 then run once in a child process on a small self-check (its results against plain torch): a CPU
 that lists an instruction set it cannot execute kills only the child, and that build is marked
@@ -21,10 +21,13 @@ from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 BUILD_DIR = Path(__file__).parent / "_build"
-VARIANTS = {
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"]
+VARIANTS = {  # best first
+    "avx512vnni": [*AVX512, "-mavx512vnni"],  # qlinear's int8-activation path on VNNI dot products
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
+ISA = {"avx512vnni": 513, "avx512": 512, "avx2": 256}  # what each build's isa() returns
 PROBE_FILE = BUILD_DIR / "probe.json"
 
 
@@ -75,6 +78,12 @@ ref = x @ (q.float() * d.half().float()).reshape(8, 64).T
 got = h.qlinear(x, q.view(torch.uint8).reshape(8, 64), d.half().reshape(8, 2),
                 torch.empty(0, dtype=torch.half), 8, 8, 64)
 assert torch.allclose(got, ref, atol=1e-4), "qlinear"
+for qtype, qs in ((8, q.view(torch.uint8).reshape(8, 64)),
+                  (2, torch.randint(0, 256, (8, 32), generator=g, dtype=torch.uint8))):
+    args = (qs, d.half().reshape(8, 2), torch.empty(0, dtype=torch.half), qtype, 8, 64)
+    exact = h.qlinear(x, *args)
+    a8 = h.qlinear(x, *args, 64, True)  # 8-bit activations (VNNI in that build)
+    assert (a8 - exact).abs().max() <= 0.02 * exact.abs().max() + 1e-4, "qlinear int8 activations"
 r = torch.randn(5, 64, generator=g)
 n = h.add_rms_norm(x, r.clone(), torch.ones(64), 1e-5)
 ref_n = (r + x) * torch.rsqrt((r + x).pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -84,7 +93,7 @@ print("ok")
 
 
 def probe(variant: str, path: Path) -> bool:
-    isa = "512" if variant == "avx512" else "256"
+    isa = str(ISA[variant])
     proc = subprocess.run([sys.executable, "-c", SELF_CHECK, str(path), isa],
                           capture_output=True, text=True, timeout=120)
     return proc.returncode == 0 and proc.stdout.strip() == "ok"

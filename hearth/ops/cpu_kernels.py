@@ -34,9 +34,10 @@ class PackedWeight:
     m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1), else empty
     out_features: int
     in_features: int
+    int8_act: bool = False  # activations quantized to 8 bits per 32-element block (not exact)
 
 
-def pack_ggml(qtype: int, blocks: torch.Tensor) -> PackedWeight:
+def pack_ggml(qtype: int, blocks: torch.Tensor, int8_act: bool = False) -> PackedWeight:
     """`[N, K/32 * block_bytes]` uint8 ggml rows -> PackedWeight (same bytes, rearranged)."""
     if qtype not in QTYPES:
         raise ValueError(f"ggml type {qtype} is not one the CPU kernels read ({QTYPES})")
@@ -50,7 +51,7 @@ def pack_ggml(qtype: int, blocks: torch.Tensor) -> PackedWeight:
          else torch.empty(0, dtype=torch.float16))
     qs = b[:, :, head:].reshape(n, -1).contiguous()
     in_features = nb * 32
-    return PackedWeight(qtype, qs, d, m, n, in_features)
+    return PackedWeight(qtype, qs, d, m, n, in_features, int8_act)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class KernelThreads:
 class CpuKernels:
     """The ops of one loaded build (`torch.ops.hearth.*`) and which instruction set it uses."""
 
-    variant: str  # avx512 | avx2
+    variant: str  # avx512vnni | avx512 | avx2
     decode_split: int = 512  # context tokens per decode-attention work item
     threads: KernelThreads = field(default_factory=KernelThreads)
 
@@ -75,7 +76,7 @@ class CpuKernels:
 
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
-                                        w.in_features, self.threads.count)
+                                        w.in_features, self.threads.count, w.int8_act)
 
 
 def available_variants() -> list[str]:
@@ -104,5 +105,5 @@ def load_cpu_kernels(variant: str = "auto") -> CpuKernels | None:
     chosen = variants[0]
     if not hasattr(torch.ops.hearth, "qlinear"):
         torch.ops.load_library(str(build_kernels.library_path(chosen)))
-    loaded = "avx512" if torch.ops.hearth.isa() == 512 else "avx2"
+    loaded = {isa: v for v, isa in build_kernels.ISA.items()}[torch.ops.hearth.isa()]
     return CpuKernels(loaded)

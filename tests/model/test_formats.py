@@ -92,6 +92,9 @@ def reference(checkpoint):
     ({"quantization": "q8_0", "kv_cache_dtype": "float32"}, 0.95, 0.01),
     ({"quantization": "none", "kv_cache_dtype": "bfloat16"}, 0.98, 1e-3),
     ({"kv_cache_dtype": "bfloat16"}, 0.98, 1e-3),  # with auto (gguf) weights
+    # 8-bit activations on the decode path (int8 / VNNI dot products)
+    ({"quantization": "gguf-a8", "kv_cache_dtype": "float32"}, 0.95, 0.01),
+    ({"quantization": "q8_0-a8", "kv_cache_dtype": "float32"}, 0.95, 0.01),
 ])
 def test_format_agrees_with_fp32(checkpoint, reference, fmt, min_top1, max_kl):
     runner = make_runner(checkpoint, **fmt)

@@ -80,6 +80,37 @@ def test_qlinear_equals_dequantized_matmul(kernels, fmt, rows):
     torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' 8-bit activations, dequantized: per 32-element block dx = max|x| / 127,
+    q = round(x * 127 / max|x|)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return ((blocks * inv).round() * (amax / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("k", [96, 576])  # an odd number of 32-blocks (3), and an even one
+def test_qlinear_int8_activations_equal_quantized_matmul(kernels, fmt, rows, k):
+    gen = torch.Generator().manual_seed(rows + k)
+    n = 70
+    if fmt == "q8_0":
+        blocks = quantize_q8_0(torch.randn(n, k, generator=gen))
+    else:
+        blocks = make_q4_blocks(n, k, fmt == "q4_1", gen)
+    qtype = QTYPE_IDS[fmt]
+    weight = dequantize(blocks.reshape(-1), qtype, (n, k))
+    x = torch.randn(rows, k, generator=gen) * 3
+    x[0, :32] = 0  # an all-zero block (scale 0)
+    got = kernels.qlinear(x, pack_ggml(qtype, blocks, int8_act=True))
+    want = quantize_activations(x) @ weight.T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # and it is an approximation of the exact product, not something else
+    exact = x @ weight.T
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
 def test_qlinear_rejects_bad_shapes(kernels):
     w = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(torch.randn(8, 64)))
     op = kernels.ops.qlinear
@@ -198,3 +229,4 @@ def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     fast = type(kernels)(kernels.variant, decode_split=256)
     got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125, fast)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
