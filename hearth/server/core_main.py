@@ -14,14 +14,14 @@ import signal
 import socket
 import sys
 
-from hearth.config import EngineConfig
+from hearth.config import EngineConfig, Role
 from hearth.engine.core_process import run_core
 from hearth.logs import setup_logging
 
 
 def connector_factory_for(config: EngineConfig):
     """The KV connector factory an engine of this role gets (None: role both, no connector)."""
-    if config.kv_transfer.role == "both":
+    if config.kv_transfer.role is Role.BOTH:
         return None
     from hearth.disagg.connector import make_connector  # torch: only in the core process
 
