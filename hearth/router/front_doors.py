@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from hearth.router.orchestrator import ResponseStream
 from hearth.router.stitch import DONE, parse_sse_data
-from hearth.server.chat_output import ChatChunkReader, ChatEvent
+from hearth.server.chat_output import ChatChunkReader, ChatEvent, ChatEvents
 from hearth.server.edge import read_json
 from hearth.server.front_doors import (ChatBackend, count_message_tokens, create_message,
                                        create_response, respond)
@@ -30,10 +30,11 @@ from hearth.server.front_doors import (ChatBackend, count_message_tokens, create
 def router_backend(router: Any, request: Request) -> ChatBackend:
     """`router`: hearth.router.app.Router. Always a streamed chat request inside: one path for
     both modes, and usage (with cached tokens) arrives in the stream's last chunk."""
-    async def run(body: dict[str, Any]) -> AsyncIterator[ChatEvent]:
+    async def run(body: dict[str, Any]) -> ChatEvents:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         job = await router.job(body, request, chat=True)
-        return _read(await router.orchestrator.run(job))
+        stream = await router.orchestrator.run(job)
+        return ChatEvents(_read(stream), stream.aclose)
 
     return run
 

@@ -18,8 +18,9 @@ ToolCallDelta keeps the tool parser's contract: a call's first delta has id and 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 from hearth.server.responses import Usage
 from hearth.server.tool_parsers import ToolCallDelta
@@ -38,6 +39,28 @@ class Failed:
 
 
 ChatEvent = Union[str, ToolCallDelta, Finished, Failed]
+
+
+class ChatEvents:
+    """A chat request's ChatEvents, closable before its first event was pulled: `aclose()`
+    always runs `release` (the worker aborts its engine requests, the router closes its stitched
+    stream and ticket), even if the generator never started (a client gone before the first
+    byte), where a generator's own `finally` would never run."""
+
+    def __init__(self, events: AsyncIterator[ChatEvent],
+                 release: Callable[[], Awaitable[None] | None]) -> None:
+        self._events, self._release = events, release
+
+    def __aiter__(self) -> AsyncIterator[ChatEvent]:
+        return self._events
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            result = self._release()
+            if inspect.isawaitable(result):
+                await result
 
 
 def usage_from_dict(usage: dict | None) -> Usage:

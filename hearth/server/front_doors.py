@@ -18,10 +18,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from hearth.server.chat import render_chat_prompt
-from hearth.server.chat_output import ChatEvent, Failed
-from hearth.server.edge import read_json
+from hearth.server.chat_output import ChatEvents, Failed
+from hearth.server.edge import SSE_HEADERS, read_json
 from hearth.server.messages_api import (CountTokensRequest, MessagesRequest, to_chat_body as
                                         messages_chat_body, to_tokenize_body)
 from hearth.server.messages_writer import MessageWriter
@@ -32,13 +33,31 @@ from hearth.server.responses_writer import ResponseWriter
 from hearth.server.serving import ServerState, check_model, check_prompt_chars, new_id
 from hearth.server.serving_chat import chat_events
 
-ChatBackend = Callable[[dict[str, Any]], Awaitable[AsyncIterator[ChatEvent]]]
+ChatBackend = Callable[[dict[str, Any]], Awaitable[ChatEvents]]
 CountTokens = Callable[[dict[str, Any]], Awaitable[int]]  # a /tokenize body -> its token count
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _fold(writer: ResponseWriter | MessageWriter, events: AsyncIterator[ChatEvent]) -> None:
+class EventStream:
+    """A streamed response's SSE strings; `aclose()` also closes its ChatEvents, so a client gone
+    before the first chunk still frees the engine requests (or the router's ticket)."""
+
+    def __init__(self, writer: ResponseWriter | MessageWriter, events: ChatEvents,
+                 on_end: Callable[[], None] = lambda: None) -> None:
+        self.events = events
+        self._chunks = _write(writer, events, on_end)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._chunks
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            await self.events.aclose()
+
+
+async def _fold(writer: ResponseWriter | MessageWriter, events: ChatEvents) -> None:
     """Feed a non-streamed response's whole output; a failure is a 500."""
     try:
         async for event in events:
@@ -49,7 +68,7 @@ async def _fold(writer: ResponseWriter | MessageWriter, events: AsyncIterator[Ch
         await events.aclose()
 
 
-async def _write(writer: ResponseWriter | MessageWriter, events: AsyncIterator[ChatEvent],
+async def _write(writer: ResponseWriter | MessageWriter, events: ChatEvents,
                  on_end: Callable[[], None] = lambda: None) -> AsyncIterator[str]:
     try:
         for chunk in writer.start():
@@ -66,7 +85,7 @@ async def _write(writer: ResponseWriter | MessageWriter, events: AsyncIterator[C
 
 
 async def create_response(raw: Any, backend: ChatBackend, store: ResponseStore,
-                          model_name: str) -> dict | AsyncIterator[str]:
+                          model_name: str) -> dict | EventStream:
     request = parse_request(ResponsesRequest, raw)
     history = history_for(store, request)
     events = await backend(responses_chat_body(request, history))
@@ -79,7 +98,7 @@ async def create_response(raw: Any, backend: ChatBackend, store: ResponseStore,
             store.put(writer.response_id, StoredResponse(writer.body(), items))
 
     if request.stream:
-        return _write(writer, events, remember)
+        return EventStream(writer, events, remember)
     await _fold(writer, events)
     remember()
     return writer.body()
@@ -88,12 +107,12 @@ async def create_response(raw: Any, backend: ChatBackend, store: ResponseStore,
 # ---- Messages ------------------------------------------------------------------------------------
 
 
-async def create_message(raw: Any, backend: ChatBackend, model_name: str) -> dict | AsyncIterator[str]:
+async def create_message(raw: Any, backend: ChatBackend, model_name: str) -> dict | EventStream:
     request = parse_request(MessagesRequest, raw)
     events = await backend(messages_chat_body(request))
     writer = MessageWriter(new_id("msg").replace("-", "_"), model_name)
     if request.stream:
-        return _write(writer, events)
+        return EventStream(writer, events)
     await _fold(writer, events)
     return writer.body()
 
@@ -103,17 +122,18 @@ async def count_message_tokens(raw: Any, count: CountTokens) -> dict:
     return {"input_tokens": await count(to_tokenize_body(request))}
 
 
-def respond(result: dict | AsyncIterator[str]) -> Response:
+def respond(result: dict | EventStream) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=BackgroundTask(result.aclose))
 
 
 # ---- on a worker ---------------------------------------------------------------------------------
 
 
 def worker_backend(state: ServerState, request: Request) -> ChatBackend:
-    async def run(body: dict[str, Any]) -> AsyncIterator[ChatEvent]:
+    async def run(body: dict[str, Any]) -> ChatEvents:
         chat_request = parse_request(ChatCompletionRequest, body)
         return await chat_events(state, chat_request, None if chat_request.stream
                                  else request.is_disconnected)

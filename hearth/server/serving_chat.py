@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob, RequestOutput
 from hearth.server.chat import render_chat_prompt, uses_builtin_tool_format
-from hearth.server.chat_output import ChatEvent, Failed, Finished
+from hearth.server.chat_output import ChatEvent, ChatEvents, Failed, Finished
 from hearth.server.pd import Hop, first_token_text, hop_result, parse_hop
 from hearth.server.protocol import ChatCompletionRequest, bad_request
 from hearth.server.responses import (
@@ -151,14 +151,14 @@ async def create_chat_completion(
 
 async def chat_events(state: ServerState, request: ChatCompletionRequest,
                       is_disconnected: Callable[[], Awaitable[bool]] | None,
-                      ) -> AsyncIterator[ChatEvent]:
+                      ) -> ChatEvents:
     """The internal output stream of a one-choice chat request (hearth/server/chat_output.py):
     what the Responses and Messages front doors translate. Planning and admission happen here,
     so a bad request raises before anything is sent."""
     if request.n != 1 or request.kv_transfer is not None:
         raise bad_request("this API has one choice and no kv_transfer", param="n")
     run, choices, _ = await _start(state, request, None, is_disconnected)
-    return abort_when_dropped(_events(run, choices[0]), run)
+    return ChatEvents(abort_when_dropped(_events(run, choices[0]), run), run.abort_unfinished)
 
 
 async def _events(run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEvent]:

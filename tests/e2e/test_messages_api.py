@@ -158,3 +158,19 @@ def test_output_config_json_schema_is_followed(api):
         max_tokens=40, messages=[{"role": "user", "content": "Name a fruit as JSON."}],
         output_config={"format": {"type": "json_schema", "schema": schema}}, **GREEDY)
     jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(api, server):
+    generated_before = server.wait_idle_and_whole()["num_generation_tokens"]
+    body = {"model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0, "messages": [
+        {"role": "user", "content": "Write a very long story about a dragon who learns to cook."}]}
+    headers = {"x-api-key": api.api_key or "none", "anthropic-version": "2023-06-01"}
+    with httpx.stream("POST", api.url + "/v1/messages", json=body, headers=headers,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(12)]
+        assert "event: content_block_delta" in received
+    report = server.wait_idle_and_whole(timeout=60)
+    assert report["num_requests_inflight"] == 0 and report["kv_pool_is_whole"] is True
+    assert report["num_generation_tokens"] - generated_before < 400

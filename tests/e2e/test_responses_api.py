@@ -182,3 +182,29 @@ async def test_openai_agents_default_provider_runs_a_function_tool(api):
     assert isinstance(result.final_output, str)
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+
+
+STORY = "Write a very long story about a dragon who learns to cook, with many chapters."
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(api, server):
+    generated_before = server.wait_idle_and_whole()["num_generation_tokens"]
+    body = {"model": MODEL, "input": STORY, "max_output_tokens": 400, "stream": True, "temperature": 0}
+    with httpx.stream("POST", api.url + "/v1/responses", json=body, headers=api.headers(),
+                      timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(18)]  # a few events, then hang up
+        assert "event: response.output_text.delta" in received
+    report = server.wait_idle_and_whole(timeout=60)
+    assert report["num_requests_inflight"] == 0 and report["kv_pool_is_whole"] is True
+    assert report["num_generation_tokens"] - generated_before < 400
+
+
+def test_disconnect_during_non_stream_aborts(server):
+    body = {"model": MODEL, "input": STORY, "max_output_tokens": 400, "temperature": 0}
+    with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as client:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and hangs up
+            client.post(server.url + "/v1/responses", json=body, headers=server.headers())
+    report = server.wait_idle_and_whole(timeout=60)
+    assert report["num_requests_inflight"] == 0 and report["kv_pool_is_whole"] is True
