@@ -105,6 +105,16 @@ class ServerMetrics:
         self.tier_gauges = {
             key: Gauge(PREFIX + "kv_tier_" + name, doc, labels + ["tier"], registry=self.registry)
             for key, (name, doc) in TIER_COUNTERS.items()}
+        # speculative decoding, under vLLM's names (counters fed from the engine's totals)
+        self.spec = {
+            "num_spec_drafts": counter("spec_decode_num_drafts", "Request-steps that verified drafts."),
+            "num_spec_draft_tokens": counter("spec_decode_num_draft_tokens", "Draft tokens verified."),
+            "num_spec_accepted_tokens": counter("spec_decode_num_accepted_tokens",
+                                                "Draft tokens accepted."),
+        }
+        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted at each position.", ("position",))
+        self._spec_seen: dict[str, int] = {}
         self.offload_gauges = {
             key: gauge("kv_offload_" + name, doc) for key, (name, doc) in OFFLOAD_COUNTERS.items()}
 
@@ -143,6 +153,15 @@ class ServerMetrics:
         self._m(self.prefill_inflight).set(stats.num_prefill_tokens_inflight)
         self._m(self.decode_active).set(stats.num_decode_tokens_active)
         self._m(self.free_blocks).set(stats.num_free_blocks)
+        totals = {k: getattr(stats, k) for k in self.spec}
+        totals.update({f"pos{i}": n for i, n in enumerate(stats.spec_accepted_per_position)})
+        for key, total in totals.items():
+            delta = total - self._spec_seen.get(key, 0)
+            if delta > 0:
+                metric = (self._m(self.spec[key]) if key in self.spec
+                          else self._m(self.spec_per_pos, position=key[3:]))
+                metric.inc(delta)
+                self._spec_seen[key] = total
         for tier, counters in stats.kv_tiers.items():
             names = OFFLOAD_COUNTERS if tier == "offload" else TIER_COUNTERS
             for key, value in counters.items():
