@@ -6,6 +6,11 @@ Measures the machine (fp32 GEMM GFLOP/s at prefill shape, memory read GB/s), the
 torch.profiler, in the engine alone (no HTTP): one prefill chunk of a 2k-token prompt, and decode
 steps at ~100 and ~6,000 tokens of context. Prints per-op tables (self CPU time per step) and what
 fraction of the roofline each phase reaches; writes benchmarks/results/step_profile.json.
+
+Then a short-query step (1 + k new tokens of one request, what speculative decoding's verify step
+runs) at both contexts, through the model directly: through the kernels' short-query path (one
+fused call per layer) and, for comparison, with short queries sent down the prefill path (the
+per-request SDPA loop, as before the short-query kernel).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
+from hearth.ops import attention
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -67,10 +73,42 @@ def print_table(title: str, wall: float, ops: dict[str, float], rows: int = 12) 
     print(f"| (outside ops: Python, scheduling) | {max(0.0, wall - sum(ops.values())):.2f} | |")
 
 
+def short_query_steps(engine, ids: list[int], verify: str) -> dict:
+    """ms per model forward of one request's q new tokens after ~100 / ~6k cached tokens, through
+    the short-query kernel path and through the prefill (SDPA) path. Uses the runner's cache
+    blocks 0.. directly (no request is running; run last: it overwrites prefix-cached blocks)."""
+    runner = engine.executor
+    model, kv, block = runner.model, runner.kv_cache, engine.config.cache.block_size
+    kernels = model.layers[0].self_attn.kernels
+    if kernels is not None:
+        kernels.threads.count = torch.get_num_threads()  # as the tuner does for a quiet machine
+    table = list(range(-(-len(ids) // block) + 1))
+    out = {}
+    with torch.inference_mode():
+        meta = attention.build_attention_metadata([len(ids)], [len(ids)], [table], block)
+        model(torch.tensor(ids), torch.arange(len(ids)), meta, kv)  # fill the cache
+        for ctx in (100, len(ids)):
+            for q in (int(x) for x in verify.split(",")):
+                row = {}
+                for path, limit in (("kernel", attention.SHORT_QUERY_MAX), ("sdpa", 1)):
+                    saved, attention.SHORT_QUERY_MAX = attention.SHORT_QUERY_MAX, limit
+                    try:
+                        meta = attention.build_attention_metadata([q], [ctx], [table], block)
+                    finally:
+                        attention.SHORT_QUERY_MAX = saved
+                    toks, pos = torch.tensor(ids[ctx - q:ctx]), torch.arange(ctx - q, ctx)
+                    row[path] = best_of(lambda: model(toks, pos, meta, kv), repeats=5) * 1e3
+                out[f"ctx{ctx}_q{q}"] = row
+                print(f"short-query step, {q} new tokens after {ctx - q}: kernel "
+                      f"{row['kernel']:.2f} ms, SDPA path {row['sdpa']:.2f} ms")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--verify-tokens", default="1,2,5,9,16", help="query lengths of the short-query step")
     args = ap.parse_args()
     machine = roofline()
     print(f"machine: fp32 GEMM {machine['fp32_gemm_gflops']:.0f} GFLOP/s (M=512), "
@@ -107,6 +145,7 @@ def main() -> None:
             eng.step()
         print_table(name, wall, ops)
         report[name] = {"ms": wall, "ops": ops}
+    report["short_query"] = short_query_steps(eng, tok.encode(text * 2)[:6000], args.verify_tokens)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "step_profile.json").write_text(json.dumps(report, indent=1))
 

@@ -93,8 +93,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def enable_fused_decode(self) -> bool:
-        """Decode-only steps go through one fused kernel call (`decode_layer`) when every part
-        of this layer is one the kernel does: quantized weights, no biases or q/k norms, one
+        """Steps of short queries only (decodes, speculative verify steps: at most 16 tokens in
+        all) go through one fused kernel call (`decode_layer`) when every part of this layer is
+        one the kernel does: quantized weights, no biases or q/k norms, one
         rank. Returns whether it is enabled."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -112,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, meta, kv_cache):
         # The residual stream is carried separately so a pipeline stage can hand both on.
-        if (self._fused is not None and meta.num_decodes == meta.num_tokens
+        if (self._fused is not None and meta.num_short_tokens == meta.num_tokens
                 and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32):
             op, weights, types, kernels, int8_act = self._fused
             attn = self.self_attn
@@ -120,9 +121,10 @@ class LlamaDecoderLayer(nn.Module):
                       self.input_layernorm.weight, self.post_attention_layernorm.weight,
                       self.input_layernorm.eps, weights, types, attn.rotary.cos, attn.rotary.sin,
                       positions, kv_cache[0], kv_cache[1], meta.slot_mapping,
-                      meta.decode_block_table_i32, meta.decode_context_lens, attn.num_heads,
+                      meta.short_block_table_i32, meta.short_context_lens, attn.num_heads,
                       attn.num_kv_heads, attn.head_dim, self.mlp.inter, attn.scale,
-                      kernels.decode_split, kernels.threads.count, int8_act)
+                      kernels.decode_split, kernels.threads.count, int8_act,
+                      meta.short_query_lens)
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:

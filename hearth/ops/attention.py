@@ -12,7 +12,10 @@ which rows belong to which request:
 
 Backends: requests with one query token (decodes) are batched into one padded SDPA call over
 their gathered blocks with a length mask; longer queries (prefill chunks) run one SDPA call each
-with a causal mask offset by their cached prefix. Both work on CPU and CUDA.
+with a causal mask offset by their cached prefix. Both work on CPU and CUDA. With hearth's CPU
+kernels, every request with at most SHORT_QUERY_MAX new tokens (decodes, and speculative
+decoding's verify steps of 1 + k tokens) attends in one kernel call over the cache in place,
+causal among its new tokens; only longer queries take the SDPA loop.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# Requests with at most this many new tokens in a step go through the kernel's short-query path.
+SHORT_QUERY_MAX = 16
 
 
 @dataclass
@@ -36,8 +42,12 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
     num_tokens: int = 0
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32 (the CPU kernel's input)
-    decode_block_table_i32: torch.Tensor | None = None  # decode_block_table as int32
+    # Short-query requests (1 <= query_len <= SHORT_QUERY_MAX), the CPU kernel's input:
+    short_token_index: torch.Tensor | None = None  # [num_short_tokens] int64 rows, request order
+    short_query_lens: torch.Tensor | None = None  # [num_short] int32
+    short_context_lens: torch.Tensor | None = None  # [num_short] int32
+    short_block_table_i32: torch.Tensor | None = None  # [num_short, max_blocks] int32, 0-padded
+    num_short_tokens: int = 0
 
     @property
     def num_decodes(self) -> int:
@@ -55,11 +65,17 @@ def build_attention_metadata(
     slots: list[int] = []
     p_starts, p_lens, p_ctx, p_tables = [], [], [], []
     d_index, d_tables, d_ctx = [], [], []
+    s_index, s_lens, s_ctx, s_tables = [], [], [], []
     start = 0
     for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
         for pos in range(ctx_len - q_len, ctx_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         num_blocks = -(-ctx_len // block_size)
+        if q_len <= SHORT_QUERY_MAX:
+            s_index.extend(range(start, start + q_len))
+            s_lens.append(q_len)
+            s_ctx.append(ctx_len)
+            s_tables.append(table[:num_blocks])
         if q_len == 1:
             d_index.append(start)
             d_tables.append(table[:num_blocks])
@@ -76,6 +92,10 @@ def build_attention_metadata(
         table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
     ctx = torch.tensor(d_ctx, dtype=torch.long)
     mask = torch.arange(max_blocks * block_size)[None, :] < ctx[:, None]
+    s_table = torch.zeros((len(s_tables), max((len(t) for t in s_tables), default=0)),
+                          dtype=torch.int32)
+    for i, t in enumerate(s_tables):
+        s_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         prefill_query_starts=p_starts,
@@ -86,8 +106,11 @@ def build_attention_metadata(
         decode_block_table=table.to(device),
         decode_mask=mask[:, None, None, :].to(device),
         num_tokens=start,
-        decode_context_lens=ctx.to(torch.int32).to(device),
-        decode_block_table_i32=table.to(torch.int32).to(device),
+        short_token_index=torch.tensor(s_index, dtype=torch.long, device=device),
+        short_query_lens=torch.tensor(s_lens, dtype=torch.int32, device=device),
+        short_context_lens=torch.tensor(s_ctx, dtype=torch.int32, device=device),
+        short_block_table_i32=s_table.to(device),
+        num_short_tokens=len(s_index),
     )
 
 
@@ -107,23 +130,23 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    kernels=None,  # CpuKernels: decodes attend over the cache in place (no gather)
+    kernels=None,  # CpuKernels: short queries attend over the cache in place (no gather)
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
     The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read."""
     if not kv_written:
         write_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
-    if (kernels is not None and meta.num_decodes == meta.num_tokens and q.device.type == "cpu"
-            and q.dtype == torch.float32):
-        # Only decodes in this step: the kernel's output is the whole result.
-        return kernels.ops.decode_attention(q, k_cache, v_cache, meta.decode_block_table_i32,
-                                            meta.decode_context_lens, scale, kernels.decode_split,
-                                            kernels.threads.count)
+    use_kernel = kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
+    if use_kernel and meta.num_short_tokens == meta.num_tokens:
+        # Only short queries in this step: the kernel's output is the whole result.
+        return short_query_attention(q, k_cache, v_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
+        if use_kernel and q_len <= SHORT_QUERY_MAX:
+            continue  # the kernel below does it
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys
             ki, vi = k[start : start + q_len], v[start : start + q_len]
@@ -142,10 +165,10 @@ def paged_attention(
             is_causal=causal, scale=scale, enable_gqa=True,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
-    if meta.num_decodes and kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32:
-        out[meta.decode_token_index] = kernels.ops.decode_attention(
-            q[meta.decode_token_index], k_cache, v_cache, meta.decode_block_table_i32,
-            meta.decode_context_lens, scale, kernels.decode_split, kernels.threads.count)
+    if use_kernel:
+        if meta.num_short_tokens:
+            out[meta.short_token_index] = short_query_attention(q[meta.short_token_index], k_cache,
+                                                                v_cache, meta, scale, kernels)
     elif meta.num_decodes:
         num_decodes = meta.num_decodes
         qd = q[meta.decode_token_index].unsqueeze(2)  # [B, H, 1, D]
@@ -157,3 +180,10 @@ def paged_attention(
         )
         out[meta.decode_token_index] = o.squeeze(2)
     return out
+
+
+def short_query_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kernels):
+    """The CPU kernel over the step's short-query requests (`q`: their rows, request order)."""
+    return kernels.ops.decode_attention(q, k_cache, v_cache, meta.short_block_table_i32,
+                                        meta.short_context_lens, scale, kernels.decode_split,
+                                        kernels.threads.count, meta.short_query_lens)

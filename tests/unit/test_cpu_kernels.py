@@ -230,3 +230,95 @@ def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125, fast)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (18, 2, 128)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads, kv_heads, dim,
+                                                     seed):
+    """Requests with 1..16 new tokens (speculative verify steps), causal among them, beside a
+    long prefill chunk (SDPA path) and plain decodes; ragged, scattered block tables; contexts
+    past the serial threshold and across many context splits."""
+    gen = torch.Generator().manual_seed(10 + seed)
+    block_size = 16
+    query_lens = [int(x) for x in torch.randint(1, 17, (5,), generator=gen)] + [16, 1, 40]
+    context_lens = [q + int(torch.randint(0, 900, (1,), generator=gen)) for q in query_lens]
+    context_lens[1] = query_lens[1]  # nothing cached before the new tokens
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    # K/V already representable in the cache dtype: the torch path attends to a request's own
+    # unrounded keys when nothing is cached before them, the kernel always reads the cache.
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(cache_dtype).float()
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(cache_dtype).float()
+    fast = type(kernels)(kernels.variant, decode_split=128)
+    for lo, hi in ((0, 8), (0, 7)):  # mixed with a 40-token prefill; short queries only
+        meta = build_attention_metadata(query_lens[lo:hi], context_lens[lo:hi], tables[lo:hi],
+                                        block_size)
+        rows = slice(0, meta.num_tokens)
+        ref = paged_attention(q[rows], k[rows], v[rows], kc.clone(), vc.clone(), meta, 0.125)
+        got = paged_attention(q[rows], k[rows], v[rows], kc.clone(), vc.clone(), meta, 0.125, fast)
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_short_query_kernel_rejects_bad_metadata(kernels):
+    kc = torch.zeros(4, 16, 1, 16)
+    q = torch.zeros(5, 2, 16)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    op = kernels.ops.decode_attention
+    with pytest.raises(RuntimeError, match="query lengths sum"):
+        op(q, kc, kc, table, torch.tensor([8, 9], dtype=torch.int32), 1.0, 512, 1,
+           torch.tensor([2, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="outside"):
+        op(q, kc, kc, table, torch.tensor([2, 9], dtype=torch.int32), 1.0, 512, 1,
+           torch.tensor([3, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        op(q, kc, kc, table, torch.tensor([8, 33], dtype=torch.int32), 1.0, 512, 1,
+           torch.tensor([3, 2], dtype=torch.int32))
+
+
+def test_fused_layer_takes_short_query_steps(kernels):
+    """A step of short queries (1 + k tokens per request, as a speculative verify step) through
+    the fused decoder layer equals the same step through the module path (the same kernels op by
+    op, with the per-request queries in the attention kernel)."""
+    from hearth.models.arch import ModelArch
+    from hearth.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(5)
+    arch = ModelArch("llama", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256)
+    model = LlamaForCausalLM(arch)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
+        norm.weight.data.fill_(1.0)
+    model.use_kernels(kernels)
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj):
+            lin.set_quantized(pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(lin.weight.data)), kernels)
+        assert layer.enable_fused_decode()
+        op, *rest = layer._fused
+        layer._fused = (lambda *a, _op=op: calls.append(1) or _op(*a), *rest)
+    calls = []
+    block_size, num_blocks = 16, 24
+    context_lens, query_lens = [40, 7, 100], [5, 7, 3]  # one request with nothing cached before
+    gen = torch.Generator().manual_seed(6)
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+    kv = torch.randn(2, 2, num_blocks, block_size, 2, 32, generator=gen)
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    ids = torch.randint(0, 96, (sum(query_lens),), generator=gen)
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+    with torch.inference_mode():
+        fused_kv = kv.clone()
+        fused, _ = model(ids, positions, meta, fused_kv)
+        assert len(calls) == arch.num_layers  # the step went through the fused layer
+        for layer in model.layers:
+            layer._fused = None
+        module_kv = kv.clone()
+        ref, _ = model(ids, positions, meta, module_kv)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_kv, module_kv)

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace hearth {
@@ -629,18 +630,23 @@ inline float load_kv<float>(const float* p, int64_t j) { return p[j]; }
 template <>
 inline float load_kv<uint16_t>(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
 
-// Scores [G, n] -> exp(score - max) in place; part[h] gets (max, sum of exp) per query head.
-inline void softmax_scores(float* scores, int64_t n, int64_t G, float* part, int64_t pstride) {
-  for (int64_t h = 0; h < G; ++h) {
+// Scores [R, n] -> exp(score - max) in place; part[r] gets (max, sum of exp) per query row.
+// Row r sees only the first lim[r] tokens (causal among a request's new tokens): the rest of
+// its scores become 0; a row that sees none gets (-inf, 0).
+inline void softmax_scores(float* scores, int64_t n, int64_t R, const int64_t* lim, float* part,
+                           int64_t pstride) {
+  for (int64_t h = 0; h < R; ++h) {
     float* sc = scores + h * n;
+    const int64_t m = std::max<int64_t>(0, std::min(n, lim[h]));
     float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sc[i]);
+    for (int64_t i = 0; i < m; ++i) mx = std::max(mx, sc[i]);
     float sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < m; ++i) {
       sc[i] = fast_exp(sc[i] - mx);
       sum += sc[i];
     }
+    for (int64_t i = m; i < n; ++i) sc[i] = 0;
     part[h * pstride] = mx;
     part[h * pstride + 1] = sum;
   }
@@ -651,7 +657,7 @@ inline void softmax_scores(float* scores, int64_t n, int64_t G, float* part, int
 template <typename KV>
 void attend_generic(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
                     int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D, int64_t block_size,
-                    float scale, float* part, float* scores) {
+                    float scale, const int64_t* lim, float* part, float* scores) {
   const int64_t n = t1 - t0, pstride = D + 2;
   for (int64_t t = t0; t < t1; ++t) {
     const KV* k = kc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
@@ -663,7 +669,7 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int32_t* 
       scores[h * n + (t - t0)] = dot * scale;
     }
   }
-  softmax_scores(scores, n, G, part, pstride);
+  softmax_scores(scores, n, G, lim, part, pstride);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t j = 0; j < D; ++j) part[h * pstride + 2 + j] = 0;
   for (int64_t t = t0; t < t1; ++t) {
@@ -689,7 +695,7 @@ inline __m512 load16(const uint16_t* p) {
 template <typename KV, int DV>
 void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
                    int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t block_size, float scale,
-                   float* part, float* scores) {
+                   const int64_t* lim, float* part, float* scores) {
   constexpr int64_t D = 16 * DV;
   const int64_t n = t1 - t0, pstride = D + 2;
   for (int64_t t = t0; t < t1; ++t) {
@@ -702,7 +708,7 @@ void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* t
       scores[h * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  softmax_scores(scores, n, G, part, pstride);
+  softmax_scores(scores, n, G, lim, part, pstride);
   for (int64_t h0 = 0; h0 < G; h0 += 8) {
     const int64_t hn = std::min<int64_t>(8, G - h0);
     __m512 o[8][DV];
@@ -726,12 +732,12 @@ void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* t
 template <typename KV>
 void attend(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
             int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D, int64_t block_size,
-            float scale, float* part, float* scores) {
+            float scale, const int64_t* lim, float* part, float* scores) {
 #if defined(__AVX512F__)
-  if (D == 64) return attend_avx512<KV, 4>(qg, kc, vc, table, t0, t1, G, KVH, g, block_size, scale, part, scores);
-  if (D == 128) return attend_avx512<KV, 8>(qg, kc, vc, table, t0, t1, G, KVH, g, block_size, scale, part, scores);
+  if (D == 64) return attend_avx512<KV, 4>(qg, kc, vc, table, t0, t1, G, KVH, g, block_size, scale, lim, part, scores);
+  if (D == 128) return attend_avx512<KV, 8>(qg, kc, vc, table, t0, t1, G, KVH, g, block_size, scale, lim, part, scores);
 #endif
-  attend_generic<KV>(qg, kc, vc, table, t0, t1, G, KVH, g, D, block_size, scale, part, scores);
+  attend_generic<KV>(qg, kc, vc, table, t0, t1, G, KVH, g, D, block_size, scale, lim, part, scores);
 }
 
 // Merge the splits of query head h of request b into out[b, h].
@@ -753,87 +759,119 @@ inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, 
   for (int64_t j = 0; j < D; ++j) o[j] *= inv;
 }
 
+// Request b has query_lens[b] new tokens (rows query_start[b]... of q), the last ones of its
+// context: query j sits at position ctx - qlen + j and sees tokens [0, ctx - qlen + j].
+// Work item = (request, context split) over every KV head and every query of the request.
 template <typename KV>
 void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* tables,
-                           const int32_t* ctx, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                           int64_t block_size, int64_t max_blocks, float scale, int64_t split,
-                           int64_t num_splits, float* partial, float* out, int64_t threads) {
-  const int64_t G = H / KVH, pstride = D + 2;
+                           const int32_t* ctx, const int32_t* qlen, const int64_t* qstart,
+                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                           int64_t max_blocks, float scale, int64_t split, int64_t num_splits,
+                           int64_t max_q, float* partial, float* out, int64_t threads) {
+  const int64_t G = H / KVH, pstride = D + 2, RG = max_q * G;  // RG: rows per (item, kv head)
+  auto part_at = [&](int64_t b, int64_t g, int64_t s) {
+    return partial + ((b * KVH + g) * num_splits + s) * RG * pstride;
+  };
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += ctx[b];
+  for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(ctx[b]) * qlen[b];
   // One task per (request, context split), covering every KV head: a token's K/V rows of all
   // heads are adjacent in the cache, so the heads read the split's bytes from DRAM once (one
   // task per head re-read each cache line per head: 9 GB/s instead of ~20 at 6k tokens).
   auto item_fn = [&](int64_t item) {
-    thread_local std::vector<float> scores;
-    const int64_t b = item / num_splits, s = item % num_splits;
-    const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split);
+    thread_local std::vector<float> scores, qbuf;
+    thread_local std::vector<int64_t> lim;
+    const int64_t b = item / num_splits, s = item % num_splits, ql = qlen[b];
+    const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split), R = ql * G;
+    lim.resize(R);
+    for (int64_t j = 0; j < ql; ++j)
+      for (int64_t h = 0; h < G; ++h) lim[j * G + h] = ctx[b] - ql + j + 1 - t0;
     for (int64_t g = 0; g < KVH; ++g) {
-      float* part = partial + ((b * KVH + g) * num_splits + s) * G * pstride;
+      float* part = part_at(b, g, s);
       if (t0 >= t1) {
-        for (int64_t h = 0; h < G; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
+        for (int64_t h = 0; h < R; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
         continue;
       }
-      scores.resize(G * (t1 - t0));
-      attend<KV>(q + (b * H + g * G) * D, kc, vc, tables + b * max_blocks, t0, t1, G, KVH, g, D,
-                 block_size, scale, part, scores.data());
+      const float* qg = q + (qstart[b] * H + g * G) * D;
+      if (ql > 1) {  // the request's queries for kv head g, row j * G + h
+        qbuf.resize(R * D);
+        for (int64_t j = 0; j < ql; ++j)
+          std::memcpy(qbuf.data() + j * G * D, qg + j * H * D, G * D * sizeof(float));
+        qg = qbuf.data();
+      }
+      scores.resize(R * (t1 - t0));
+      attend<KV>(qg, kc, vc, tables + b * max_blocks, t0, t1, R, KVH, g, D, block_size, scale,
+                 lim.data(), part, scores.data());
     }
+  };
+  auto merge_fn = [&](int64_t b) {
+    for (int64_t j = 0; j < qlen[b]; ++j)
+      for (int64_t h = 0; h < H; ++h)
+        merge_splits(part_at(b, h / G, 0) + (j * G + h % G) * pstride, num_splits, RG * pstride, D,
+                     out + ((qstart[b] + j) * H + h) * D);
   };
   const int64_t items = B * num_splits;
   // A short context is less work than waking the thread team: run it on this thread.
   if (total * H * D < (1 << 18)) {
     for (int64_t i = 0; i < items; ++i) item_fn(i);
-    for (int64_t r = 0; r < B * H; ++r) {
-      const int64_t b = r / H, h = r % H;
-      merge_splits(partial + (b * KVH + h / G) * num_splits * G * pstride + (h % G) * pstride,
-                   num_splits, G * pstride, D, out + r * D);
-    }
+    for (int64_t b = 0; b < B; ++b) merge_fn(b);
     return;
   }
   parallel_tasks(items, item_fn, threads);
-  parallel_tasks(B, [&](int64_t b) {
-    for (int64_t h = 0; h < H; ++h)
-      merge_splits(partial + (b * KVH + h / G) * num_splits * G * pstride + (h % G) * pstride,
-                   num_splits, G * pstride, D, out + (b * H + h) * D);
-  }, threads);
+  parallel_tasks(B, merge_fn, threads);
 }
 
-// q [B, H, D] float32; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
-// int32; context_lens [B] int32. Returns [B, H, D].
+// q [T, H, D] float32: the new tokens of B requests, packed in request order; caches
+// [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32; context_lens [B] int32;
+// query_lens [B] int32 (each 1 when absent: one decode token per request). Returns [T, H, D].
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                             const at::Tensor& context_lens_in, double scale, int64_t split,
-                            int64_t threads) {
+                            int64_t threads, const std::optional<at::Tensor>& query_lens_in) {
   at::Tensor q = q_in.contiguous();
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "decode_attention: q float32 [B, H, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "decode_attention: q float32 [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
               "decode_attention: cache [num_blocks, block_size, KVH, D]");
   at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
   at::Tensor ctx = context_lens_in.to(at::kInt).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = ctx.numel(), T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "decode_attention: head shapes");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B, "decode_attention: one block table per request");
+  at::Tensor qlens = query_lens_in.has_value() ? query_lens_in->to(at::kInt).contiguous()
+                                               : at::ones({B}, ctx.options());
+  TORCH_CHECK(qlens.numel() == B, "decode_attention: one query length per request");
   const int32_t* cp = ctx.data_ptr<int32_t>();
-  int64_t max_ctx = 1;
-  for (int64_t b = 0; b < B; ++b) max_ctx = std::max<int64_t>(max_ctx, cp[b]);
+  const int32_t* qp = qlens.data_ptr<int32_t>();
+  std::vector<int64_t> qstart(B);
+  int64_t max_ctx = 1, max_q = 1, rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qp[b] >= 1 && qp[b] <= cp[b], "decode_attention: query length outside [1, context]");
+    TORCH_CHECK(static_cast<int64_t>(cp[b]) <= tables.size(1) * block_size,
+                "decode_attention: context longer than its block table");
+    qstart[b] = rows;
+    rows += qp[b];
+    max_ctx = std::max<int64_t>(max_ctx, cp[b]);
+    max_q = std::max<int64_t>(max_q, qp[b]);
+  }
+  TORCH_CHECK(rows == T, "decode_attention: q has ", T, " rows, the query lengths sum to ", rows);
   split = std::max<int64_t>(split, block_size);
   const int64_t num_splits = (max_ctx + split - 1) / split;
-  at::Tensor partial = at::empty({B * KVH * num_splits * (H / KVH) * (D + 2)}, q.options());
+  at::Tensor partial = at::empty({B * KVH * num_splits * max_q * (H / KVH) * (D + 2)}, q.options());
   at::Tensor out = at::empty_like(q);
   const int64_t max_blocks = tables.size(1);
   if (k_cache.scalar_type() == at::kBFloat16) {
     decode_attention_impl<uint16_t>(
         q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-        reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, B, H,
-        KVH, D, block_size, max_blocks, static_cast<float>(scale), split, num_splits,
-        partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, qp,
+        qstart.data(), B, H, KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
+        num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "decode_attention: cache float32 or bfloat16");
     decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                                 v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, B, H,
-                                 KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
-                                 num_splits, partial.data_ptr<float>(), out.data_ptr<float>(),
-                                 threads);
+                                 v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, qp,
+                                 qstart.data(), B, H, KVH, D, block_size, max_blocks,
+                                 static_cast<float>(scale), split, num_splits, max_q,
+                                 partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   }
   return out;
 }
@@ -851,7 +889,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double scale, int64_t split, int64_t threads, bool int8_act) {
+    int64_t intermediate, double scale, int64_t split, int64_t threads, bool int8_act,
+    const std::optional<at::Tensor>& query_lens) {
   TORCH_CHECK(w.size() == 12 && types.size() == 4, "decode_layer: 4 packed weights");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -861,7 +900,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
                 head_dim);
   at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, num_heads, head_dim});
-  at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, split, threads);
+  at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, split, threads,
+                                     query_lens);
   at::Tensor h = qlinear(attn.view({T, q_size}), w[3], w[4], w[5], types[1], hidden, q_size, threads, int8_act);
   at::Tensor normed2 = add_rms_norm(h, residual, post_norm, eps);
   at::Tensor gate_up = qlinear(normed2, w[6], w[7], w[8], types[2], 2 * intermediate, hidden, threads, int8_act);
@@ -896,13 +936,15 @@ TORCH_LIBRARY(hearth, m) {
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> ()",
         &hearth::rope_write_kv);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int split, int threads=64) -> Tensor",
+        "Tensor context_lens, float scale, int split, int threads=64, Tensor? query_lens=None) "
+        "-> Tensor",
         &hearth::decode_attention);
   m.def("decode_layer(Tensor x, Tensor(a!) residual, bool has_residual, Tensor in_norm, "
         "Tensor post_norm, float eps, Tensor[] w, int[] types, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "int head_dim, int intermediate, float scale, int split, int threads=64, bool int8_act=False) "
+        "int head_dim, int intermediate, float scale, int split, int threads=64, bool int8_act=False, "
+        "Tensor? query_lens=None) "
         "-> (Tensor, Tensor)",
         &hearth::decode_layer);
   m.def("isa() -> int", &hearth::isa);
