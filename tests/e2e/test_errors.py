@@ -54,8 +54,8 @@ def test_unknown_fields_are_ignored(server):
     assert response.status_code == 200
 
 
-def test_unknown_model_is_400(client):
-    with pytest.raises(openai.BadRequestError) as info:
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:  # as OpenAI answers it
         client.chat.completions.create(model="gpt-17", messages=HELLO["messages"], max_tokens=1)
     assert info.value.code == "model_not_found"
 

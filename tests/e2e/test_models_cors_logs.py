@@ -182,3 +182,14 @@ def test_a_normal_shutdown_is_quiet(tmp_path, sig):
     log = srv.log_path.read_text()
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
     assert "IncompleteReadError" not in log or " INFO hearth.server.engine: " in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_router_shutdown_is_quiet(worker, tmp_path, sig):
+    srv = start_router(tmp_path, "--worker", worker.url, "--worker-api-key", KEY)
+    srv.client().chat.completions.create(model="smol", messages=ASK, max_tokens=2)
+    os.kill(srv.process.pid, sig)
+    assert srv.process.wait(timeout=30) in (0, -sig)
+    log = srv.log_path.read_text()
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
+    assert " INFO uvicorn.error: " in log  # uvicorn's own lines in hearth's format
