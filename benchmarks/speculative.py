@@ -125,8 +125,11 @@ def servers(names: list[str]) -> dict[str, ServerSpec]:
     return {n: table[n] for n in names}
 
 
+MODEL = ["default"]  # set to the server's own name (GET /v1/models) before measuring
+
+
 def body(req: dict, hearth: bool, max_tokens: int | None = None) -> dict:
-    b = {"model": "default", "messages": req["messages"], "temperature": 0.0,
+    b = {"model": MODEL[0], "messages": req["messages"], "temperature": 0.0,
          "max_tokens": max_tokens or req["max_tokens"]}
     if "tools" in req:
         b["tools"], b["tool_choice"] = req["tools"], req["tool_choice"]
@@ -189,6 +192,7 @@ def spec_counters(url: str) -> dict[str, float]:
 def measure(spec: ServerSpec, repeats: int) -> dict:
     server = start_server(spec, RESULTS / f"speculative-{spec.name}.log", 300)
     url = spec.url + "/v1/chat/completions"
+    MODEL[0] = httpx.get(spec.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     hearth = spec.name.startswith("hearth")
     res: dict = {"single": {}, "texts": {}}
     try:

@@ -141,10 +141,13 @@ def _grammar_masks(req: Request, drafts: list[int], vocab_size: int) -> list[byt
     masks, advanced = [], 0
     try:
         for j in range(len(drafts) + 1):
+            if req.grammar.is_terminated():  # a draft stop token: the output ends there, so
+                masks.append(masks[-1])  # what this position may hold never matters
+                continue
             row = torch.zeros(vocab_size)
             req.grammar.fill_mask(row)  # forbidden tokens become -inf
             masks.append(np.packbits(~row.isinf().numpy()).tobytes())
-            if j < len(drafts):
+            if j < len(drafts) and not req.grammar.is_terminated():
                 if not req.grammar.accept(drafts[j]):
                     raise RuntimeError(f"draft token {drafts[j]} is not allowed by the grammar")
                 advanced += 1

@@ -41,6 +41,9 @@ class OnlyTokens:
     def rollback(self, n: int) -> None:
         pass
 
+    def is_terminated(self) -> bool:
+        return False
+
 
 PARAMS = [
     SamplingParams(temperature=0.0),
@@ -198,3 +201,40 @@ def test_sampled_verification_keeps_the_models_distribution():
         counts[sampler.sample(logits.clone(), cmd.samples).rows[0].token_ids[0]] += 1
     freq = counts / n
     assert torch.allclose(freq, p, atol=0.035), freq  # ~4 standard errors
+
+
+class EndsAt(OnlyTokens):
+    """A grammar stand-in that terminates on `stop` and, like xgrammar, refuses to give a mask
+    (or accept anything) once terminated."""
+
+    def __init__(self, allowed: list[int], stop: int) -> None:
+        super().__init__(allowed + [stop])
+        self.stop, self.accepted = stop, []
+
+    def is_terminated(self) -> bool:
+        return bool(self.accepted) and self.accepted[-1] == self.stop
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        assert not self.is_terminated(), "mask asked of a terminated matcher"
+        super().fill_mask(row)
+
+    def accept(self, token: int) -> bool:
+        if self.is_terminated() or token not in self.allowed:
+            return False
+        self.accepted.append(token)
+        return True
+
+    def rollback(self, n: int) -> None:
+        del self.accepted[len(self.accepted) - n:]
+
+
+def test_a_draft_that_ends_the_grammar_is_cut_after_its_stop_token():
+    from hearth.engine.spec import _grammar_prefix
+
+    req, _ = draft_row(SamplingParams(temperature=0.0), [])
+    req.grammar = EndsAt([5, 9], stop=2)
+    assert _grammar_prefix(req, [5, 2, 9, 9]) == [5, 2] and req.grammar.accepted == []
+    cmd, _ = StepBuilder(16, VOCAB).build(SchedulerOutput([(req, 1)], drafts={"d": [5, 2]}))
+    assert len(cmd.samples[0].allowed) == 3 and req.grammar.accepted == []
+    got = RowSampler(0, VOCAB).sample(peaked([5, 2, 7]), cmd.samples).rows[0].token_ids
+    assert got[:2] == [5, 2]  # the request stops at 2; the third position is never used

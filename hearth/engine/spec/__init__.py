@@ -137,6 +137,8 @@ def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
     try:
         while n < len(drafts) and req.grammar.accept(drafts[n]):
             n += 1
+            if req.grammar.is_terminated():  # a stop token ends the output: nothing follows
+                break
     finally:
         req.grammar.rollback(n)
     return drafts[:n]
