@@ -430,7 +430,16 @@ class LLMEngine:
             num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
             num_forced_tokens=self.counters["forced"],
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return dict(num_spec_drafts=c.num_drafts, num_spec_draft_tokens=c.num_draft_tokens,
+                    num_spec_accepted_tokens=c.num_accepted_tokens,
+                    spec_accepted_per_position=list(c.accepted_per_position))
 
     def block_events_since(self, cursor: int) -> tuple[int, list[int], list[int]]:
         """(new cursor, stored hashes, evicted hashes) since `cursor`, for the router's cache
