@@ -2,18 +2,22 @@
 // over memory per op instead of one per torch call.
 //
 //   qlinear          y = x W^T with W kept in ggml block formats (Q8_0, Q4_0, Q4_1): weights are
-//                    dequantized in registers, activations stay float32. A batch-1 step is bound
-//                    by reading weights, so 4.5-8.5 bits per weight instead of 32 is the speed-up.
-//   decode_attention one query token per request over the paged cache, read in place through the
-//                    block table (no gather), split along the context for parallelism, cache in
+//                    dequantized in registers; activations stay float32 (exact), or with
+//                    int8_act are quantized to 8 bits per 32-block and the dot products are
+//                    integer (VNNI). A batch-1 step is bound by reading weights, so 4.5-8.5 bits
+//                    per weight instead of 32 is the speed-up.
+//   decode_attention short queries (1..16 new tokens per request: decodes, verify steps),
+//                    causal among them, over the paged cache read in place through the block
+//                    table (no gather), split along the context for parallelism, cache in
 //                    float32 or bfloat16.
 //   rms_norm, add_rms_norm, silu_mul, rope_write_kv: elementwise passes, fused.
+//   decode_layer     a whole decoder layer for a step of short queries.
 //
-// The same source is compiled twice by hearth/ops/build_kernels.py: once for AVX-512
-// (-mavx512f/bw/vl/dq) and once for AVX2; the loader picks the build this CPU runs (probed in a
-// subprocess, so a CPU that lists a feature it cannot execute falls back instead of dying).
-// Only the weight loop has hand-written AVX-512; everything else is plain loops the compiler
-// vectorizes (`#pragma omp simd`) for either target.
+// The same source is compiled three times by hearth/ops/build_kernels.py: AVX-512 + VNNI
+// (-mavx512f/bw/vl/dq -mavx512vnni), AVX-512 and AVX2; the loader picks the best build this CPU
+// runs (probed in a subprocess, so a CPU that lists a feature it cannot execute falls back
+// instead of dying). The weight loops and attention rows have hand-written AVX-512; everything
+// else is plain loops the compiler vectorizes (`#pragma omp simd`) for any target.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
