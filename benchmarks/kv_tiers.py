@@ -98,7 +98,8 @@ def working_set(sessions) -> tuple[int, int]:
 def hearth_spec(name: str, port: int, workers: int, blocks: int, extra: list[str],
                 log_dir: Path) -> ServerSpec:
     argv = [str(REPO / ".venv/bin/hearth"), "up", "--host", "127.0.0.1", "--port", "{port}",
-            "--workers", str(workers), "--num-kv-blocks", str(blocks), "--log-dir",
+            "--prefill", "0", "--decode", "0", "--workers", str(workers),
+            "--num-kv-blocks", str(blocks), "--log-dir",
             str(log_dir / name), *extra]
     return ServerSpec(name, tuple(argv), port)
 

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -37,6 +38,8 @@ from hearth.engine.connector import KVCacheGeometry
 from hearth.engine.kv_store import LoadResult, StoreEvents
 
 log = logging.getLogger("hearth.disagg.kv_store")
+
+READ_AHEAD = 2  # blocks of one load read and checked at once (the copies stay in order)
 
 
 class _LoadState:
@@ -87,7 +90,8 @@ class TieredStore:
         self._writer.start()
         self._loaders = ThreadPoolExecutor(max(1, config.num_load_threads),
                                            thread_name_prefix="hearth-kv-load")
-        self._buffers = threading.local()  # one read buffer per loader thread
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="hearth-kv-read")
+        self._record_bytes = record_bytes(geometry)
         self._loads: dict[str, _LoadState] = {}
         self._done: list[LoadResult] = []
         self._done_event = threading.Event()
@@ -150,20 +154,25 @@ class TieredStore:
         self._loads[load_id] = state
         self._loaders.submit(self._load, load_id, state, list(block_hashes), list(block_ids))
 
-    def _read_buffer(self) -> torch.Tensor:
-        buf = getattr(self._buffers, "buf", None)
-        if buf is None:
-            buf = self._buffers.buf = torch.empty(record_bytes(self.geometry), dtype=torch.uint8)
-        return buf
-
     def _load(self, load_id: str, state: _LoadState, hashes: list[int],
               block_ids: list[int]) -> None:
         t0 = time.monotonic()
         result = LoadResult(load_id, 0)
         shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
+        blocks = iter(zip(hashes, block_ids))
+        reads: deque = deque()  # (block id, future of _read): the next READ_AHEAD blocks
+
+        def read_next() -> None:
+            item = next(blocks, None)
+            if item is not None:
+                reads.append((item[1], self._readers.submit(self._read, item[0])))
         try:
-            for block_hash, block_id in zip(hashes, block_ids):
-                tier, record, payload, error = self._read(block_hash)
+            for _ in range(READ_AHEAD):
+                read_next()
+            while reads:  # reads overlap; copies into the pool stay in order
+                block_id, future = reads.popleft()
+                read_next()
+                tier, record, payload, error = future.result()
                 if tier is None:
                     result.error = error
                     break
@@ -195,7 +204,7 @@ class TieredStore:
             if not tier.contains(block_hash):
                 continue
             try:
-                record = tier.read(block_hash, self._read_buffer())
+                record = tier.read(block_hash, torch.empty(self._record_bytes, dtype=torch.uint8))
                 return tier, record, check_record(record, self.namespace, block_hash,
                                                   self.geometry), None
             except (OSError, BlockRecordError) as exc:
@@ -245,6 +254,7 @@ class TieredStore:
         for load_id in list(self._loads):
             self.cancel(load_id)
         self._loaders.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             if hasattr(tier, "close"):
                 tier.close()
