@@ -74,12 +74,20 @@ class Server:
         return report
 
     def stop(self) -> None:
-        self.process.terminate()
+        stop_all(self)
+
+
+def stop_all(*servers: Server) -> None:
+    """Terminate every one first, then wait for each: their shutdowns overlap."""
+    for server in servers:
+        if server.process.poll() is None:
+            server.process.terminate()
+    for server in servers:
         try:
-            self.process.wait(timeout=20)
+            server.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            server.process.kill()
+            server.process.wait()
 
 
 def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
