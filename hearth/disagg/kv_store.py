@@ -40,6 +40,7 @@ from hearth.engine.kv_store import LoadResult, StoreEvents
 log = logging.getLogger("hearth.disagg.kv_store")
 
 READ_AHEAD = 2  # blocks of one load read and checked at once (the copies stay in order)
+OVERFLOW_FACTOR = 4  # staged blocks in flight at most: this many times max_pending_blocks
 
 
 class _LoadState:
@@ -78,11 +79,16 @@ class TieredStore:
         if not self.tiers:
             raise ValueError("kv offload: give --kv-offload-dir or --kv-offload-host-gb")
         self.tier_names = tuple(t.name for t in self.tiers)
-        block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
-        pin = kv_cache.device.type == "cuda"
+        # Staging: max_pending_blocks buffers kept; a burst of evictions (one big allocation
+        # evicts a whole freed request, head last) may borrow up to OVERFLOW_FACTOR times more,
+        # freed once written, so a burst costs memory for a moment rather than prefix heads.
+        self._block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+        self._pin = kv_cache.device.type == "cuda"
+        self._num_kept = max(1, config.max_pending_blocks)
+        self._max_staged = self._num_kept * OVERFLOW_FACTOR
         self._free_staging = queue.SimpleQueue()
-        for _ in range(max(1, config.max_pending_blocks)):
-            self._free_staging.put(torch.empty(block_shape, dtype=kv_cache.dtype, pin_memory=pin))
+        for _ in range(self._num_kept):
+            self._free_staging.put(self._new_staging())
         self._pending: set[int] = set()  # hashes copied to staging, not yet written
         self._writes: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="hearth-kv-offload",
@@ -112,13 +118,18 @@ class TieredStore:
         try:
             staging = self._free_staging.get_nowait()
         except queue.Empty:
-            self.counters["writes_dropped"] += 1
-            return False
+            if len(self._pending) >= self._max_staged:
+                self.counters["writes_dropped"] += 1
+                return False
+            staging = self._new_staging()  # a burst: borrowed, freed once written
         staging.copy_(self.kv_cache[:, :, block_id])
         self._pending.add(block_hash)
         self.counters["queue_depth"] = len(self._pending)
         self._writes.put((block_hash, staging))
         return True
+
+    def _new_staging(self) -> torch.Tensor:
+        return torch.empty(self._block_shape, dtype=self.kv_cache.dtype, pin_memory=self._pin)
 
     def _write_loop(self) -> None:
         while True:
@@ -135,7 +146,8 @@ class TieredStore:
             finally:
                 self._pending.discard(block_hash)
                 self.counters["queue_depth"] = len(self._pending)
-                self._free_staging.put(staging)
+                if self._free_staging.qsize() < self._num_kept:
+                    self._free_staging.put(staging)
 
     def _put(self, level: int, block_hash: int, header: bytes, payload: memoryview) -> None:
         tier = self.tiers[level]
