@@ -91,11 +91,8 @@ def short_query_steps(engine, ids: list[int], verify: str) -> dict:
             for q in (int(x) for x in verify.split(",")):
                 row = {}
                 for path, limit in (("kernel", attention.SHORT_QUERY_MAX), ("sdpa", 1)):
-                    saved, attention.SHORT_QUERY_MAX = attention.SHORT_QUERY_MAX, limit
-                    try:
-                        meta = attention.build_attention_metadata([q], [ctx], [table], block)
-                    finally:
-                        attention.SHORT_QUERY_MAX = saved
+                    meta = attention.build_attention_metadata([q], [ctx], [table], block,
+                                                              short_max=limit)
                     toks, pos = torch.tensor(ids[ctx - q:ctx]), torch.arange(ctx - q, ctx)
                     row[path] = best_of(lambda: model(toks, pos, meta, kv), repeats=5) * 1e3
                 out[f"ctx{ctx}_q{q}"] = row

@@ -48,6 +48,7 @@ class AttentionMetadata:
     short_context_lens: torch.Tensor | None = None  # [num_short] int32
     short_block_table_i32: torch.Tensor | None = None  # [num_short, max_blocks] int32, 0-padded
     num_short_tokens: int = 0
+    short_max: int = SHORT_QUERY_MAX  # the limit these were built with (the kernel path reads it)
 
     @property
     def num_decodes(self) -> int:
@@ -60,8 +61,11 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    short_max: int | None = None,
 ) -> AttentionMetadata:
-    """Metadata for one step; request i computes its tokens [ctx - q, ctx)."""
+    """Metadata for one step; request i computes its tokens [ctx - q, ctx). Requests with at most
+    `short_max` (default SHORT_QUERY_MAX) new tokens take the kernel's short-query path."""
+    short_max = SHORT_QUERY_MAX if short_max is None else short_max
     slots: list[int] = []
     p_starts, p_lens, p_ctx, p_tables = [], [], [], []
     d_index, d_tables, d_ctx = [], [], []
@@ -71,7 +75,7 @@ def build_attention_metadata(
         for pos in range(ctx_len - q_len, ctx_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
         num_blocks = -(-ctx_len // block_size)
-        if q_len <= SHORT_QUERY_MAX:
+        if q_len <= short_max:
             s_index.extend(range(start, start + q_len))
             s_lens.append(q_len)
             s_ctx.append(ctx_len)
@@ -111,6 +115,7 @@ def build_attention_metadata(
         short_context_lens=torch.tensor(s_ctx, dtype=torch.int32, device=device),
         short_block_table_i32=s_table.to(device),
         num_short_tokens=len(s_index),
+        short_max=short_max,
     )
 
 
@@ -145,7 +150,7 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
-        if use_kernel and q_len <= SHORT_QUERY_MAX:
+        if use_kernel and q_len <= meta.short_max:
             continue  # the kernel below does it
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys

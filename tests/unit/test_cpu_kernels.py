@@ -255,9 +255,11 @@ def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads
     k = torch.randn(tokens, kv_heads, dim, generator=gen).to(cache_dtype).float()
     v = torch.randn(tokens, kv_heads, dim, generator=gen).to(cache_dtype).float()
     fast = type(kernels)(kernels.variant, decode_split=128)
-    for lo, hi in ((0, 8), (0, 7)):  # mixed with a 40-token prefill; short queries only
+    # mixed with a 40-token prefill; short queries only; and with the kernel taking only
+    # decodes (the others down the SDPA loop, kernels present)
+    for lo, hi, short_max in ((0, 8, None), (0, 7, None), (0, 8, 1)):
         meta = build_attention_metadata(query_lens[lo:hi], context_lens[lo:hi], tables[lo:hi],
-                                        block_size)
+                                        block_size, short_max=short_max)
         rows = slice(0, meta.num_tokens)
         ref = paged_attention(q[rows], k[rows], v[rows], kc.clone(), vc.clone(), meta, 0.125)
         got = paged_attention(q[rows], k[rows], v[rows], kc.clone(), vc.clone(), meta, 0.125, fast)
