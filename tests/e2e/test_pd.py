@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL, REPO, Server, free_port, start_servers, wait_for
+from tests.e2e.conftest import MODEL, REPO, Server, free_port, start_servers, stop_all, wait_for
 from tests.e2e.test_tools import TOOLS, assemble_stream
 
 SECRET = "pd-test-secret"
@@ -66,8 +66,7 @@ def stack(tmp_path_factory):
     try:
         yield tmp, workers
     finally:
-        for worker in workers.values():
-            worker.stop()
+        stop_all(*workers.values())
 
 
 @pytest.fixture(scope="module")
@@ -343,20 +342,25 @@ def test_transfer_stalled_past_its_lease_recomputes_and_frees_everything(stack, 
 def test_killed_prefill_worker_is_retried_on_the_other(stack, reference):
     tmp, w = stack
     [victim] = start_servers(tmp, ("--role", "prefill", *WORKER_FLAGS))  # this test's own
+    kwargs = dict(GREEDY, messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=16)
+    # The victim holds the prompt's blocks (P1 may hold its chat-template prefix from other
+    # tests): the cost policy picks the victim first, whatever ran before.
+    warm = httpx.post(victim.url + "/v1/chat/completions", json={
+        **kwargs, "max_tokens": 1, "kv_transfer": {"role": "prefill", "transfer_id": "warm-1"}},
+        timeout=60)
+    assert warm.status_code == 200, warm.text
     # No active checks after the first: the router can only learn of the death from the hop.
     r = start_router(tmp, "--prefill", victim.url, w["P1"].url, "--decode", w["D0"].url,
                      "--health-interval", "3600")
     try:
         kill_worker(victim)
-        kwargs = dict(GREEDY, messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=16)
         got = r.client().chat.completions.create(**kwargs)
         assert got.choices[0].message.content == reference.chat.completions.create(**kwargs).choices[0].message.content
         view = router_view(r)
         assert view[victim.url]["failures"] == 1 and not view[victim.url]["healthy"]
         assert view[w["P1"].url]["routed"] == 1
     finally:
-        r.stop()
-        victim.stop()
+        stop_all(r, victim)
     assert_whole(w["P1"], w["D0"])
 
 
@@ -407,7 +411,5 @@ def test_killed_decode_workers_mid_stream(stack, reference):
         assert unavailable.value.status_code == 503
         assert all(d.process.poll() is not None for d in decoders.values())
     finally:
-        router.stop()
-        for decoder in decoders.values():
-            decoder.stop()
+        stop_all(router, *decoders.values())
     assert_whole(w["P0"])
