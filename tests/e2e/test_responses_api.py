@@ -208,3 +208,28 @@ def test_disconnect_during_non_stream_aborts(server):
             client.post(server.url + "/v1/responses", json=body, headers=server.headers())
     report = server.wait_idle_and_whole(timeout=60)
     assert report["num_requests_inflight"] == 0 and report["kv_pool_is_whole"] is True
+
+
+async def test_openai_agents_streamed_run(api):
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+    from agents.models.openai_provider import OpenAIProvider
+
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Weather forecast for a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    agent = Agent(name="weather", instructions="Use the tools to answer.", tools=[get_weather],
+                  model=MODEL, model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                                            max_tokens=60))
+    provider = OpenAIProvider(openai_client=api.async_client())
+    result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4,
+                                 run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+    kinds = [event.item.type async for event in result.stream_events()
+             if event.type == "run_item_stream_event"]
+    assert len(calls) == 1
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert isinstance(result.final_output, str)
