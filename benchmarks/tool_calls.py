@@ -12,7 +12,7 @@ Per call:
            after the call); the peers as started here (no speculative decoding, no jump-forward)
            sample every token they generate, so steps = tokens
   wall     request sent -> response received (ms)
-  valid    the call names the expected function and its arguments parse as a JSON object
+  valid    the call names the expected function and its arguments validate against its schema
 
 Servers are started one at a time (hearth/bench/server_process.py), warmed with one call, then
 measured with --repeats calls per case; tables give medians per case and overall, JSON goes to
@@ -23,8 +23,9 @@ Peers, as an agent framework would meet them: SmolLM2's own chat template has no
 llama-server gets benchmarks/chatml_tools.jinja (ChatML with the Hermes tools section hearth
 writes itself; llama.cpp then parses Hermes <tool_call>s and constrains "required" with a
 grammar) and a named tool_choice as "required" over that one tool (it accepts only strings).
-vLLM serves named and "required" tool_choice through its own guided decoding (the output is
-the arguments JSON, or a JSON list of calls, with no wrapper) with the model's template.
+vLLM gets the same template, --enable-auto-tool-choice --tool-call-parser hermes (without a
+parser it refuses named and "required" tool_choice), and serves those through its own guided
+decoding (the output is the arguments JSON, or a JSON list of calls, with no wrapper).
 
 usage (peers installed per ../shared/peers/README.md; run under the heavy lock):
   flock /tmp/hearth-heavy.lock .venv/bin/python benchmarks/tool_calls.py \
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hearth.bench.peer_report import machine_header  # noqa: E402
@@ -91,7 +93,9 @@ def builtin_servers(args: argparse.Namespace) -> dict[str, ServerSpec]:
               *shlex.split(args.hearth_args)]
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
             "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192",
-            "--dtype", args.vllm_dtype, *shlex.split(args.vllm_args)]
+            "--dtype", args.vllm_dtype, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--chat-template", str(Path(__file__).parent / "chatml_tools.jinja"),
+            *shlex.split(args.vllm_args)]
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
     llama = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", "{port}",
              "-c", "8192", "-np", "1", "-t", str(os.cpu_count()), "--jinja",
@@ -132,16 +136,31 @@ def call(url: str, model: str, name: str, case: tuple, max_tokens: int) -> dict:
     forced = forced_tokens(url, name) - forced_before
     message = reply["choices"][0]["message"]
     calls = message.get("tool_calls") or []
-    valid, arguments = False, None
-    if calls:
-        arguments = calls[0]["function"]["arguments"]
-        try:
-            valid = calls[0]["function"]["name"] == expected and isinstance(json.loads(arguments), dict)
-        except (json.JSONDecodeError, TypeError):
-            valid = False
     return {"tokens": tokens, "forced": forced, "steps": tokens - forced, "wall_ms": wall_ms,
-            "valid": valid, "finish_reason": reply["choices"][0]["finish_reason"],
+            "valid": is_valid(calls[0]["function"] if calls else None, expected), "finish_reason": reply["choices"][0]["finish_reason"],
             "call": calls[0]["function"] if calls else None, "content": message.get("content")}
+
+
+def is_valid(call: dict | None, expected: str) -> bool:
+    """The call names `expected` and its arguments validate against that tool's schema."""
+    if not call or call.get("name") != expected:
+        return False
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == expected)
+    try:
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+    except (json.JSONDecodeError, TypeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def revalidate(report: dict) -> None:
+    """Recompute `valid` from the stored calls (runs saved before the check was this strict)."""
+    expected = {c[0]: c[1] for c in CASES}
+    for server in report["servers"].values():
+        for case, runs in server.get("cases", {}).items():
+            for run in runs:
+                if "error" not in run:
+                    run["valid"] = is_valid(run.get("call"), expected[case])
 
 
 def measure(spec: ServerSpec, args: argparse.Namespace) -> dict:
@@ -241,6 +260,7 @@ def main() -> None:
         report = {"header": header, "args": vars(args), "servers": {}}
         for name in [n for n in args.servers.split(",") if n]:
             report["servers"][name] = measure(specs[name], args)
+    revalidate(report)
     print("\n" + format_table(report), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
