@@ -190,35 +190,37 @@ def spec_counters(url: str) -> dict[str, float]:
 
 
 def measure(spec: ServerSpec, repeats: int) -> dict:
-    server = start_server(spec, RESULTS / f"speculative-{spec.name}.log", 300)
-    url = spec.url + "/v1/chat/completions"
-    MODEL[0] = httpx.get(spec.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    """Each repeat on a freshly started server: every prompt once ("first": nothing like it was
+    seen before, bar the other prompts' answers), then the same requests again ("again": what an
+    agent repeating a call gets; the suffix store holds the first answer), then 4 and 32 streams
+    (the 32 prose prompts are new each repeat)."""
     hearth = spec.name.startswith("hearth")
-    res: dict = {"single": {}, "texts": {}}
-    try:
-        for name, req in AGENT.items():
-            runs = []
-            for _ in range(repeats):
-                tokens, wall, text = asyncio.run(_one(url, body(req, hearth)))
-                runs.append(tokens / wall)
-            res["single"][name] = runs
-            res["texts"][name] = text
-        prose = [asyncio.run(_one(url, body({"messages": [{"role": "user", "content": p}],
-                                             "max_tokens": 128}, hearth)))
-                 for p in PROSE[:2] for _ in range(repeats)]
-        res["single"]["prose"] = [t / w for t, w, _ in prose]
-        res["texts"]["prose"] = prose[0][2]
-        res["streams4"] = [asyncio.run(run_streams(url, [body(r, hearth) for r in
-                                                         AGENT.values()] + [body(
-            {"messages": [{"role": "user", "content": PROSE[0]}], "max_tokens": 128}, hearth)]))[0]
-            for _ in range(repeats)]
-        prose32 = [body({"messages": [{"role": "user", "content": f"{PROSE[i % 4]} (#{i})"}],
-                         "max_tokens": 64}, hearth) for i in range(32)]
-        res["streams32"] = [asyncio.run(run_streams(url, prose32))[0] for _ in range(repeats)]
-        if hearth:
-            res["counters"] = spec_counters(spec.url)
-    finally:
-        stop_server(server)
+    res: dict = {"first": {}, "again": {}, "texts": {}, "streams4": [], "streams32": []}
+    prose = {f"prose{i}": {"messages": [{"role": "user", "content": p}], "max_tokens": 128}
+             for i, p in enumerate(PROSE[:2])}
+    for r in range(repeats):
+        server = start_server(spec, RESULTS / f"speculative-{spec.name}.log", 300)
+        url = spec.url + "/v1/chat/completions"
+        MODEL[0] = httpx.get(spec.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        try:
+            for key in ("first", "again"):
+                for name, req in {**AGENT, **prose}.items():
+                    tokens, wall, text = asyncio.run(_one(url, body(req, hearth)))
+                    res[key].setdefault(name.rstrip("01"), []).append(tokens / wall)
+                    res["texts"][name.rstrip("01")] = text
+            res["streams4"].append(asyncio.run(run_streams(url, [body(q, hearth) for q in AGENT.values()]
+                                                           + [body(prose["prose0"], hearth)]))[0])
+            prose32 = [body({"messages": [{"role": "user", "content":
+                                           f"{PROSE[i % 4]} (repeat {r}, #{i})"}],
+                             "max_tokens": 64}, hearth) for i in range(32)]
+            res["streams32"].append(asyncio.run(run_streams(url, prose32))[0])
+            if hearth:
+                c = spec_counters(spec.url)
+                for k, v in c.items():
+                    res.setdefault("counters", {}).setdefault(k, 0.0)
+                    res["counters"][k] += v
+        finally:
+            stop_server(server)
     return res
 
 
@@ -245,23 +247,27 @@ def main() -> None:
 def print_table(results: dict) -> None:
     cols = ["edit", "extract", "tool", "prose"]
     base = results.get("hearth-off")
-    print("\ndecode tok/s, median of repeats (min in brackets); x = vs hearth-off")
-    print(f"{'server':16}" + "".join(f"{c:>18}" for c in cols) + f"{'4 streams':>18}{'32 streams':>18}")
+
+    def cell(values, ref) -> str:
+        med = statistics.median(values)
+        x = f" {med / statistics.median(ref):.2f}x" if ref else ""
+        return f"{med:6.1f} ({min(values):5.1f}){x}"
+
+    for key, what in (("first", "first sight (fresh server)"), ("again", "the same request again")):
+        print(f"\ndecode tok/s, {what}: median of repeats (min); x = vs hearth-off")
+        print(f"{'server':16}" + "".join(f"{c:>20}" for c in cols))
+        for name, r in results.items():
+            print(f"{name:16}" + "".join(
+                f"{cell(r[key][c], base[key][c] if base else None):>20}" for c in cols))
+    print("\naggregate output tok/s, median of repeats (min)")
+    print(f"{'server':16}{'4 streams':>20}{'32 streams':>20}")
     for name, r in results.items():
-        cells = []
-        for c in cols:
-            med, lo = statistics.median(r["single"][c]), min(r["single"][c])
-            x = f" {med / statistics.median(base['single'][c]):.2f}x" if base else ""
-            cells.append(f"{med:7.1f} ({lo:5.1f}){x}")
-        for key in ("streams4", "streams32"):
-            med = statistics.median(r[key])
-            x = f" {med / statistics.median(base[key]):.2f}x" if base else ""
-            cells.append(f"{med:9.1f}{x}")
-        print(f"{name:16}" + "".join(f"{c:>18}" for c in cells))
+        print(f"{name:16}" + "".join(
+            f"{cell(r[k], base[k] if base else None):>20}" for k in ("streams4", "streams32")))
     if base:
         print("\nreference (hearth-off) output: share of word 4-grams repeating the output / copying the prompt")
         prompts = {k: json.dumps(v["messages"]) for k, v in AGENT.items()}
-        prompts["prose"] = PROSE[0]
+        prompts["prose"] = PROSE[1]
         for c in cols:
             own, copied = repetition(base["texts"][c], prompts[c])
             print(f"  {c:8} self-repeat {own:.2f}  copied {copied:.2f}")
