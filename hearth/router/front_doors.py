@@ -82,8 +82,10 @@ def front_door_routes(router: Any) -> APIRouter:
         raw = await read_json(request, limit, router.cpu)
 
         async def count(body: dict[str, Any]) -> int:
+            # `model` checked (404 model_not_found) and mapped to the workers' name, as on /tokenize
             model = raw.get("model") if isinstance(raw, dict) else None
-            return int((await router.ask_worker("/tokenize", {**body, "model": model}))["count"])
+            tokenize = router.for_worker({**body, "model": model})
+            return int((await router.ask_worker("/tokenize", tokenize))["count"])
 
         return await count_message_tokens(raw, count)
 

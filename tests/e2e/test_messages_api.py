@@ -174,3 +174,9 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(api, server):
     report = server.wait_idle_and_whole(timeout=60)
     assert report["num_requests_inflight"] == 0 and report["kv_pool_is_whole"] is True
     assert report["num_generation_tokens"] - generated_before < 400
+
+
+def test_count_tokens_of_an_unknown_model_is_an_anthropic_error(api):
+    with pytest.raises((anthropic.BadRequestError, anthropic.NotFoundError)) as info:
+        client_for(api).messages.count_tokens(model="no-such-model", messages=ASK)
+    assert info.value.body["type"] == "error" and "no-such-model" in info.value.body["error"]["message"]
