@@ -170,7 +170,7 @@ class SpeculativeConfig:
     """Speculative decoding (hearth/engine/spec; docs/speculative.md): drafts proposed from the
     request's own context are verified in the same step as everything else."""
 
-    method: str = "off"  # off | ngram (prompt lookup) | suffix (request + recent outputs)
+    method: str = "off"  # off | ngram (prompt lookup) | suffix (request + recent outputs) | draft
     num_speculative_tokens: int = 8  # the most draft tokens per request per step
     max_batch: int = 8  # no drafts when more requests than this are decoding (compute-bound)
     ngram_min: int = 2  # ngram: shortest suffix of the context that must match

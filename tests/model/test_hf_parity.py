@@ -85,10 +85,14 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 class PagedRun:
-    """hearth's model over its own paged cache: one request, computed chunk by chunk."""
+    """hearth's model over its own paged cache: one request, computed chunk by chunk; with
+    `kernels`, through hearth's CPU kernels (norms, RoPE + KV write, SiLU-mul, decode attention)
+    as the engine runs it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, kernels=None) -> None:
         self.model = build_model(HFCheckpoint(folder), torch.float32)
+        if kernels is not None:
+            self.model.use_kernels(kernels)
         layer = self.model.layers[0].self_attn
         self.kv_cache = torch.zeros(len(self.model.layers), 2, NUM_BLOCKS, BLOCK_SIZE,
                                     layer.num_kv_heads, layer.head_dim)
@@ -106,16 +110,36 @@ class PagedRun:
         return self.model.compute_logits(hidden)
 
 
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels("auto")
+    if kernels is None:
+        pytest.skip("hearth's CPU kernels are not built here")
+    return kernels
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_equal_transformers(tmp_path: Path, case: str) -> None:
+    check_parity(tmp_path, case, kernels=None)
+
+
+@pytest.mark.parametrize("case", ["llama-bias", "llama-mlp-bias", "qwen2", "qwen3", "mistral"])
+def test_logits_equal_transformers_through_the_cpu_kernels(tmp_path: Path, case: str,
+                                                           cpu_kernels) -> None:
+    check_parity(tmp_path, case, kernels=cpu_kernels)
+
+
+def check_parity(tmp_path: Path, case: str, kernels) -> None:
     hf_model, folder = make_hf_model(tmp_path, case)
     want = hf_logits(hf_model, PROMPT)
     assert want.std() > 0.5  # a meaningful spread: near-uniform logits would hide errors
 
-    whole = PagedRun(folder).step(PROMPT)
+    whole = PagedRun(folder, kernels).step(PROMPT)
     torch.testing.assert_close(whole, want, atol=ATOL, rtol=0)
 
-    chunked = PagedRun(folder)
+    chunked = PagedRun(folder, kernels)
     got = [chunked.step(PROMPT[:13]), chunked.step(PROMPT[13:30])]  # second over a cached prefix
     got += [chunked.step([token]) for token in PROMPT[30:]]  # decodes
     torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
