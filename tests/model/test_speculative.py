@@ -224,3 +224,27 @@ def test_tensor_and_pipeline_parallel_verify_drafts_like_one_process(tmp_path, t
     got, spec = generate("ngram", tensor_parallel_size=tp, pipeline_parallel_size=pp)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert spec.counters.num_accepted_tokens > 0
+
+
+def test_default_gguf_format_agrees_with_speculation_off(checkpoint):
+    """In the default (GGUF, quantized) format verify steps run other kernels than single-token
+    decodes (short-query attention, qlinear over 1 + k rows), so agreement is that format's
+    own bar: here, the same greedy tokens on these prompts."""
+    def generate(method: str):
+        llm = LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", num_blocks=256,
+                  speculative=SpeculativeConfig(method=method))
+        try:
+            out = llm.generate([chat_ids(llm, p) for p in PROMPTS],
+                               SamplingParams(temperature=0.0, max_tokens=64))
+            return [c.token_ids for c in out], llm.engine.speculator
+        finally:
+            llm.engine.close()
+
+    want, _ = generate("off")
+    got, spec = generate("suffix")
+    assert spec.counters.num_accepted_tokens > 0
+    def agreeing_prefix(w, g) -> int:
+        return next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+
+    agreed = sum(agreeing_prefix(w, g) for w, g in zip(want, got))
+    assert agreed / sum(len(w) for w in want) >= 0.99  # test_formats.py's top-1 bar for gguf
