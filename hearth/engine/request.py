@@ -84,8 +84,7 @@ class Request:
         self.first_token_time: float | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        # Per-request sampling state owned by the sampler / guided decoder.
-        self.generator = None
+        # The guided decoder's matcher (a seeded request's generator lives in the RowSampler).
         self.grammar = None
 
     @property
