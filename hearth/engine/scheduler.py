@@ -131,12 +131,7 @@ class Scheduler:
             num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
             if not self.kv.allocate(req, num_new, hits):
                 break  # wait for blocks; admission order is kept (no overtaking)
-            self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = len(hits) * self.kv.block_size
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
+            self._take_waiting(req, hits, RequestStatus.RUNNING)
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
@@ -146,30 +141,30 @@ class Scheduler:
         """Adopt the local prefix hits, allocate blocks for the rest of the prompt and park the
         request until a transfer fills them (no token budget: nothing is computed)."""
         num_new = req.num_prompt_tokens - len(hits) * self.kv.block_size
-        if not self.kv.allocate(req, num_new, hits):
-            return False
-        self.waiting.popleft()
-        req.num_cached_tokens = len(hits) * self.kv.block_size
-        req.first_scheduled_time = time.monotonic()
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.importing.append(req)
-        out.kv_imports.append(req)
-        return True
+        return self._park(req, hits, num_new, out.kv_imports)
 
     def _admit_load(self, req: Request, hits: list, num_stored: int, out: SchedulerOutput) -> bool:
         """Like an import: adopt the pool's hits, allocate the `num_stored` blocks that follow
         and park the request until the store has filled them (no token budget)."""
-        if not self.kv.allocate(req, num_stored * self.kv.block_size, hits):
+        return self._park(req, hits, num_stored * self.kv.block_size, out.kv_loads)
+
+    def _park(self, req: Request, hits: list, num_new: int, into: list[Request]) -> bool:
+        if not self.kv.allocate(req, num_new, hits):
             return False
+        self._take_waiting(req, hits, RequestStatus.WAITING_FOR_KV)
+        self.importing.append(req)
+        into.append(req)
+        return True
+
+    def _take_waiting(self, req: Request, hits: list, status: RequestStatus) -> None:
+        """Move the head of the waiting queue on; its first admission fixes its cache-hit count
+        and queue time (a preempted request keeps them)."""
         self.waiting.popleft()
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = len(hits) * self.kv.block_size
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.importing.append(req)
-        out.kv_loads.append(req)
-        return True
+        req.status = status
 
     def complete_import(self, req: Request, num_computed_tokens: int) -> None:
         """The transfer into `req`'s blocks has ended: run it from `num_computed_tokens`, or free

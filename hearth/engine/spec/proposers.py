@@ -26,24 +26,15 @@ from hearth.engine.spec.index import SEPARATOR, Candidate, TokenIndex
 MAX_MATCH = 64  # longest match length measured (longer matches weigh the same)
 
 
-class NgramProposer:
-    name = "ngram"
+class _IndexedProposer:
+    """Per-request TokenIndexes, proposals one request at a time."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.indexes: dict[str, TokenIndex] = {}
 
     def propose(self, req: Request, k: int) -> list[int]:
-        index = self.indexes.get(req.request_id)
-        if index is None:
-            index = self.indexes[req.request_id] = TokenIndex(self.config.ngram_min)
-        tokens = req.all_token_ids
-        index.extend_from(tokens)
-        found = index.candidates(tokens, 64, self.config.ngram_max, exclude_end=len(tokens) - 1)
-        if not found:
-            return []
-        best = max(found, key=lambda c: c.match_len)  # most recent among the longest (stable)
-        return tokens[best.end + 1 : best.end + 1 + k]
+        raise NotImplementedError
 
     def propose_many(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
         return [self.propose(req, k) for req, k in wants]
@@ -58,12 +49,26 @@ class NgramProposer:
         pass
 
 
-class SuffixProposer:
+class NgramProposer(_IndexedProposer):
+    name = "ngram"
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        index = self.indexes.get(req.request_id)
+        if index is None:
+            index = self.indexes[req.request_id] = TokenIndex(self.config.ngram_min)
+        tokens = req.all_token_ids
+        index.extend_from(tokens)
+        found = index.candidates(tokens, 64, self.config.ngram_max, exclude_end=len(tokens) - 1)
+        if not found:
+            return []
+        best = max(found, key=lambda c: c.match_len)  # most recent among the longest (stable)
+        return tokens[best.end + 1 : best.end + 1 + k]
+
+class SuffixProposer(_IndexedProposer):
     name = "suffix"
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
-        self.indexes: dict[str, TokenIndex] = {}
+        super().__init__(config)
         self.key_len = max(2, config.ngram_min)
         self.shared = TokenIndex(self.key_len)  # recent outputs of finished requests
         self.shared.seq = []
@@ -104,10 +109,6 @@ class SuffixProposer:
             active = [(c, w) for c, w in active
                       if c.end + depth < len(c.seq) and c.seq[c.end + depth] == token]
         return draft
-
-    propose_many = NgramProposer.propose_many
-    drop = NgramProposer.drop
-    close = NgramProposer.close
 
     def finished(self, req: Request) -> None:
         self.drop(req.request_id)
