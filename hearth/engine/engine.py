@@ -31,7 +31,7 @@ from hearth.engine.kv_tiers import KVTierDriver, store_namespace
 from hearth.engine.kv_transfer import KVTransferDriver
 from hearth.engine.rejection import Rejection, RequestRejected
 from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
-from hearth.engine.executor import RankFailedError, make_executor
+from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
 from hearth.engine.spec import make_speculator
 from hearth.engine.stats import EngineStats
 from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
@@ -61,15 +61,19 @@ class GrammarWait:
 class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint=None,
                  connector_factory: ConnectorFactory | None = None,
-                 store_factory: StoreFactory | None = None) -> None:
+                 store_factory: StoreFactory | None = None,
+                 prebuilt: BuiltModel | None = None) -> None:
         """`connector_factory` (from the server, by role) enables KV export/import;
-        `store_factory` the KV tiers below the pool (when `config.kv_offload` names one)."""
+        `store_factory` the KV tiers below the pool (when `config.kv_offload` names one);
+        `prebuilt` a model already built for this checkpoint and formats (`build_model_for`),
+        which this engine then shares instead of building its own (T = P = 1 only)."""
         from hearth.models.loader import load_checkpoint
 
         t0 = time.monotonic()
         self.config = config
         mc, cc = config.model, config.cache
-        self.checkpoint = checkpoint or load_checkpoint(mc.model)
+        self.checkpoint = (checkpoint or (prebuilt.checkpoint if prebuilt else None)
+                           or load_checkpoint(mc.model))
         self.arch = self.checkpoint.arch
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.model_name = mc.served_model_name or self.checkpoint.name
@@ -77,7 +81,7 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         torch.manual_seed(mc.seed)
         # ModelRunner in this process, or the driver of T x P rank processes (same interface).
-        self.executor = make_executor(config, self.checkpoint)
+        self.executor = make_executor(config, self.checkpoint, prebuilt)
         num_blocks = self.executor.num_blocks
         self.step_builder = StepBuilder(cc.block_size, self.arch.vocab_size)
         self.speculator = make_speculator(config, self.arch.vocab_size)

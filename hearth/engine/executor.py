@@ -7,11 +7,16 @@ processes (`hearth.engine.parallel.executor.ParallelExecutor`). Only the ModelRu
 `kv_cache`/`block_view` for KV transfer; the parallel executor raises a clear error there.
 
 `RankFailedError` (re-exported here) is fatal: the engine must not retry a step after it.
+
+`build_model_for` builds the single-process model alone (a `BuiltModel`); an engine given one
+(`LLMEngine(..., prebuilt=)`) skips the build. Its weights are only read by a step, so several
+engines of one process may share it (the tests build the real model once per format).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -21,10 +26,11 @@ from hearth.engine.runner import DTYPES, ModelRunner
 from hearth.models.arch import ModelArch
 from hearth.models.quant import QUANTIZATIONS, quantize_model
 from hearth.models.weights import build_model
-from hearth.ops.cpu_kernels import load_cpu_kernels
+from hearth.ops.cpu_kernels import CpuKernels, load_cpu_kernels
 from hearth.ops.distributed import RankFailedError
 
-__all__ = ["RankFailedError", "make_executor", "num_kv_blocks", "resolve_formats"]
+__all__ = ["BuiltModel", "RankFailedError", "build_model_for", "make_executor", "num_kv_blocks",
+           "resolve_formats"]
 
 log = logging.getLogger("hearth.engine")
 
@@ -73,23 +79,59 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     return dtype, kv_dtype, quantization, kernels
 
 
-def make_executor(config: EngineConfig, checkpoint):
+@dataclass(frozen=True)
+class BuiltModel:
+    """A single-process model with its weights loaded and, where the format asks, the CPU
+    kernels and quantized decode weights attached: what `make_executor` would build."""
+
+    model: torch.nn.Module
+    checkpoint: object  # the Checkpoint it was built from
+    formats: tuple[torch.dtype, str, str | None, str]  # dtype, quantization, kernels, device
+    kernels: CpuKernels | None  # the build the model calls (its runner tunes their threads)
+
+
+def _formats(config: EngineConfig, dtype: torch.dtype, quantization: str,
+             kernels: CpuKernels | None) -> tuple[torch.dtype, str, str | None, str]:
+    return dtype, quantization, kernels.variant if kernels else None, config.parallel.device
+
+
+def build_model_for(config: EngineConfig, checkpoint) -> BuiltModel:
+    """The model `make_executor(config, checkpoint)` runs with T = P = 1, built once."""
+    mc, pc = config.model, config.parallel
+    if pc.world_size != 1:
+        raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
+    dtype, kv_dtype, quantization, kernels = resolve_formats(config, checkpoint)
+    model = build_model(checkpoint, dtype, pc.device)
+    if kernels is not None:
+        model.use_kernels(kernels)
+        quantize_model(model, checkpoint, quantization, kernels)
+        for layer in model.layers:
+            layer.enable_fused_decode()
+    log.info("formats: weights %s (decode: %s), KV cache %s, CPU kernels %s", mc.dtype,
+             quantization, str(kv_dtype).removeprefix("torch."),
+             kernels.variant if kernels else "off")
+    return BuiltModel(model, checkpoint, _formats(config, dtype, quantization, kernels), kernels)
+
+
+def make_executor(config: EngineConfig, checkpoint, prebuilt: BuiltModel | None = None):
+    """`prebuilt`: a model from `build_model_for` with the same checkpoint and formats (else a
+    ValueError); None builds one."""
     mc, pc = config.model, config.parallel
     dtype, kv_dtype, quantization, kernels = resolve_formats(config, checkpoint)
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size)
     num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, kv_dtype)
     if pc.world_size == 1:
-        model = build_model(checkpoint, dtype, pc.device)
-        if kernels is not None:
-            model.use_kernels(kernels)
-            quantize_model(model, checkpoint, quantization, kernels)
-            for layer in model.layers:
-                layer.enable_fused_decode()
-        log.info("formats: weights %s (decode: %s), KV cache %s, CPU kernels %s", mc.dtype,
-                 quantization, str(kv_dtype).removeprefix("torch."),
-                 kernels.variant if kernels else "off")
-        return ModelRunner(model, num_blocks, config.cache.block_size, kv_dtype, pc.device,
-                           mc.seed, kernels)
+        if prebuilt is None:
+            prebuilt = build_model_for(config, checkpoint)
+        elif prebuilt.checkpoint is not checkpoint:
+            raise ValueError("prebuilt model: built from another checkpoint")
+        elif prebuilt.formats != _formats(config, dtype, quantization, kernels):
+            raise ValueError(f"prebuilt model: built for {prebuilt.formats}, this engine's "
+                             f"formats are {_formats(config, dtype, quantization, kernels)}")
+        return ModelRunner(prebuilt.model, num_blocks, config.cache.block_size, kv_dtype,
+                           pc.device, mc.seed, prebuilt.kernels)
+    if prebuilt is not None:
+        raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
     if quantization != "none" or kv_dtype != dtype:
         raise ValueError("quantization and a KV cache dtype other than the model's are not yet "
                          "supported with tensor/pipeline parallelism")

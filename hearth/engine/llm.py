@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from hearth.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig)
 from hearth.engine.engine import LLMEngine
+from hearth.engine.executor import BuiltModel
 from hearth.engine.request import Logprob
 from hearth.engine.sampling_params import SamplingParams
 
@@ -28,12 +29,12 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
-                 checkpoint=None, **overrides) -> None:
+                 checkpoint=None, prebuilt: BuiltModel | None = None, **overrides) -> None:
         """`overrides` go to the config part that owns them (e.g. dtype=, num_blocks=,
-        max_num_batched_tokens=)."""
+        max_num_batched_tokens=); `prebuilt`: a model to share (see `LLMEngine`)."""
         if config is None:
             config = make_engine_config(model, **overrides)
-        self.engine = LLMEngine(config, checkpoint)
+        self.engine = LLMEngine(config, checkpoint, prebuilt=prebuilt)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 

@@ -12,11 +12,9 @@ import pytest
 import torch
 
 from hearth.config import CacheConfig, EngineConfig, ModelConfig
-from hearth.engine.executor import make_executor
-from hearth.engine.llm import LLM
 from hearth.ops.attention import build_attention_metadata
 from hearth.ops.cpu_kernels import available_variants
-from tests.model.test_greedy_parity import CASES, GREEDY, assert_matches, checkpoint  # noqa: F401
+from tests.model.test_greedy_parity import CASES, GREEDY, assert_matches
 
 pytestmark = pytest.mark.skipif(not available_variants(), reason="CPU kernels not built")
 
@@ -35,9 +33,8 @@ BLOCK = 16
     {"quantization": "none", "kv_cache_dtype": "float32"},  # kernels, float32 throughout
     {"quantization": "gguf", "kv_cache_dtype": "float32"},
 ])
-def test_exact_formats_match_the_reference_greedy(checkpoint, fmt):
-    llm = LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", max_num_batched_tokens=32,
-              enable_prefix_caching=False, **fmt)
+def test_exact_formats_match_the_reference_greedy(models, fmt):
+    llm = models.llm(max_num_batched_tokens=32, enable_prefix_caching=False, **fmt)
     outs = llm.generate([c["prompt_ids"] for c in CASES], GREEDY)
     for case, out in zip(CASES, outs):
         assert_matches(case, out.token_ids)
@@ -64,17 +61,17 @@ def teacher_forced_logits(runner, tokens: list[int], prompt_len: int) -> torch.T
     return torch.stack(out)
 
 
-def make_runner(checkpoint, **model_kw):
+def make_runner(models, **model_kw):
     cache = CacheConfig(num_blocks=64, kv_cache_dtype=model_kw.pop("kv_cache_dtype", "auto"))
     config = EngineConfig(model=ModelConfig(**model_kw), cache=cache)
-    return make_executor(config, checkpoint)
+    return models.executor(config)
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(models):
     """Per held-out prompt: (tokens = prompt + fp32 greedy continuation, prompt length, logits)."""
-    llm = LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", cpu_kernels="off")
-    runner = make_runner(checkpoint, cpu_kernels="off")  # float32 weights and KV, plain torch
+    llm = models.llm(cpu_kernels="off")
+    runner = make_runner(models, cpu_kernels="off")  # float32 weights and KV, plain torch
     refs = []
     for text in HELD_OUT:
         prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
@@ -96,8 +93,8 @@ def reference(checkpoint):
     ({"quantization": "gguf-a8", "kv_cache_dtype": "float32"}, 0.95, 0.01),
     ({"quantization": "q8_0-a8", "kv_cache_dtype": "float32"}, 0.95, 0.01),
 ])
-def test_format_agrees_with_fp32(checkpoint, reference, fmt, min_top1, max_kl):
-    runner = make_runner(checkpoint, **fmt)
+def test_format_agrees_with_fp32(models, reference, fmt, min_top1, max_kl):
+    runner = make_runner(models, **fmt)
     agree, kls = [], []
     for tokens, prompt_len, ref_logits in reference:
         logits = teacher_forced_logits(runner, tokens, prompt_len)

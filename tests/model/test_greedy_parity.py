@@ -11,23 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
-from hearth.models.loader import load_checkpoint
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_greedy.json").read_text())
 CASES = GOLDEN["cases"]
 TIE = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=GOLDEN["num_new"], ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint("smollm2-135m-instruct")
-
-
-def make_llm(checkpoint, **kw) -> LLM:
-    return LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", **kw)
 
 
 def assert_matches(case: dict, got: list[int]) -> None:
@@ -51,26 +40,26 @@ def test_tokenizer_and_chat_template_match_reference(checkpoint):
         assert tokenizer.encode(text) == case["prompt_ids"]
 
 
-def test_one_at_a_time(checkpoint):
-    llm = make_llm(checkpoint, enable_prefix_caching=False)
+def test_one_at_a_time(models):
+    llm = models.llm(enable_prefix_caching=False)
     for case in CASES:
         [out] = llm.generate([case["prompt_ids"]], GREEDY)
         assert_matches(case, out.token_ids)
         assert out.finish_reason == "length" and out.cached_tokens == 0
 
 
-def test_all_batched_with_tiny_prefill_chunks(checkpoint):
+def test_all_batched_with_tiny_prefill_chunks(models):
     # 16-token budget: every prompt is split into chunks while the others decode beside it.
     for budget in (4096, 16):
-        llm = make_llm(checkpoint, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        llm = models.llm(max_num_batched_tokens=budget, enable_prefix_caching=False)
         outs = llm.generate([c["prompt_ids"] for c in CASES], GREEDY)
         for case, out in zip(CASES, outs):
             assert_matches(case, out.token_ids)
         assert llm.engine.kv_pool_is_whole()
 
 
-def test_prefix_cache_hits(checkpoint):
-    llm = make_llm(checkpoint)
+def test_prefix_cache_hits(models):
+    llm = models.llm()
     first = llm.generate([c["prompt_ids"] for c in CASES[:3]], GREEDY)
     second = llm.generate([c["prompt_ids"] for c in CASES[:3]], GREEDY)
     for case, a, b in zip(CASES, first, second):
@@ -81,10 +70,10 @@ def test_prefix_cache_hits(checkpoint):
     assert llm.engine.kv_pool_is_whole()
 
 
-def test_under_preemption(checkpoint):
+def test_under_preemption(models):
     # 12 blocks of 16 tokens cannot hold 8 sequences of ~40 + 40 tokens: requests get preempted
     # and recomputed, and must still produce the reference tokens.
-    llm = make_llm(checkpoint, num_blocks=12)
+    llm = models.llm(num_blocks=12)
     outs = llm.generate([c["prompt_ids"] for c in CASES], GREEDY)
     assert llm.engine.counters["preemptions"] > 0
     for case, out in zip(CASES, outs):

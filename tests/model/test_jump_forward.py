@@ -12,13 +12,10 @@ import pytest
 
 from hearth.config import GuidedConfig
 from hearth.engine.engine import LLMEngine
-from hearth.engine.llm import make_engine_config
 from hearth.engine.sampling_params import SamplingParams
-from hearth.models.loader import load_checkpoint
 from hearth.server.protocol import NamedToolChoice, Tool
 from hearth.server.tool_grammar import tool_choice_guidance
 
-MODEL = "smollm2-135m-instruct"
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file.",
      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
@@ -31,14 +28,9 @@ TOOLS = [
 QUESTION = "Open the file src/main.py and show it to me."
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint(MODEL)
-
-
-def make_engine(checkpoint, jump_forward: bool) -> LLMEngine:
-    config = make_engine_config(MODEL, num_blocks=64)
-    return LLMEngine(replace(config, guided=GuidedConfig(jump_forward=jump_forward)), checkpoint)
+def make_engine(models, jump_forward: bool) -> LLMEngine:
+    config = models.config(num_blocks=64)
+    return models.engine(replace(config, guided=GuidedConfig(jump_forward=jump_forward)))
 
 
 def params(choice, max_tokens: int = 64, logprobs: int | None = None) -> SamplingParams:
@@ -69,8 +61,8 @@ def run(engine: LLMEngine, p: SamplingParams) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engines(checkpoint):
-    on, off = make_engine(checkpoint, True), make_engine(checkpoint, False)
+def engines(models):
+    on, off = make_engine(models, True), make_engine(models, False)
     yield on, off
     on.close()
     off.close()

@@ -17,9 +17,7 @@ import pytest
 from hearth.config import KVOffloadConfig
 from hearth.disagg.kv_store import make_store
 from hearth.engine.engine import LLMEngine
-from hearth.engine.llm import make_engine_config
 from hearth.engine.sampling_params import SamplingParams
-from hearth.models.loader import load_checkpoint
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_greedy.json").read_text())
 CASES = GOLDEN["cases"]
@@ -35,12 +33,12 @@ A = prompt([0, 1, 2, 3])  # 169 tokens
 B = prompt([4, 5, 6, 7])  # 203 tokens
 
 
-def make_engine(checkpoint, directory: Path | None) -> LLMEngine:
-    config = make_engine_config("smollm2-135m-instruct", num_blocks=NUM_BLOCKS)
+def make_engine(models, directory: Path | None) -> LLMEngine:
+    config = models.config(num_blocks=NUM_BLOCKS)
     if directory is None:
-        return LLMEngine(config, checkpoint)
+        return models.engine(config)
     config = replace(config, kv_offload=KVOffloadConfig(directory=str(directory)))
-    return LLMEngine(config, checkpoint, store_factory=make_store)
+    return models.engine(config, store_factory=make_store)
 
 
 def run_one(engine: LLMEngine, rid: str, ids: list[int], max_tokens: int = 12):
@@ -66,14 +64,9 @@ def wait_for_writes(engine: LLMEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(models):
     """Outputs of the tier-less engine for each step of the sequence."""
-    engine = make_engine(checkpoint, None)
+    engine = make_engine(models, None)
     out = {}
     turn2 = None
     for rid, ids in (("a1", A), ("b1", B), ("a2", A)):
@@ -85,9 +78,9 @@ def reference(checkpoint):
     return out, turn2
 
 
-def test_greedy_output_is_identical_with_tiers_on_and_off(checkpoint, reference, tmp_path):
+def test_greedy_output_is_identical_with_tiers_on_and_off(models, reference, tmp_path):
     ref, turn2 = reference
-    engine = make_engine(checkpoint, tmp_path / "kv")
+    engine = make_engine(models, tmp_path / "kv")
     got = {rid: run_one(engine, rid, ids)
            for rid, ids in (("a1", A), ("b1", B), ("a2", A), ("b2", B), ("a3", turn2))}
     for rid in got:
@@ -105,14 +98,14 @@ def test_greedy_output_is_identical_with_tiers_on_and_off(checkpoint, reference,
     engine.close()
 
 
-def test_a_restarted_engine_loads_from_its_directory(checkpoint, reference, tmp_path):
+def test_a_restarted_engine_loads_from_its_directory(models, reference, tmp_path):
     ref, _ = reference
-    first = make_engine(checkpoint, tmp_path / "kv")
+    first = make_engine(models, tmp_path / "kv")
     run_one(first, "a1", A)
     first.pool.reset_cache()  # eviction of everything: each cached block is offloaded
     wait_for_writes(first)
     first.close()
-    engine = make_engine(checkpoint, tmp_path / "kv")  # as after a restart
+    engine = make_engine(models, tmp_path / "kv")  # as after a restart
     tokens, cached = run_one(engine, "a1", A)
     assert tokens == ref["a1"][0]
     assert cached == (len(A) - 1) // BLOCK * BLOCK
@@ -120,10 +113,10 @@ def test_a_restarted_engine_loads_from_its_directory(checkpoint, reference, tmp_
     engine.close()
 
 
-def test_a_removed_directory_degrades_to_recompute_with_the_same_output(checkpoint, reference,
+def test_a_removed_directory_degrades_to_recompute_with_the_same_output(models, reference,
                                                                          tmp_path):
     ref, _ = reference
-    engine = make_engine(checkpoint, tmp_path / "kv")
+    engine = make_engine(models, tmp_path / "kv")
     run_one(engine, "a1", A)
     engine.pool.reset_cache()
     wait_for_writes(engine)

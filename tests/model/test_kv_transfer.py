@@ -24,9 +24,7 @@ from hearth.disagg.wire import SERVER, HEADER_BYTES, Header, MsgType, proof, rec
 from hearth.engine.connector import KVTransfer
 from hearth.engine.engine import LLMEngine
 from hearth.engine.kv_cache import cdiv
-from hearth.engine.llm import make_engine_config
 from hearth.engine.sampling_params import SamplingParams
-from hearth.models.loader import load_checkpoint
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_greedy.json").read_text())
 CASES = GOLDEN["cases"]
@@ -42,21 +40,20 @@ class FakeClock:
         return self.now
 
 
-def make_engine(checkpoint, role: str, clock=None) -> LLMEngine:
-    config = replace(make_engine_config("smollm2-135m-instruct", num_blocks=96),
+def make_engine(models, role: str, clock=None) -> LLMEngine:
+    config = replace(models.config(num_blocks=96),
                      kv_transfer=KVTransferConfig(role=role, secret=SECRET, lease_seconds=30))
 
     def factory(cfg, kv_cache, geometry):
         return DisaggConnector(cfg, kv_cache, geometry, clock=clock or FakeClock())
-    return LLMEngine(config, checkpoint, connector_factory=factory)
+    return models.engine(config, connector_factory=factory)
 
 
 @pytest.fixture(scope="module")
-def pd():
+def pd(models):
     """(prefill engine, decode engine, the prefill side's lease clock)."""
-    checkpoint = load_checkpoint("smollm2-135m-instruct")
     clock = FakeClock()
-    prefill, decode = make_engine(checkpoint, "prefill", clock), make_engine(checkpoint, "decode")
+    prefill, decode = make_engine(models, "prefill", clock), make_engine(models, "decode")
     yield prefill, decode, clock
     prefill.close()
     decode.close()

@@ -12,7 +12,6 @@ import pytest
 from hearth.config import SpeculativeConfig
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
-from hearth.models.loader import load_checkpoint
 
 CODE = '''def area(width, height):
     """Return the area of a rectangle."""
@@ -32,15 +31,10 @@ PROMPTS = [
 METHODS = ["ngram", "suffix"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    return load_checkpoint("smollm2-135m-instruct")
-
-
-def make_llm(checkpoint, method: str = "off", **kw) -> LLM:
+def make_llm(models, method: str = "off", **kw) -> LLM:
     kw.setdefault("num_blocks", 256)
-    return LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", quantization="none",
-               speculative=SpeculativeConfig(method=method, num_speculative_tokens=6), **kw)
+    return models.llm(quantization="none",
+                      speculative=SpeculativeConfig(method=method, num_speculative_tokens=6), **kw)
 
 
 def chat_ids(llm, prompt: str) -> list[int]:
@@ -49,8 +43,8 @@ def chat_ids(llm, prompt: str) -> list[int]:
         [{"role": "user", "content": prompt}], add_generation_prompt=True))
 
 
-def run(checkpoint, method: str, prompts=PROMPTS, params=None, **kw):
-    llm = make_llm(checkpoint, method, **kw)
+def run(models, method: str, prompts=PROMPTS, params=None, **kw):
+    llm = make_llm(models, method, **kw)
     params = params or SamplingParams(temperature=0.0, max_tokens=64)
     try:
         out = llm.generate([chat_ids(llm, p) for p in prompts], params)
@@ -62,21 +56,21 @@ def run(checkpoint, method: str, prompts=PROMPTS, params=None, **kw):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
-    out, _ = run(checkpoint, "off")
+def reference(models):
+    out, _ = run(models, "off")
     return [c.token_ids for c in out]
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_batched_greedy_output_is_unchanged(checkpoint, reference, method):
-    out, counters = run(checkpoint, method)
+def test_batched_greedy_output_is_unchanged(models, reference, method):
+    out, counters = run(models, method)
     assert [c.token_ids for c in out] == reference
     assert counters.num_accepted_tokens > 0  # speculation really happened
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_one_at_a_time_with_prefix_hits_and_chunked_prefill(checkpoint, reference, method):
-    llm = make_llm(checkpoint, method, max_num_batched_tokens=48)
+def test_one_at_a_time_with_prefix_hits_and_chunked_prefill(models, reference, method):
+    llm = make_llm(models, method, max_num_batched_tokens=48)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=64)
         for prompt, want in zip(PROMPTS[:2], reference[:2]):
@@ -90,17 +84,17 @@ def test_one_at_a_time_with_prefix_hits_and_chunked_prefill(checkpoint, referenc
         llm.engine.close()
 
 
-def test_preemption_under_a_small_pool(checkpoint, reference):
-    out, counters = run(checkpoint, "suffix", num_blocks=24)
+def test_preemption_under_a_small_pool(models, reference):
+    out, counters = run(models, "suffix", num_blocks=24)
     assert [c.token_ids for c in out] == reference
     assert counters.num_accepted_tokens > 0
 
 
-def test_stop_strings_max_tokens_and_logprobs_behave_as_without(checkpoint):
+def test_stop_strings_max_tokens_and_logprobs_behave_as_without(models):
     params = SamplingParams(temperature=0.0, max_tokens=37, stop=["purple"], logprobs=2)
     prompts = PROMPTS[1:3]
-    want, _ = run(checkpoint, "off", prompts, params)
-    got, counters = run(checkpoint, "suffix", prompts, params)
+    want, _ = run(models, "off", prompts, params)
+    got, counters = run(models, "suffix", prompts, params)
     assert counters.num_accepted_tokens > 0
     for a, b in zip(want, got):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
@@ -110,32 +104,31 @@ def test_stop_strings_max_tokens_and_logprobs_behave_as_without(checkpoint):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
-def test_guided_requests_speculate_and_keep_their_grammar(checkpoint):
+def test_guided_requests_speculate_and_keep_their_grammar(models):
     schema = ('{"type": "object", "properties": {"colors": {"type": "array", "items": '
               '{"type": "string"}}}, "required": ["colors"]}')
     params = SamplingParams(temperature=0.0, max_tokens=64,
                             guided=GuidedSpec("json_schema", schema))
     prompts = ["List these colors as JSON: red, green, blue, red, green, blue, red, green."]
-    want, _ = run(checkpoint, "off", prompts, params)
-    got, counters = run(checkpoint, "suffix", prompts, params)
+    want, _ = run(models, "off", prompts, params)
+    got, counters = run(models, "suffix", prompts, params)
     assert got[0].token_ids == want[0].token_ids
     assert counters.num_draft_tokens > 0
 
 
-def test_sampled_requests_finish_and_release_everything(checkpoint):
+def test_sampled_requests_finish_and_release_everything(models):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, seed=i) for i in range(4)]
-    out, counters = run(checkpoint, "suffix", PROMPTS, params)
+    out, counters = run(models, "suffix", PROMPTS, params)
     assert all(len(c.token_ids) > 0 and c.finish_reason in ("stop", "length") for c in out)
     assert counters.num_draft_tokens > 0
 
 
-def test_draft_model_path_with_the_model_as_its_own_draft(checkpoint, reference):
+def test_draft_model_path_with_the_model_as_its_own_draft(models, reference):
     """The draft-model proposer behind the same interface: the default model drafts for itself
     (so nearly every draft is accepted) and the output is still the reference."""
-    llm = LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", quantization="none",
-              num_blocks=256, speculative=SpeculativeConfig(
-                  method="draft", draft_model="smollm2-135m-instruct", num_speculative_tokens=4,
-                  draft_num_blocks=128))
+    llm = models.llm(quantization="none", num_blocks=256, speculative=SpeculativeConfig(
+        method="draft", draft_model="smollm2-135m-instruct", num_speculative_tokens=4,
+        draft_num_blocks=128))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=64)
         out = llm.generate([chat_ids(llm, p) for p in PROMPTS[:2]], params)
@@ -149,7 +142,7 @@ def test_draft_model_path_with_the_model_as_its_own_draft(checkpoint, reference)
         llm.engine.close()
 
 
-def test_pd_decode_side_speculates_with_unchanged_output(checkpoint, reference):
+def test_pd_decode_side_speculates_with_unchanged_output(models, reference):
     """A decode worker importing the prompt's KV from a prefill worker drafts and verifies as
     a monolithic one does: the same tokens as speculation off without PD."""
     from dataclasses import replace
@@ -158,14 +151,12 @@ def test_pd_decode_side_speculates_with_unchanged_output(checkpoint, reference):
     from hearth.disagg.connector import DisaggConnector
     from hearth.engine.connector import KVTransfer
     from hearth.engine.engine import LLMEngine
-    from hearth.engine.llm import make_engine_config
 
     def engine(role: str, method: str) -> LLMEngine:
-        config = replace(make_engine_config("smollm2-135m-instruct", num_blocks=256,
-                                            quantization="none"),
+        config = replace(models.config(num_blocks=256, quantization="none"),
                          kv_transfer=KVTransferConfig(role=role, secret="s", lease_seconds=30),
                          speculative=SpeculativeConfig(method=method, num_speculative_tokens=6))
-        return LLMEngine(config, checkpoint, connector_factory=DisaggConnector)
+        return models.engine(config, connector_factory=DisaggConnector)
 
     def run_engine(e: LLMEngine) -> dict:
         outs: dict = {}
@@ -226,13 +217,12 @@ def test_tensor_and_pipeline_parallel_verify_drafts_like_one_process(tmp_path, t
     assert spec.counters.num_accepted_tokens > 0
 
 
-def test_default_gguf_format_agrees_with_speculation_off(checkpoint):
+def test_default_gguf_format_agrees_with_speculation_off(models):
     """In the default (GGUF, quantized) format verify steps run other kernels than single-token
     decodes (short-query attention, qlinear over 1 + k rows), so agreement is that format's
     own bar: here, the same greedy tokens on these prompts."""
     def generate(method: str):
-        llm = LLM(checkpoint=checkpoint, model="smollm2-135m-instruct", num_blocks=256,
-                  speculative=SpeculativeConfig(method=method))
+        llm = models.llm(num_blocks=256, speculative=SpeculativeConfig(method=method))
         try:
             out = llm.generate([chat_ids(llm, p) for p in PROMPTS],
                                SamplingParams(temperature=0.0, max_tokens=64))

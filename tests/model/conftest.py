@@ -1,0 +1,61 @@
+"""The real default model, opened once and built once per format for the model tests of a session.
+
+Building the model (weights dequantized or repacked, kernels attached) is most of an engine's
+start; engines of one process may share a built model because a step only reads its weights
+(`hearth.engine.executor.BuiltModel`). Each engine still owns its KV cache, pool, scheduler and
+sampler, so a test sees a fresh engine exactly as before. Tests make engines through `models`:
+`models.llm(**overrides)` or `models.engine(config, **engine_kwargs)`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hearth.config import EngineConfig
+from hearth.engine.engine import LLMEngine
+from hearth.engine.executor import BuiltModel, build_model_for, make_executor
+from hearth.engine.llm import LLM, make_engine_config
+from hearth.models.loader import load_checkpoint
+
+MODEL = "smollm2-135m-instruct"
+
+
+class Models:
+    """Built models of one checkpoint, one per (dtype, quantization, kernels, device) setting."""
+
+    def __init__(self, checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self._built: dict[tuple, BuiltModel] = {}
+
+    def prebuilt(self, config: EngineConfig) -> BuiltModel | None:
+        """The shared model for `config`'s formats (None with T x P ranks: they build their own)."""
+        if config.parallel.world_size != 1:
+            return None
+        mc = config.model
+        key = (mc.dtype, mc.quantization, mc.cpu_kernels, config.parallel.device)
+        if key not in self._built:
+            self._built[key] = build_model_for(config, self.checkpoint)
+        return self._built[key]
+
+    def config(self, **overrides) -> EngineConfig:
+        return make_engine_config(MODEL, **overrides)
+
+    def llm(self, **overrides) -> LLM:
+        config = self.config(**overrides)
+        return LLM(config=config, checkpoint=self.checkpoint, prebuilt=self.prebuilt(config))
+
+    def engine(self, config: EngineConfig, **engine_kwargs) -> LLMEngine:
+        return LLMEngine(config, self.checkpoint, prebuilt=self.prebuilt(config), **engine_kwargs)
+
+    def executor(self, config: EngineConfig):
+        return make_executor(config, self.checkpoint, self.prebuilt(config))
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    return load_checkpoint(MODEL)
+
+
+@pytest.fixture(scope="session")
+def models(checkpoint) -> Models:
+    return Models(checkpoint)
