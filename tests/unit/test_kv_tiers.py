@@ -445,6 +445,12 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def renamed_records(ns_dir: str) -> list[str]:
+    """Records under their final names (only a finished write is renamed there)."""
+    return [name for sub in os.listdir(ns_dir) if sub != "tmp"
+            for name in os.listdir(os.path.join(ns_dir, sub))]
+
+
 def test_a_writer_killed_mid_write_leaves_no_torn_record(tmp_path):
     """SIGKILL a process that writes records back to back; a restart finds only whole records
     (the killed write's temporary file is swept). Repeated until a kill lands mid-write."""
@@ -457,7 +463,12 @@ def test_a_writer_killed_mid_write_leaves_no_torn_record(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, root, str(1 + 10**6 * attempt)],
                                 stdout=subprocess.PIPE)
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(0.3)
+        # kill once a record is whole and the next one is being written (it may still finish
+        # before the signal lands: hence the attempts)
+        deadline = time.monotonic() + 10
+        while not (renamed_records(ns_dir) and os.listdir(os.path.join(ns_dir, "tmp"))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         caught_mid_write += bool(os.listdir(os.path.join(ns_dir, "tmp")))

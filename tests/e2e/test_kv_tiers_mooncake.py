@@ -3,6 +3,8 @@
 Two stores (two "workers") share blocks through the master: one writes them through as they are
 computed, the other loads them. With the master killed, lookups miss at once, loads recompute
 and writes are dropped on the writer thread: the engine side never errors and never hangs.
+(Here, not in tests/unit: a real master process, and a store whose master died takes ~10 s in
+the Mooncake client's teardown.)
 """
 
 import os
