@@ -139,7 +139,10 @@ def paged_attention(
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
-    The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read."""
+    The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read, and
+    a prompt attending to its own fresh keys rounds them the same way first, so a token's
+    attention reads the same K/V whether it was computed now or earlier (prefix hit, recompute
+    after preemption, PD import)."""
     if not kv_written:
         write_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
     use_kernel = kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
@@ -155,6 +158,8 @@ def paged_attention(
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys
             ki, vi = k[start : start + q_len], v[start : start + q_len]
+            if k_cache.dtype != q.dtype:  # as rounded in the cache, like every later read
+                ki, vi = ki.to(k_cache.dtype).to(q.dtype), vi.to(v_cache.dtype).to(q.dtype)
             mask, causal = None, True
         else:
             ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
