@@ -76,21 +76,17 @@ def test_guarded_one_sided_read_lands_exact_blocks():
 
 @needs_mooncake
 @inside
-def test_pd_greedy_over_mooncake():
+def test_pd_greedy_over_mooncake(models):
     from hearth.config import KVTransferConfig
     from hearth.disagg.connector import make_connector
-    from hearth.engine.engine import LLMEngine
-    from hearth.engine.llm import make_engine_config
-    from hearth.models.loader import load_checkpoint
     from test_kv_transfer import CASES, decode_all, prefill_all  # same folder (rootdir mode)
 
-    checkpoint = load_checkpoint("smollm2-135m-instruct")
-    base = make_engine_config("smollm2-135m-instruct", num_blocks=64)
+    base = models.config(num_blocks=64)
     engines = []
     for role in ("prefill", "decode"):
         config = replace(base, kv_transfer=KVTransferConfig(role=role, transport="mooncake",
                                                             secret="s"))
-        engines.append(LLMEngine(config, checkpoint, connector_factory=make_connector))
+        engines.append(models.engine(config, connector_factory=make_connector))
     prefill, decode = engines
     try:
         prompts = {f"m{i}": c["prompt_ids"] for i, c in enumerate(CASES[:2])}

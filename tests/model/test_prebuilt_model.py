@@ -47,6 +47,9 @@ def test_engines_sharing_a_model_equal_one_that_builds_its_own(tiny):
     b = LLM(config=config, prebuilt=shared)  # the checkpoint comes with the model
     assert a.engine.executor.model is b.engine.executor.model is shared.model
     assert a.engine.executor.kv_cache is not b.engine.executor.kv_cache
+    for runner in (a.engine.executor, b.engine.executor):  # they tune the threads the model reads
+        if runner.thread_tuner is not None:
+            assert runner.thread_tuner.threads is shared.kernels.threads
     assert_same(generate(a), want)
     assert_same(generate(b), want)
     assert_same(generate(a), want)  # after b ran on the same weights
