@@ -145,17 +145,21 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
 #if defined(__AVX512F__)
 template <int NR, int MT>
 void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm, const float* x,
-                  int64_t ldx, float* out, int64_t ldo, const float* xsum) {
-  // Q4: sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * sum_j x_j, so the block loop does the
-  // integer-valued dot product and one FMA by d; the m terms come from per-block sums of x.
+                  int64_t ldx, float* out, int64_t ldo) {
+  // Q4: a block's 16 possible weights d * j + m (j = 0..15) are one register, and each nibble
+  // indexes it (vpermps reads the low 4 bits of each lane): one FMA builds the table, two
+  // permutes dequantize 32 weights, two FMAs multiply them, with no integer-to-float conversion.
+  // Q8_0: w = d q, scaled once per block after the integer-valued products.
   const int64_t qb = w.qtype == kQ8_0 ? 32 : 16, row = w.qs_row();
   const uint8_t* q0 = w.qs + n * row;
   const bool q8 = w.qtype == kQ8_0;
-  __m512 acc[NR][MT];
-  float macc[NR][MT] = {};
+  // MT = 1: two accumulators per row, so the two FMAs of a block are not one dependency chain.
+  constexpr int NA = MT == 1 ? 2 : 1;
+  __m512 acc[NR][MT][NA];
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi32(0xF);
+    for (int i = 0; i < MT; ++i)
+      for (int a = 0; a < NA; ++a) acc[r][i][a] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t b = 0; b < w.nb; ++b) {
     __m512 xl[MT], xh[MT];
     for (int i = 0; i < MT; ++i) {
@@ -164,32 +168,38 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
     }
     for (int r = 0; r < NR; ++r) {
       const uint8_t* q = q0 + r * row + b * qb;
-      __m512 lo, hi;
+      const __m512 d = _mm512_set1_ps(sd[r * w.nb + b]);
       if (q8) {
         const __m128i* p = reinterpret_cast<const __m128i*>(q);
-        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+        for (int i = 0; i < MT; ++i) {
+          const __m512 t = _mm512_fmadd_ps(hi, xh[i], _mm512_mul_ps(lo, xl[i]));
+          acc[r][i][0] = _mm512_fmadd_ps(t, d, acc[r][i][0]);
+        }
       } else {
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-        lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nib));
-        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-      }
-      const __m512 d = _mm512_set1_ps(sd[r * w.nb + b]);
-      const float m = sm[r * w.nb + b];
-      for (int i = 0; i < MT; ++i) {
-        const __m512 t = _mm512_fmadd_ps(hi, xh[i], _mm512_mul_ps(lo, xl[i]));
-        acc[r][i] = _mm512_fmadd_ps(t, d, acc[r][i]);
-        macc[r][i] += m * xsum[i * w.nb + b];
+        const __m512 table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(sm[r * w.nb + b]));
+        const __m512 lo = _mm512_permutexvar_ps(bytes, table);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        for (int i = 0; i < MT; ++i) {
+          acc[r][i][0] = _mm512_fmadd_ps(lo, xl[i], acc[r][i][0]);
+          acc[r][i][NA - 1] = _mm512_fmadd_ps(hi, xh[i], acc[r][i][NA - 1]);
+        }
       }
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) + macc[r][i];
+    for (int i = 0; i < MT; ++i) {
+      __m512 s = acc[r][i][0];
+      if constexpr (NA == 2) s = _mm512_add_ps(s, acc[r][i][1]);
+      out[i * ldo + r] = _mm512_reduce_add_ps(s);
+    }
 }
 #else
 template <int NR, int MT>
 void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm, const float* x,
-                  int64_t ldx, float* out, int64_t ldo, const float*) {
+                  int64_t ldx, float* out, int64_t ldo) {
   const int64_t qb = w.qtype == kQ8_0 ? 32 : 16, row = w.qs_row();
   float acc[NR][MT][8] = {};
   alignas(64) float wf[32];
@@ -227,8 +237,7 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
 #endif
 
 template <int NR>
-void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float* out,
-                  const float* xsum) {
+void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float* out) {
   thread_local std::vector<float> scales;
   scales.resize(2 * NR * w.nb);
   float* sd = scales.data();
@@ -236,9 +245,9 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
   row_scales(w, n, NR, sd, sm);
   int64_t i = 0;
   for (; i + 4 <= M; i += 4)
-    qlinear_tile<NR, 4>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N, xsum + i * w.nb);
+    qlinear_tile<NR, 4>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N);
   for (; i < M; ++i)
-    qlinear_tile<NR, 1>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N, xsum + i * w.nb);
+    qlinear_tile<NR, 1>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -483,18 +492,11 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tenso
     for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows_i8<1>(w, n, a, op);
     return out.view(out_shape);
   }
-  std::vector<float> xsum(M * nb);  // per-block sums of x (the Q4_1 / Q4_0 offset terms)
-  for (int64_t i = 0; i < M * nb; ++i) {
-    float s = 0;
-    for (int j = 0; j < kQK; ++j) s += xp[i * kQK + j];
-    xsum[i] = s;
-  }
-  const float* xs = xsum.data();
   parallel_tasks((num_groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t task) {
     const int64_t g1 = std::min(num_groups, (task + 1) * kGroupsPerTask);
-    for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows<NR>(w, g * NR, xp, M, op, xs);
+    for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows<NR>(w, g * NR, xp, M, op);
   }, threads);
-  for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows<1>(w, n, xp, M, op, xs);
+  for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows<1>(w, n, xp, M, op);
   return out.view(out_shape);
 }
 
