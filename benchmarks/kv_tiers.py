@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import RequestResult, model_of, stream_chat  # noqa: E402
 
 from hearth.bench import agent_replay  # noqa: E402
+from hearth.bench.peer_servers import add_peer_path_args, hearth_argv, vllm_argv, vllm_env  # noqa: E402
 from hearth.bench.server_process import ServerSpec, ServerStartError, start_server, stop_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,20 +98,15 @@ def working_set(sessions) -> tuple[int, int]:
 
 def hearth_spec(name: str, port: int, workers: int, blocks: int, extra: list[str],
                 log_dir: Path) -> ServerSpec:
-    argv = [str(REPO / ".venv/bin/hearth"), "up", "--host", "127.0.0.1", "--port", "{port}",
-            "--prefill", "0", "--decode", "0", "--workers", str(workers),
-            "--num-kv-blocks", str(blocks), "--log-dir",
-            str(log_dir / name), *extra]
+    argv = hearth_argv("up", ["--prefill", "0", "--decode", "0", "--workers", str(workers),
+                              "--num-kv-blocks", str(blocks), "--log-dir", str(log_dir / name), *extra])
     return ServerSpec(name, tuple(argv), port)
 
 
 def vllm_spec(port: int, args) -> ServerSpec:
-    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
-            "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
-    return ServerSpec("vllm", tuple(argv), port, env)
+    argv = vllm_argv(args.vllm_python, args.hf_model, extra=[
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32"])
+    return ServerSpec("vllm", tuple(argv), port, vllm_env(args.vllm_kv_gib))
 
 
 async def replay(url: str, sessions, stagger: float) -> tuple[list, list, float]:
@@ -336,8 +332,7 @@ def main() -> None:
     p.add_argument("--stagger", type=float, default=0.25, help="seconds between session starts")
     p.add_argument("--pool-fraction", type=float, default=0.25)
     p.add_argument("--port", type=int, default=8140)
-    p.add_argument("--vllm-python", default="/tmp/peers/vllm/bin/python")
-    p.add_argument("--hf-model", default="/tmp/peers/smollm2-hf")
+    add_peer_path_args(p, llama=False)
     p.add_argument("--vllm-kv-gib", type=int, default=1)
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--no-micro", action="store_true", help="skip the load-vs-recompute probe")

