@@ -9,9 +9,11 @@ dequantized through gguf's own code).
 Every format stores a row (the last, contiguous dimension) as whole blocks, so a slice of rows is
 a slice of bytes: callers may pass only the rows they need. Each block is viewed as one row of a
 `[num_blocks, block_bytes]` uint8 matrix; scales are fp16 fields inside it, read with a dtype view
-(no copy). The hot formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) take a few elementwise passes; the
-last pass is one mixed-dtype `addcmul`/`mul` that writes float32 output directly. A handful of
-rarer formats fall back to gguf's numpy reference (correct, slower).
+(no copy). The hot formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) write their float32 output once, into
+a buffer the caller may give (`out`: a model parameter, so no temporary and no second copy), and
+finish in place with float `mul_`/`add_` (vectorized; mixed-dtype `addcmul` is several times
+slower, and numpy rounds `d * q + m` the same two-step way). A handful of rarer formats fall back
+to gguf's numpy reference (correct, slower).
 """
 
 from __future__ import annotations
@@ -29,29 +31,30 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 2, k] uint8: low nibbles first, then high nibbles (ggml's order)."""
+    """[n, k] bytes -> [n, 2, k] uint8: low nibbles first, then high nibbles (ggml's order).
+    (uint8 out: a bitwise op writing float directly takes a slow casting path, ~10x.)"""
     out = torch.empty(packed.shape[0], 2, packed.shape[1], dtype=torch.uint8)
     torch.bitwise_and(packed, 0x0F, out=out[:, 0])
     torch.bitwise_right_shift(packed, 4, out=out[:, 1])
     return out
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # block (34 B): d fp16 | 32 x int8.  x = d * q
-    return torch.mul(blocks[:, 2:].view(torch.int8), _f16(blocks, 0))
+    out.copy_(blocks[:, 2:].view(torch.int8))
+    return out.mul_(_f16(blocks, 0))
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # block (18 B): d fp16 | 16 B nibbles.  x = d * (q - 8); elements 0..15 low nibbles, 16..31 high.
-    q = _nibbles(blocks[:, 2:]).view(-1, 32)
-    # uint8 subtraction wraps, so reading the result as int8 gives q - 8 in [-8, 7].
-    return torch.mul(q.sub_(8).view(torch.int8), _f16(blocks, 0))
+    out.copy_(_nibbles(blocks[:, 2:]).view(-1, 32))
+    return out.sub_(8).mul_(_f16(blocks, 0))  # q - 8 is exact in float32
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # block (20 B): d fp16 | m fp16 | 16 B nibbles.  x = d * q + m
-    q = _nibbles(blocks[:, 4:]).view(-1, 32)
-    return torch.addcmul(_f16(blocks, 2), q, _f16(blocks, 0))
+    out.copy_(_nibbles(blocks[:, 4:]).view(-1, 32))
+    return out.mul_(_f16(blocks, 0)).add_(_f16(blocks, 2))
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +71,7 @@ def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales, mins  # [num_blocks, 8] each, uint8
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # block (144 B): d fp16 | dmin fp16 | 12 B scales | 128 B nibbles.
     # Sub-block s (32 elements) = x = d*sc[s]*q - dmin*mn[s]; bytes 32j..32j+31 hold sub-blocks
     # 2j (low nibbles) and 2j+1 (high nibbles).
@@ -76,11 +79,12 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     scales, mins = _k_scales(blocks[:, 4:16])
     d = (_f16(blocks, 0) * scales).unsqueeze(-1)  # [num_blocks, 8, 1]
     dm = (_f16(blocks, 2) * mins).unsqueeze(-1)
-    q = _nibbles(blocks[:, 16:].reshape(-1, 32)).view(num_blocks, 8, 32)
-    return torch.addcmul(-dm, q, d).view(num_blocks, QK_K)
+    q = out.view(num_blocks, 8, 32)
+    q.copy_(_nibbles(blocks[:, 16:].reshape(-1, 32)).view(num_blocks, 8, 32))
+    return q.mul_(d).sub_(dm)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # block (210 B): ql 128 B (low 4 bits) | qh 64 B (high 2 bits) | 16 x int8 scales | d fp16.
     # Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]:
     #   elements  0..31: ql[0:32] low  | qh bits 0-1      elements 64..95:  ql[0:32] high  | qh bits 4-5
@@ -92,7 +96,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     qh = ((qh >> shifts) & 0x03).view(num_blocks, 2, 2, 2, 32)  # [n, h, nib, half, 32]
     q = (ql | (qh << 4)).sub_(32).view(torch.int8).view(num_blocks, 16, 16)  # wraps to [-32, 31]
     d = (blocks[:, 192:208].view(torch.int8) * _f16(blocks, 208)).unsqueeze(-1)  # [n, 16, 1]
-    return torch.mul(q, d).view(num_blocks, QK_K)
+    return torch.mul(q, d, out=out.view(num_blocks, 16, 16))
 
 
 _BLOCK_DEQUANTIZERS = {
@@ -115,23 +119,34 @@ def is_supported(ggml_type: int) -> bool:
     return ggml_type in _FLOAT_DTYPES or ggml_type in _BLOCK_DEQUANTIZERS or ggml_type in _REFERENCE_ONLY
 
 
-def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...],
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Raw uint8 bytes of a ggml tensor -> float32 tensor of `shape` (torch order).
 
-    For F32 the result is a view of `raw` (zero copy); every other type yields a fresh tensor.
-    Raises ValueError for a type without a dequantizer.
+    With `out` (a contiguous float32 tensor of `shape`) the values are written there and `out`
+    is returned. Without it, F32 gives a view of `raw` (zero copy) and every other type a fresh
+    tensor. Raises ValueError for a type without a dequantizer.
     """
     qtype = QT(ggml_type)
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()
+                            or tuple(out.shape) != tuple(shape)):
+        raise ValueError(f"dequantize: out must be contiguous float32 of shape {tuple(shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     if qtype in _FLOAT_DTYPES:
         values = raw.view(_FLOAT_DTYPES[qtype]).view(shape)
+        if out is not None:
+            return out.copy_(values)
         return values if qtype == QT.F32 else values.float()
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = raw.view(-1, type_size)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
     if qtype in _BLOCK_DEQUANTIZERS:
-        return _BLOCK_DEQUANTIZERS[qtype](blocks).view(shape)
+        _BLOCK_DEQUANTIZERS[qtype](blocks, out.view(-1, block_size))
+        return out
     if qtype in _REFERENCE_ONLY:
         from gguf.quants import dequantize as reference_dequantize
 
         values = reference_dequantize(blocks.numpy(), qtype)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(shape)
+        return out.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(shape))
     raise ValueError(f"ggml type {qtype.name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")

@@ -13,6 +13,10 @@ cold-start budget. The format is small (all little-endian):
     padding to `general.alignment` (default 32) | tensor data (offsets relative to here)
 
 `dims` are ggml order (fastest-varying first); `GGUFTensorInfo.shape` is torch order (reversed).
+
+`read_metadata(path)` reads the metadata alone, without torch, numpy or gguf: the HTTP process
+of a worker builds its tokenizer from it and never imports torch (~1 s of CPU at a cold start,
+taken from the engine-core process that loads the model beside it).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -48,6 +53,8 @@ class GGUFFile:
     """The parsed header of one GGUF file plus a copy-on-write mapping of its bytes."""
 
     def __init__(self, path: str | Path) -> None:
+        import torch  # here, not at the top: read_metadata's callers must not pay for it
+
         self.path = Path(path)
         with open(self.path, "rb") as f:
             # ACCESS_COPY (MAP_PRIVATE): pages are shared with the page cache until written, and
@@ -66,9 +73,24 @@ class GGUFFile:
         return self._bytes[info.offset : info.offset + info.num_bytes]
 
 
-def _parse_header(buf: memoryview, path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a GGUF file (tokenizer, architecture keys), without its tensor table."""
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return _parse_metadata(view, path)[0]
+        finally:
+            view.release()
 
+
+def _parse_header(buf: memoryview, path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
+    metadata, pos, num_tensors = _parse_metadata(buf, path)
+    return metadata, _parse_tensors(buf, pos, num_tensors, metadata, path)
+
+
+def _parse_metadata(buf: memoryview, path: Path) -> tuple[dict[str, Any], int, int]:
+    """(metadata, offset of the tensor table, number of tensors)."""
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
     version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -82,6 +104,12 @@ def _parse_header(buf: memoryview, path: Path) -> tuple[dict[str, Any], dict[str
         key, pos = _read_string(buf, pos)
         (value_type,) = struct.unpack_from("<I", buf, pos)
         metadata[key], pos = _read_value(buf, pos + 4, value_type, key, path)
+    return metadata, pos, num_tensors
+
+
+def _parse_tensors(buf: memoryview, pos: int, num_tensors: int, metadata: dict[str, Any],
+                   path: Path) -> dict[str, GGUFTensorInfo]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     infos: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(num_tensors):
@@ -108,7 +136,7 @@ def _parse_header(buf: memoryview, path: Path) -> tuple[dict[str, Any], dict[str
         if offset + num_bytes > len(buf):
             raise ValueError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
         tensors[name] = GGUFTensorInfo(name, shape, ggml_type, offset, num_bytes)
-    return metadata, tensors
+    return tensors
 
 
 def _read_string(buf: memoryview, pos: int) -> tuple[str, int]:

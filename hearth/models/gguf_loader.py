@@ -123,6 +123,21 @@ class GGUFCheckpoint(Checkpoint):
             tensor = unpermute_qk(tensor, num_heads)
         return take_shard(tensor, shard, name)
 
+    def read_into(self, out: torch.Tensor, name: str, shard: Shard | None = None) -> None:
+        """Dequantize straight into `out` when it takes float32 values of the whole tensor;
+        Q/K rows are un-permuted as bytes first (whole rows of blocks move, so no value
+        changes). Shards and other dtypes go through `get`."""
+        info = self.file.tensors.get(self._hf_to_gguf.get(name, ""))
+        if (shard is not None or info is None or out.dtype != torch.float32
+                or not out.is_contiguous() or out.device.type != "cpu"
+                or tuple(out.shape) != tuple(info.shape)):
+            return super().read_into(out, name, shard)
+        raw = self.file.raw(info.name)
+        num_heads = self._permuted_heads(name)
+        if num_heads is not None:
+            raw = unpermute_qk(raw.view(info.shape[0], -1), num_heads).view(-1)
+        dequantize(raw, info.ggml_type, info.shape, out=out)
+
     def raw_blocks(self, name: str) -> tuple[int, torch.Tensor] | None:
         """(ggml type, `[rows, row_bytes]` uint8) of a 2-D tensor as stored, rows in HF order
         (Q/K rows un-permuted: whole rows of blocks move, so no value changes), or None when the

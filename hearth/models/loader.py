@@ -5,7 +5,10 @@ file, a HF checkpoint folder (has config.json). Anything else is a clear error n
 Opening a checkpoint reads headers only; tensor bytes are read when `get()` is called.
 
 The tokenizer is built one layer up (`hearth.engine.tokenizer.Tokenizer.from_checkpoint(ckpt)`)
-from `ckpt.tokenizer_source`, so that models/ never imports engine/.
+from `ckpt.tokenizer_source`, so that models/ never imports engine/. `load_tokenizer_source`
+gives the same source without opening the checkpoint or importing torch (this module imports
+the loaders, which need torch, only when a checkpoint is opened): a worker's HTTP process
+tokenizes but never runs the model.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import importlib.util
 from pathlib import Path
 
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource
-from hearth.models.gguf_loader import GGUFCheckpoint
-from hearth.models.hf_loader import HFCheckpoint
 
-__all__ = ["BUILTIN_MODELS", "Checkpoint", "Shard", "TokenizerSource", "load_checkpoint", "resolve_builtin"]
+__all__ = ["BUILTIN_MODELS", "Checkpoint", "Shard", "TokenizerSource", "load_checkpoint",
+           "load_tokenizer_source", "resolve_builtin"]
 
 # Built-in name -> (Python package that ships the file, file name, pip requirement)
 BUILTIN_MODELS = {
@@ -31,17 +33,40 @@ BUILTIN_MODELS = {
 
 def load_checkpoint(model: str) -> Checkpoint:
     """Open `model`: a built-in name, a `.gguf` file path, or a HF checkpoint folder."""
+    path, is_gguf = _resolve(model)
+    if is_gguf:
+        from hearth.models.gguf_loader import GGUFCheckpoint
+
+        return GGUFCheckpoint(path, name=model if model in BUILTIN_MODELS else None)
+    from hearth.models.hf_loader import HFCheckpoint
+
+    return HFCheckpoint(path)
+
+
+def load_tokenizer_source(model: str) -> TokenizerSource:
+    """`load_checkpoint(model).tokenizer_source`, read without opening the weights or importing
+    torch: a GGUF file's metadata, or the HF folder."""
+    path, is_gguf = _resolve(model)
+    if is_gguf:
+        from hearth.models.gguf_file import read_metadata
+
+        return TokenizerSource(gguf_metadata=read_metadata(path))
+    return TokenizerSource(folder=path)
+
+
+def _resolve(model: str) -> tuple[Path, bool]:
+    """(path, is a GGUF file) of a `--model` value, or a clear error naming it."""
     if model in BUILTIN_MODELS:
-        return GGUFCheckpoint(resolve_builtin(model), name=model)
+        return resolve_builtin(model), True
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {model!r} is not a .gguf file; pass a GGUF file or a HF folder")
-        return GGUFCheckpoint(path)
+        return path, True
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model folder {model!r} has no config.json (expected a HF checkpoint)")
-        return HFCheckpoint(path)
+        return path, False
     raise FileNotFoundError(
         f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
         "an existing .gguf file, or a HF checkpoint folder"

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml
+from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml, single_threaded
 
 log = logging.getLogger("hearth.models")
 
@@ -68,6 +68,7 @@ def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[
     return out
 
 
+@single_threaded()  # many small copies at a cold start, beside the HTTP process
 def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
     """Attach a PackedWeight to every linear layer that can take one; returns the number of
     layers per format (for the log and the tests)."""

@@ -9,6 +9,11 @@ world_size))`. Merged projections are filled part by part:
 Every tensor of the checkpoint that belongs to this model part is read: one the model has no
 place for (a bias of a projection the arch says has none, an unknown norm) is an error at load,
 never silently dropped.
+
+Tensors are decoded straight into the parameters (`Checkpoint.read_into`: rows of a merged
+parameter are one tensor's destination), not into temporaries that are then concatenated and
+copied: at a cold start each extra pass over the weights costs about as much as decoding them.
+On one rank a tied LM head copies the decoded embedding rather than decoding it again.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
+from hearth.ops.cpu_kernels import single_threaded
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
@@ -43,6 +49,18 @@ def _copy(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
     param.data.copy_(value)
 
 
+def _fill_rows(param: torch.nn.Parameter, parts: list[tuple[str, tuple | None, int]],
+               checkpoint) -> None:
+    """Rows of `param`, in order, from each (tensor name, shard, number of rows) of `parts`:
+    the merged QKV and gate/up projections and their biases. A part of another shape is the
+    checkpoint's shape-mismatch error."""
+    row = 0
+    for name, shard, rows in parts:
+        checkpoint.read_into(param.data[row : row + rows], name, shard)
+        row += rows
+    assert row == param.shape[0], (row, tuple(param.shape))
+
+
 class _ReadRecorder:
     """The checkpoint, noting which tensor names were read."""
 
@@ -52,6 +70,10 @@ class _ReadRecorder:
     def get(self, name: str, shard=None) -> torch.Tensor:
         self.read.add(name)
         return self.checkpoint.get(name) if shard is None else self.checkpoint.get(name, shard=shard)
+
+    def read_into(self, out: torch.Tensor, name: str, shard=None) -> None:
+        self.read.add(name)
+        self.checkpoint.read_into(out, name, shard)
 
     def tensor_names(self) -> list[str]:
         return self.checkpoint.tensor_names()
@@ -80,58 +102,70 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
     arch, tp = model.arch, model.tp
     rank, size = tp.rank, tp.size
 
-    def get(name: str, shard_dim: int | None = None) -> torch.Tensor:
-        if shard_dim is None or size == 1:
-            return checkpoint.get(name)
-        return checkpoint.get(name, shard=(shard_dim, rank, size))
+    def part(name: str, shard_dim: int | None = None) -> tuple[str, tuple | None]:
+        return name, (None if shard_dim is None or size == 1 else (shard_dim, rank, size))
 
-    def get_kv(name: str) -> torch.Tensor:
+    def kv_part(name: str) -> tuple[str, tuple | None]:
         if arch.num_kv_heads >= size:
-            return get(name, 0)
+            return part(name, 0)
         # Fewer KV heads than ranks: rank r uses (replicates) head r * num_kv_heads // size.
         head = rank * arch.num_kv_heads // size
-        return checkpoint.get(name, shard=(0, head, arch.num_kv_heads))
+        return name, (0, head, arch.num_kv_heads)
 
-    if model.embed_tokens is not None:
-        emb = model.embed_tokens
-        _copy(emb.weight, _vocab_shard(checkpoint, "model.embed_tokens.weight", rank, size,
-                                       emb.shard), "model.embed_tokens.weight")
-    if model.lm_head is not None:
-        names = set(checkpoint.tensor_names())
-        head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
-                     else "model.embed_tokens.weight")
-        _copy(model.lm_head.weight, _vocab_shard(checkpoint, head_name, rank, size,
-                                                 model.lm_head.shard), head_name)
-        _copy(model.norm.weight, checkpoint.get("model.norm.weight"), "model.norm.weight")
+    def fill(param: torch.nn.Parameter, name: str, shard_dim: int | None = None) -> None:
+        checkpoint.read_into(param.data, *part(name, shard_dim))
+
+    names = set(checkpoint.tensor_names())
+    head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
+                 else "model.embed_tokens.weight")
+    if size == 1:
+        if model.embed_tokens is not None:
+            fill(model.embed_tokens.weight, "model.embed_tokens.weight")
+        if model.lm_head is not None:
+            if head_name == "model.embed_tokens.weight" and model.embed_tokens is not None:
+                # tied: decoded once. A copy, not a shared parameter: a format may rewrite the
+                # head's float weight (hearth/models/quant.py) and must not touch the embedding.
+                recorder.read.add(head_name)
+                model.lm_head.weight.data.copy_(model.embed_tokens.weight.data)
+            else:
+                fill(model.lm_head.weight, head_name)
+    else:
+        if model.embed_tokens is not None:
+            emb = model.embed_tokens
+            _copy(emb.weight, _vocab_shard(checkpoint, "model.embed_tokens.weight", rank, size,
+                                           emb.shard), "model.embed_tokens.weight")
+        if model.lm_head is not None:
+            _copy(model.lm_head.weight, _vocab_shard(checkpoint, head_name, rank, size,
+                                                     model.lm_head.shard), head_name)
+    if model.norm is not None:
+        fill(model.norm.weight, "model.norm.weight")
 
     for local, layer in enumerate(model.layers):
         p = f"model.layers.{model.layer_start + local}."
-        attn = layer.self_attn
-        qkv = [get(p + "self_attn.q_proj.weight", 0), get_kv(p + "self_attn.k_proj.weight"),
-               get_kv(p + "self_attn.v_proj.weight")]
-        _copy(attn.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv")
-        if arch.attention_bias:
-            bias = [get(p + "self_attn.q_proj.bias", 0), get_kv(p + "self_attn.k_proj.bias"),
-                    get_kv(p + "self_attn.v_proj.bias")]
-            _copy(attn.qkv_proj.bias, torch.cat(bias), p + "self_attn.qkv bias")
-        _copy(attn.o_proj.weight, get(p + "self_attn.o_proj.weight", 1), p + "self_attn.o_proj")
+        attn, mlp = layer.self_attn, layer.mlp
+        q_rows, kv_rows, inter = attn.q_size, attn.kv_size, mlp.gate_up_proj.weight.shape[0] // 2
+        for kind, param in (("weight", attn.qkv_proj.weight),
+                            ("bias", attn.qkv_proj.bias if arch.attention_bias else None)):
+            if param is not None:
+                _fill_rows(param, [(*part(p + f"self_attn.q_proj.{kind}", 0), q_rows),
+                                   (*kv_part(p + f"self_attn.k_proj.{kind}"), kv_rows),
+                                   (*kv_part(p + f"self_attn.v_proj.{kind}"), kv_rows)], checkpoint)
+        fill(attn.o_proj.weight, p + "self_attn.o_proj.weight", 1)
         if arch.attention_out_bias:
-            _copy(attn.o_proj.bias, checkpoint.get(p + "self_attn.o_proj.bias"), p + "o_proj bias")
+            fill(attn.o_proj.bias, p + "self_attn.o_proj.bias")
         if arch.qk_norm:
-            _copy(attn.q_norm.weight, checkpoint.get(p + "self_attn.q_norm.weight"), p + "q_norm")
-            _copy(attn.k_norm.weight, checkpoint.get(p + "self_attn.k_norm.weight"), p + "k_norm")
-        gate_up = [get(p + "mlp.gate_proj.weight", 0), get(p + "mlp.up_proj.weight", 0)]
-        _copy(layer.mlp.gate_up_proj.weight, torch.cat(gate_up), p + "mlp.gate_up")
-        _copy(layer.mlp.down_proj.weight, get(p + "mlp.down_proj.weight", 1), p + "mlp.down_proj")
+            fill(attn.q_norm.weight, p + "self_attn.q_norm.weight")
+            fill(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+        for kind, param in (("weight", mlp.gate_up_proj.weight),
+                            ("bias", mlp.gate_up_proj.bias if arch.mlp_bias else None)):
+            if param is not None:
+                _fill_rows(param, [(*part(p + f"mlp.gate_proj.{kind}", 0), inter),
+                                   (*part(p + f"mlp.up_proj.{kind}", 0), inter)], checkpoint)
+        fill(mlp.down_proj.weight, p + "mlp.down_proj.weight", 1)
         if arch.mlp_bias:
-            gate_up = [get(p + "mlp.gate_proj.bias", 0), get(p + "mlp.up_proj.bias", 0)]
-            _copy(layer.mlp.gate_up_proj.bias, torch.cat(gate_up), p + "mlp.gate_up bias")
-            _copy(layer.mlp.down_proj.bias, checkpoint.get(p + "mlp.down_proj.bias"),
-                  p + "mlp.down_proj bias")
-        _copy(layer.input_layernorm.weight, checkpoint.get(p + "input_layernorm.weight"),
-              p + "input_layernorm")
-        _copy(layer.post_attention_layernorm.weight,
-              checkpoint.get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            fill(mlp.down_proj.bias, p + "mlp.down_proj.bias")
+        fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
+        fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
     _check_all_read(model, recorder)
 
 
@@ -150,5 +184,6 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.cos, module.sin = rope.cos.to(device), rope.sin.to(device)
-    load_weights(model, checkpoint)
-    return model.to(dtype=dtype).eval()
+    with single_threaded():  # small passes beside a busy HTTP process (its docstring)
+        load_weights(model, checkpoint)
+        return model.to(dtype=dtype).eval()

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hearth.config import EngineConfig
 from hearth.server.chat import render_chat_prompt
 from hearth.server.edge import SSE_HEADERS, CpuPool, check_api_key, longest_token_chars, read_json
-from hearth.server.engine_client import EngineClient, EngineDeadError
+from hearth.server.engine_client import CoreProcess, EngineClient, EngineDeadError
 from hearth.server.errors import install_error_handlers
 from hearth.server.front_doors import front_door_routes
 from hearth.server.load_report import BlockEvents, LoadReport, TierEvents, encode_load_report
@@ -59,13 +59,14 @@ log = logging.getLogger("hearth.server")
 
 
 def load_tokenizer(engine_config: EngineConfig):
-    """The same tokenizer the engine builds, loaded here to keep tokenization off the engine."""
+    """The same tokenizer the engine builds, loaded here to keep tokenization off the engine
+    (from the checkpoint's tokenizer data alone: this process never imports torch)."""
     from hearth.engine.tokenizer import Tokenizer
-    from hearth.models.loader import load_checkpoint
+    from hearth.models.loader import load_tokenizer_source
 
     if engine_config.model.tokenizer:
         return Tokenizer.from_folder(engine_config.model.tokenizer)
-    return Tokenizer.from_checkpoint(load_checkpoint(engine_config.model.model))
+    return Tokenizer.from_source(load_tokenizer_source(engine_config.model.model))
 
 
 def resolve_tool_parser(name: str, tokenizer: Any) -> str:
@@ -80,12 +81,12 @@ class Worker:
     """Everything the routes share; `state` is set once the engine is ready."""
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None] | None = None, core: CoreProcess | None = None) -> None:
         self.engine_config = engine_config
         self.config = server_config
         self.on_fatal = on_fatal  # asks the HTTP server to stop (launch.py wires uvicorn's)
         self.engine = EngineClient(engine_config, log_level=server_config.log_level.upper(),
-                                   on_dead=self._fail)
+                                   on_dead=self._fail, core=core)
         self.cpu = CpuPool(server_config.cpu_threads)
         self.response_store = ResponseStore()  # past Responses, for previous_response_id
         self.state: ServerState | None = None
@@ -143,8 +144,10 @@ class Worker:
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig,
-              on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    worker = Worker(engine_config, server_config, on_fatal)
+              on_fatal: Callable[[], None] | None = None, core: CoreProcess | None = None) -> FastAPI:
+    """`core`: an engine-core process already spawned for `engine_config` (the app owns it from
+    here); None: the app spawns its own at startup."""
+    worker = Worker(engine_config, server_config, on_fatal, core)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

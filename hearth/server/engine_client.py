@@ -1,8 +1,10 @@
 """The server's handle on its engine-core process (asyncio side of the socketpair).
 
-`start()` spawns the engine-core process (`python -m hearth.server.core_main`, which picks the
-KV connector by the config's role), hands it the EngineConfig, and returns
-at once; a background task waits for EngineReady, so `/health` answers "loading" meanwhile.
+`spawn_core()` starts the engine-core process (`python -m hearth.server.core_main`, which picks
+the KV connector by the config's role) and hands it the EngineConfig at once; `start()` adopts
+that process (or spawns one) and returns at once; a background task waits for EngineReady, so
+`/health` answers "loading" meanwhile. `hearth serve` spawns the core before it imports its HTTP
+stack (hearth/cli.py), so the engine's imports and model load overlap the server's own start.
 `add()` sends an AddRequest and waits for the core's AddResult, so a refused request (prompt too
 long, invalid schema) becomes a 400 before any response byte is sent. Outputs then flow into
 that request's queue until its finished output arrives.
@@ -66,12 +68,52 @@ class _Pending:
     accepted: asyncio.Future
 
 
+@dataclass
+class CoreProcess:
+    """An engine-core process that has been sent its StartEngine, and the server's end of
+    their socketpair. Owned by whoever holds it until an EngineClient adopts it."""
+
+    process: subprocess.Popen
+    sock: socket.socket
+
+    def kill(self) -> None:
+        """End a core no EngineClient adopted (the server failed before it could)."""
+        self.sock.close()
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def spawn_core(config: EngineConfig, log_level: str = "INFO") -> CoreProcess:
+    """Start the engine-core process and send it StartEngine(config): it imports torch and loads
+    the model while the caller goes on (the frame waits in the socket buffer)."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child_fd = child_sock.fileno()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", core_main.__name__, "--fd", str(child_fd),
+             "--log-level", log_level],
+            pass_fds=(child_fd,),
+        )
+    except BaseException:
+        parent_sock.close()
+        raise
+    finally:
+        child_sock.close()
+    parent_sock.sendall(FrameCodec(FromCore).encode(StartEngine(config)))
+    return CoreProcess(process, parent_sock)
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 core: CoreProcess | None = None) -> None:
+        """`core`: a process `spawn_core(config)` already started (adopted here); None: `start()`
+        spawns one."""
         self.config = config
         self.log_level = log_level
         self.on_dead = on_dead  # called once, with the reason, when the core process is lost
+        self._core = core
         self.info: EngineReady | None = None
         self.stats = EngineStats()
         self.failure: str | None = None
@@ -89,16 +131,9 @@ class EngineClient:
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        child_fd = child_sock.fileno()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", core_main.__name__, "--fd", str(child_fd),
-             "--log-level", self.log_level],
-            pass_fds=(child_fd,),
-        )
-        child_sock.close()
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=parent_sock)
-        self._send(StartEngine(self.config))
+        core, self._core = self._core or spawn_core(self.config, self.log_level), None
+        self._process = core.process
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=core.sock)
         self._read_task = asyncio.create_task(self._read_loop(), name="engine-reader")
 
     async def wait_ready(self) -> EngineReady:
@@ -121,6 +156,9 @@ class EngineClient:
 
     async def close(self, timeout: float = 10.0) -> None:
         self._closing = True
+        if self._core is not None:  # never started: the adopted core has no reader yet
+            self._core.kill()
+            self._core = None
         if self._writer is not None and not self._writer.is_closing():
             try:
                 self._send(Shutdown())

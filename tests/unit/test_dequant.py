@@ -229,3 +229,26 @@ def test_unsupported_type_is_a_value_error() -> None:
     assert not is_supported(QT.IQ2_XXS)
     with pytest.raises(ValueError, match="IQ2_XXS"):
         dequantize(torch.zeros(66, dtype=torch.uint8), QT.IQ2_XXS, (256,))
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, *FP16_FIELDS], ids=lambda t: t.name)
+def test_out_gets_the_same_values_in_place(qtype: QT) -> None:
+    # The loader decodes straight into rows of a merged parameter: same bits, nothing else written.
+    if qtype in FP16_FIELDS:
+        raw = torch.from_numpy(make_raw_blocks(qtype, num_rows=3, row_len=256, seed=5).reshape(-1))
+    else:
+        dtype = np.float32 if qtype == QT.F32 else np.float16
+        values = np.random.default_rng(5).standard_normal((3, 256)).astype(dtype)
+        raw = torch.from_numpy(values.view(np.uint8).reshape(-1))
+    expected = dequantize(raw, qtype, (3, 256))
+    param = torch.full((5, 256), 7.0)
+    assert dequantize(raw, qtype, (3, 256), out=param[1:4]).data_ptr() == param[1:4].data_ptr()
+    assert torch.equal(param[1:4], expected)
+    assert torch.equal(param[0], torch.full((256,), 7.0)) and torch.equal(param[4], param[0])
+
+
+def test_out_of_the_wrong_shape_or_dtype_is_refused() -> None:
+    raw = torch.from_numpy(make_raw_blocks(QT.Q8_0, num_rows=2, row_len=64).reshape(-1))
+    for out in (torch.empty(2, 32), torch.empty(2, 64, dtype=torch.float16), torch.empty(64, 2).t()):
+        with pytest.raises(ValueError, match="out must be contiguous float32"):
+            dequantize(raw, QT.Q8_0, (2, 64), out=out)
