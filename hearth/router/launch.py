@@ -1,0 +1,49 @@
+"""`hearth route`: the router under uvicorn, from its RouterConfig.
+
+`route(RouterConfig)` is a plain function: it parses nothing. The flags that build the config are
+hearth/cli.py's (the one module that reads flags); `hearth up` (hearth/router/up.py) calls
+`route` too, once its workers are healthy, with their URLs in the config.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hearth.logs import setup_logging
+from hearth.router.router_config import RouterConfig
+
+
+def load_tokenizer(model: str | None):
+    if model is None:
+        return None
+    from hearth.engine.tokenizer import Tokenizer
+    from hearth.models.loader import load_tokenizer_source
+
+    return Tokenizer.from_source(load_tokenizer_source(model))  # no torch in the router
+
+
+def route(config: RouterConfig, supervisor=None) -> int:
+    """Serve until interrupted (0). Under `hearth up`, `supervisor` (hearth.router.supervisor)
+    shows its state in /health and stops the router when it gives up on a worker (1)."""
+    import uvicorn
+
+    from hearth.router.app import build_app
+
+    setup_logging(config.log_level)
+    app = build_app(config, load_tokenizer(config.tokenizer_model),
+                    supervisor_state=supervisor.state if supervisor else None)
+    logging.getLogger("hearth.router").info(
+        "router on http://%s:%d (prefill %s, decode %s, workers %s, policy %s)", config.host,
+        config.port, list(config.prefill), list(config.decode), list(config.workers),
+        config.policy.name)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+        access_log=False, log_config=None, timeout_graceful_shutdown=5))
+    if supervisor is not None:
+        supervisor.watch(on_give_up=lambda: setattr(server, "should_exit", True))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+        pass
+    return 1 if supervisor is not None and supervisor.gave_up else 0
+

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hearth.cli import build_parser, engine_config, router_config, serve_argv, server_config
+from hearth.flags import build_parser, engine_config, router_config, serve_argv, server_config
 
 
 def parse(*argv: str):

@@ -1,4 +1,4 @@
-"""One launch path: flags -> configs (hearth/cli.py) -> a worker's argv (`hearth up`) -> the same
+"""One launch path: flags -> configs (hearth/flags.py) -> a worker's argv (`hearth up`) -> the same
 configs; and the launch modules below the CLI import nothing above their layer. No model."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hearth import cli
+from hearth import flags as hearth_flags
 from hearth.router.up import worker_specs
 
 SECRET_FLAGS = {"--api-key", "--api-key-file", "--kv-secret", "--kv-secret-file",
@@ -44,39 +45,39 @@ def not_default(action: argparse.Action) -> list[str]:
 
 def every_serve_flag() -> list[str]:
     argv = []
-    for action in options(cli.serve_parser()):
+    for action in options(hearth_flags.serve_parser()):
         if not SECRET_FLAGS & set(action.option_strings):
             argv += not_default(action)
     return argv
 
 
 def configs(argv: list[str]):
-    a = cli.build_parser().parse_args(["serve", *argv])
-    cli.read_secrets(a, {})
-    return cli.engine_config(a), cli.server_config(a)
+    a = hearth_flags.build_parser().parse_args(["serve", *argv])
+    hearth_flags.read_secrets(a, {})
+    return hearth_flags.engine_config(a), hearth_flags.server_config(a)
 
 
 def test_every_serve_flag_survives_the_derived_argv():
     engine, server = configs(every_serve_flag())
-    argv = cli.serve_argv(engine, server)
+    argv = hearth_flags.serve_argv(engine, server)
     assert configs(argv) == (engine, server)
     written = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
-    flags = {max(a.option_strings, key=len) for a in options(cli.serve_parser())}
+    flags = {max(a.option_strings, key=len) for a in options(hearth_flags.serve_parser())}
     assert written == flags - SECRET_FLAGS  # every flag was given, so every flag is written
 
 
 def test_defaults_write_only_the_address_and_odd_values_stay_whole():
     engine, server = configs([])
-    assert cli.serve_argv(engine, server) == ["--host", "127.0.0.1", "--port", "8000"]
+    assert hearth_flags.serve_argv(engine, server) == ["--host", "127.0.0.1", "--port", "8000"]
     engine, server = configs(["--model=-dash.gguf", "--kv-peers", "a:1,b"])
-    argv = cli.serve_argv(engine, server)
+    argv = hearth_flags.serve_argv(engine, server)
     assert "--model=-dash.gguf" in argv and configs(argv) == (engine, server)
 
 
 def test_secrets_never_reach_the_argv():
     engine, server = configs(["--kv-secret", "kv-s3cret", "--api-key", "api-s3cret"])
     assert engine.kv_transfer.secret == "kv-s3cret" and server.api_key == "api-s3cret"
-    argv = cli.serve_argv(engine, server)
+    argv = hearth_flags.serve_argv(engine, server)
     assert not [arg for arg in argv if "s3cret" in arg]
     back_engine, back_server = configs(argv)
     assert back_engine.kv_transfer.secret == "" and back_server.api_key is None
@@ -86,29 +87,29 @@ def test_a_field_no_flag_sets_is_refused_by_name():
     engine, server = configs([])
     odd = replace(engine, kv_transfer=replace(engine.kv_transfer, max_leased_fraction=0.9))
     with pytest.raises(ValueError, match=r"no flag for kv_transfer\.max_leased_fraction"):
-        cli.serve_argv(odd, replace(server, cpu_threads=7))
+        hearth_flags.serve_argv(odd, replace(server, cpu_threads=7))
     with pytest.raises(ValueError, match=r"cpu_threads"):
-        cli.serve_argv(engine, replace(server, cpu_threads=7))
+        hearth_flags.serve_argv(engine, replace(server, cpu_threads=7))
 
 
 def up_args(*extra: str) -> argparse.Namespace:
     engine_flags = []
     parser = argparse.ArgumentParser()
-    cli.add_engine_args(parser)
+    hearth_flags.add_engine_args(parser)
     for action in options(parser):
         flags = set(action.option_strings)
         if not SECRET_FLAGS & flags and not flags & {"--role"}:
             engine_flags += not_default(action)
-    a = cli.build_parser().parse_args(["up", *engine_flags, "--max-body-mb", "9", *extra])
-    cli.read_secrets(a, {})
+    a = hearth_flags.build_parser().parse_args(["up", *engine_flags, "--max-body-mb", "9", *extra])
+    hearth_flags.read_secrets(a, {})
     return a
 
 
 def test_up_hands_every_engine_flag_to_each_worker_and_secrets_only_in_the_environment():
     a = up_args("--prefill", "1", "--decode", "1", "--workers", "1", "--kv-secret", "kv-s3cret",
                 "--worker-arg=--kv-lease-seconds=7", "--port", "9999")
-    engine, stack = cli.engine_config(a), cli.up_config(a)
-    specs = worker_specs(stack, engine, cli.up_worker_server_config(a), cli.worker_command,
+    engine, stack = hearth_flags.engine_config(a), hearth_flags.up_config(a)
+    specs = worker_specs(stack, engine, hearth_flags.up_worker_server_config(a), cli.worker_command,
                          "api-s3cret", engine.kv_transfer.secret)
     assert [s.role for s in specs] == ["prefill", "decode", "both"]
     for spec in specs:
@@ -123,7 +124,7 @@ def test_up_hands_every_engine_flag_to_each_worker_and_secrets_only_in_the_envir
         assert worker_server.max_waiting == a.max_waiting
         assert spec.env["HEARTH_API_KEY"] == "api-s3cret"
         assert spec.env.get("HEARTH_KV_SECRET") == (None if spec.role == "both" else "kv-s3cret")
-    router = cli.router_config(a)
+    router = hearth_flags.router_config(a)
     assert (router.port, router.tokenizer_model, router.policy.block_size) == \
         (9999, engine.model.model, engine.cache.block_size)
     assert (router.prefill, router.decode, router.workers) == ((), (), ())  # up adds its workers
@@ -136,7 +137,7 @@ def test_up_hands_every_engine_flag_to_each_worker_and_secrets_only_in_the_envir
 def test_up_refuses_a_stack_without_decoders(flags, error):
     a = up_args(*flags)
     with pytest.raises(ValueError, match=error):
-        worker_specs(cli.up_config(a), cli.engine_config(a), cli.up_worker_server_config(a),
+        worker_specs(hearth_flags.up_config(a), hearth_flags.engine_config(a), hearth_flags.up_worker_server_config(a),
                      cli.worker_command, "k", "s")
 
 
@@ -173,7 +174,7 @@ FLAGS_BEFORE = {
 @pytest.mark.parametrize("command", sorted(FLAGS_BEFORE))
 def test_every_flag_a_command_had_is_still_there(command, capsys):
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args([command, "--help"])
+        hearth_flags.build_parser().parse_args([command, "--help"])
     text = capsys.readouterr().out
     usage = text.split("\n\n")[0]  # lists every option by its first name
     aliases = re.findall(r", (-{1,2}[a-z][\w-]*)", text)  # "--tensor-parallel-size N, -tp N"
@@ -184,7 +185,7 @@ def test_every_flag_a_command_had_is_still_there(command, capsys):
 # ---- layers -----------------------------------------------------------------------------------
 
 # DESIGN.md's import order, lowest first (bench, the load generator, sits beside the CLI)
-LAYERS = ["config", "ops", "models", "engine", "disagg", "server", "router", "bench", "cli"]
+LAYERS = ["config", "ops", "models", "engine", "disagg", "server", "router", "bench", "flags", "cli"]
 
 
 def layer_of(module: str) -> str | None:
@@ -215,10 +216,10 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 @pytest.mark.parametrize("module, above", [
-    ("hearth.server.launch", ("hearth.cli", "hearth.router")),
-    ("hearth.server.core_main", ("hearth.cli", "hearth.router", "hearth.disagg")),
-    ("hearth.router.launch", ("hearth.cli",)),
-    ("hearth.router.up", ("hearth.cli",)),
+    ("hearth.server.launch", ("hearth.cli", "hearth.flags", "hearth.router")),
+    ("hearth.server.core_main", ("hearth.cli", "hearth.flags", "hearth.router", "hearth.disagg")),
+    ("hearth.router.launch", ("hearth.cli", "hearth.flags")),
+    ("hearth.router.up", ("hearth.cli", "hearth.flags")),
 ])
 def test_launch_module_imports_alone_without_the_layers_above(module, above):
     code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"

@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from hearth.cli import _torchrun_env, add_engine_args, engine_config
+from hearth.flags import add_engine_args, engine_config
+from hearth.flags import torchrun_env as _torchrun_env
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.7",
             "MASTER_PORT": "29511", "TORCHELASTIC_USE_AGENT_STORE": "True"}

@@ -1,4 +1,4 @@
-"""Secret flags (hearth/cli.py `read_secrets`) and the supervisor's restart rule
+"""Secret flags (hearth/flags.py `read_secrets`) and the supervisor's restart rule
 (hearth/router/supervisor.py) with real, short-lived child processes: no model, seconds."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hearth.cli import read_secrets
+from hearth.flags import read_secrets
 from hearth.router.router_config import SupervisorConfig
 from hearth.router.supervisor import Supervisor, WorkerSpec
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hearth.cli import engine_config, serve_parser
+from hearth.flags import engine_config, serve_parser
 from hearth.config import SpeculativeConfig
 
 
