@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve_rank(a: argparse.Namespace) -> int:
     """A torchrun rank other than 0: join the driver's rank set and run its steps."""
-    from hearth.engine.parallel.worker import RankSpec, serve_rank
+    from hearth.engine.parallel.rank import RankSpec, serve_rank
 
     parallel = engine_config(a).parallel  # validates the world size
     launcher = a.launcher

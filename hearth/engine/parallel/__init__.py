@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallelism: the driver-side executor, the rank worker, and what they share.
+"""Tensor and pipeline parallelism: the driver's executor, the other ranks' process, what they share.
 
 See docs/parallelism.md. Entry points: `hearth.engine.executor.make_executor` (the engine) and
-`hearth.engine.parallel.worker.serve_rank` (every rank but the driver).
+`hearth.engine.parallel.rank.serve_rank` (every rank but the driver).
 """

@@ -27,7 +27,7 @@ from hearth.engine.parallel.messages import (CollectStats, Command, LoadModel, R
                                              SampleResult, Shutdown, StepCommand, decode_reply,
                                              encode)
 from hearth.engine.parallel.stage import StageShard
-from hearth.engine.parallel.worker import RankSpec, rank_device
+from hearth.engine.parallel.rank import RankSpec, rank_device
 from hearth.engine.runner import DTYPES
 from hearth.ops.distributed import (Heartbeat, RankFailedError, RankLayout, broadcast_message,
                                     close_rank_groups, connect_store, init_rank_groups,

@@ -15,7 +15,7 @@ from typing import Callable
 
 import msgspec
 
-from hearth.engine.parallel.worker import RankSpec
+from hearth.engine.parallel.rank import RankSpec
 from hearth.ops.distributed import RankFailedError, RankLayout
 
 log = logging.getLogger("hearth.executor")
@@ -28,7 +28,7 @@ class LocalRanks:
         self.on_death = on_death
         self.procs: dict[int, subprocess.Popen] = {}
         for spec in specs:
-            argv = [sys.executable, "-m", "hearth.engine.parallel.worker",
+            argv = [sys.executable, "-m", "hearth.engine.parallel.rank",
                     msgspec.json.encode(spec).decode()]
             self.procs[spec.rank] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         self._stop = threading.Event()

@@ -1,6 +1,6 @@
 """A non-driver rank: joins the rank set, loads its shard, and runs the driver's commands.
 
-Started by the driver on one machine (`python -m hearth.engine.parallel.worker SPEC_JSON`) or by
+Started by the driver on one machine (`python -m hearth.engine.parallel.rank SPEC_JSON`) or by
 `hearth` itself under torchrun for every RANK but 0. Exit status: 0 after SHUTDOWN, 1 when the
 rank set breaks (a peer died: the heartbeat names it on stderr, within seconds).
 """
