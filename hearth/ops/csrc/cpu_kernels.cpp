@@ -696,16 +696,64 @@ inline __m512 load16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// The same item with D = 16 * DV: each token's K (and V) row is loaded into registers once and
-// used by all G query heads; up to 8 heads' outputs stay in registers.
+// Lanes 0..7: the sums of the 16 lanes of v[0..7] (a transpose-and-add tree: ~3 instructions per
+// vector instead of a horizontal reduction's ~8).
+inline __m256 hsum8(const __m512* v) {
+  __m512 x[4];
+  for (int p = 0; p < 4; ++p)  // [a.L0 + a.L2, a.L1 + a.L3, b.L0 + b.L2, b.L1 + b.L3] (128-bit lanes)
+    x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 y[2];
+  for (int p = 0; p < 2; ++p)  // lane L: vector 4p + L's four partial sums
+    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane L holds [sum of v[L], sum of v[4 + L], ...]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
+}
+
+// The same item with D = 16 * DV. Scores: 8 tokens at a time, HB heads per pass, the 8 x HB dot
+// products left in registers and reduced together (hsum8). Outputs: each token's V row is loaded
+// into registers once and used by all G query heads; up to 8 heads' outputs stay in registers.
 template <typename KV, int DV>
 void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
                    int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t block_size, float scale,
                    const int64_t* lim, float* part, float* scores) {
   constexpr int64_t D = 16 * DV;
+  constexpr int HB = DV <= 4 ? 3 : 2;  // HB * 8 accumulators + DV key registers fit in 32
   const int64_t n = t1 - t0, pstride = D + 2;
-  for (int64_t t = t0; t < t1; ++t) {
-    const KV* k = kc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+  auto row = [&](const KV* cache, int64_t t) {
+    return cache + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+  };
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    const KV* krow[8];
+    for (int i = 0; i < 8; ++i) krow[i] = row(kc, t + i);
+    for (int64_t h0 = 0; h0 < G; h0 += HB) {
+      const int64_t hn = std::min<int64_t>(HB, G - h0);
+      __m512 acc[HB][8];
+      for (int i = 0; i < 8; ++i) {
+        __m512 kv[DV];
+        for (int c = 0; c < DV; ++c) kv[c] = load16(krow[i] + 16 * c);
+        for (int hh = 0; hh < HB; ++hh) {
+          if (hh >= hn) break;
+          const float* qh = qg + (h0 + hh) * D;
+          __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
+          for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), a);
+          acc[hh][i] = a;
+        }
+      }
+      for (int hh = 0; hh < hn; ++hh)
+        _mm256_storeu_ps(scores + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), vscale));
+    }
+  }
+  for (; t < t1; ++t) {
+    const KV* k = row(kc, t);
     __m512 kv[DV];
     for (int c = 0; c < DV; ++c) kv[c] = load16(k + 16 * c);
     for (int64_t h = 0; h < G; ++h) {
@@ -715,21 +763,23 @@ void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int32_t* t
     }
   }
   softmax_scores(scores, n, G, lim, part, pstride);
-  for (int64_t h0 = 0; h0 < G; h0 += 8) {
-    const int64_t hn = std::min<int64_t>(8, G - h0);
-    __m512 o[8][DV];
-    for (int64_t h = 0; h < hn; ++h)
+  constexpr int VB = DV <= 4 ? 6 : 3;  // VB * DV output registers + DV value registers fit in 32
+  for (int64_t h0 = 0; h0 < G; h0 += VB) {
+    const int64_t hn = std::min<int64_t>(VB, G - h0);
+    __m512 o[VB][DV];
+    for (int h = 0; h < VB; ++h)
       for (int c = 0; c < DV; ++c) o[h][c] = _mm512_setzero_ps();
     for (int64_t t = t0; t < t1; ++t) {
-      const KV* v = vc + ((static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * KVH + g) * D;
+      const KV* v = row(vc, t);
       __m512 vv[DV];
       for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
-      for (int64_t h = 0; h < hn; ++h) {
+      for (int h = 0; h < VB; ++h) {
+        if (h >= hn) break;
         const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + (t - t0)]);
         for (int c = 0; c < DV; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
       }
     }
-    for (int64_t h = 0; h < hn; ++h)
+    for (int h = 0; h < hn; ++h)
       for (int c = 0; c < DV; ++c) _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * c, o[h][c]);
   }
 }
