@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
     try:
         return run_core(sock, connector_factory_for, store_factory_for)
+    except ConnectionError:  # EngineReady found the server gone (it failed to start, e.g. its port)
+        logging.getLogger("hearth.core").info("server closed the engine socket before the "
+                                              "engine was ready; exiting")
+        return 0
     finally:
         sock.close()
 
