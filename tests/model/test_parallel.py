@@ -176,8 +176,8 @@ def test_shape_mismatch_at_load_names_the_rank_and_tensor(tiny, tmp_path):
         "model.layers.3.self_attn.o_proj.weight"][:, :60].contiguous()
     save_file(weights, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=r"rank 1 \(stage 1, tp 0\): ValueError: shape mismatch "
-                                         r"loading model.layers.3.self_attn.o_proj: checkpoint "
-                                         r"\(64, 60\), model expects \(64, 64\)"):
+                                         r"loading model.layers.3.self_attn.o_proj.weight: "
+                                         r"checkpoint \(64, 60\), model expects \(64, 64\)"):
         LLM(str(bad), pipeline_parallel_size=2, num_blocks=16)
 
 
