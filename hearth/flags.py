@@ -193,6 +193,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20,
                    help="larger request bodies get 413")
     g.add_argument("--log-level", default=defaults.log_level)
+    add_edge_args(g)
+
+
+def add_edge_args(g) -> None:
+    """The HTTP edge's flags, the same on a worker and the router (hearth/server/middleware.py)."""
     g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="CORS: browser origins allowed to call this server, e.g. "
                         "http://localhost:3000, or * for any (default: none, CORS off)")
@@ -355,11 +360,7 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
                    help="list worker URLs on /load even without --api-key (with a key they are "
                         "shown to key holders)")
     g.add_argument("--log-level", default="info")
-    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
-                   help="CORS: browser origins allowed to call this server, e.g. "
-                        "http://localhost:3000, or * for any (default: none, CORS off)")
-    g.add_argument("--no-access-log", action="store_true",
-                   help="no log line per request (method, path, status, ms, request id)")
+    add_edge_args(g)
 
 
 def add_route_args(p: argparse.ArgumentParser) -> None:

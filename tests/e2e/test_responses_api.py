@@ -160,8 +160,10 @@ def test_bad_input_is_an_openai_400_naming_the_field(api, body, param):
     assert error["type"] == "invalid_request_error"
 
 
-async def test_openai_agents_default_provider_runs_a_function_tool(api):
-    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+def weather_agent(api):
+    """An openai-agents Agent with one function tool, on the default (Responses API) provider;
+    returns (agent, run config, the cities the tool was called with)."""
+    from agents import Agent, ModelSettings, RunConfig, function_tool
     from agents.models.openai_provider import OpenAIProvider
 
     calls = []
@@ -176,8 +178,15 @@ async def test_openai_agents_default_provider_runs_a_function_tool(api):
                   model=MODEL, model_settings=ModelSettings(tool_choice="required", temperature=0,
                                                             max_tokens=60))
     provider = OpenAIProvider(openai_client=api.async_client())  # default: the Responses API
+    return agent, RunConfig(model_provider=provider, tracing_disabled=True), calls
+
+
+async def test_openai_agents_default_provider_runs_a_function_tool(api):
+    from agents import Runner
+
+    agent, run_config, calls = weather_agent(api)
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4,
-                              run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+                              run_config=run_config)
     assert len(calls) == 1 and calls[0]
     assert isinstance(result.final_output, str)
     kinds = [item.type for item in result.new_items]
@@ -211,23 +220,11 @@ def test_disconnect_during_non_stream_aborts(server):
 
 
 async def test_openai_agents_streamed_run(api):
-    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
-    from agents.models.openai_provider import OpenAIProvider
+    from agents import Runner
 
-    calls = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """Weather forecast for a city."""
-        calls.append(city)
-        return f"It is sunny in {city}."
-
-    agent = Agent(name="weather", instructions="Use the tools to answer.", tools=[get_weather],
-                  model=MODEL, model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                                            max_tokens=60))
-    provider = OpenAIProvider(openai_client=api.async_client())
+    agent, run_config, calls = weather_agent(api)
     result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4,
-                                 run_config=RunConfig(model_provider=provider, tracing_disabled=True))
+                                 run_config=run_config)
     kinds = [event.item.type async for event in result.stream_events()
              if event.type == "run_item_stream_event"]
     assert len(calls) == 1
