@@ -11,8 +11,10 @@ which rows belong to which request:
     context:  ctx_len = tokens computed before this step + query len
 
 Backends: requests with one query token (decodes) are batched into one padded SDPA call over
-their gathered blocks with a length mask; longer queries (prefill chunks) run one SDPA call each
-with a causal mask offset by their cached prefix. Both work on CPU and CUDA. With hearth's CPU
+their gathered blocks with a length mask; longer queries (prefill chunks) run one SDPA call each,
+causal; after a cached prefix, on CPU two flash calls (the prefix unmasked, the chunk's own keys
+causal) merged by log-sum-exp, elsewhere one call with the offset causal mask written out. All
+paths work on CPU and CUDA. With hearth's CPU
 kernels, every request with at most SHORT_QUERY_MAX new tokens (decodes, and speculative
 decoding's verify steps of 1 + k tokens) attends in one kernel call over the cache in place,
 causal among its new tokens; only longer queries take the SDPA loop.
@@ -164,6 +166,11 @@ def paged_attention(
         else:
             ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
             vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
+            if q.device.type == "cpu":
+                o = _prefix_chunk_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1),
+                                            ctx_len - q_len, scale)
+                out[start : start + q_len] = o.transpose(0, 1)
+                continue
             offset = ctx_len - q_len
             rows = torch.arange(q_len, device=q.device)[:, None] + offset
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows
@@ -190,6 +197,32 @@ def paged_attention(
         )
         out[meta.decode_token_index] = o.squeeze(2)
     return out
+
+
+def _prefix_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                            scale: float) -> torch.Tensor:
+    """A chunk's queries ([H, q, D]) after `prefix` cached tokens, over keys/values [KV, ctx, D]:
+    causal with the diagonal offset by `prefix`. Two calls of torch's CPU flash kernel, each
+    unmasked or plainly causal, merged by their log-sum-exps: the cached prefix (every query sees
+    all of it) and the chunk's own keys (causal). A materialized offset mask instead makes SDPA
+    compute and mask the whole [q, ctx] score matrix at ~half the kernel's rate; a 2k-token
+    prompt after a 32-token prefix hit (a shared system prompt) took 1.6x as long."""
+    num_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    group = num_heads // num_kv_heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # The prefix part has no mask, so a KV head's `group` query heads stack along the sequence
+    # (GQA without repeating K/V).
+    qg = q.reshape(num_kv_heads, group * q_len, head_dim)[None]
+    o1, lse1 = flash(qg, k[None, :, :prefix], v[None, :, :prefix], scale=scale)
+    o1, lse1 = o1.reshape(num_heads, q_len, head_dim), lse1.reshape(num_heads, q_len)
+    k2, v2 = k[:, prefix:], v[:, prefix:]
+    if group > 1:
+        k2, v2 = k2.repeat_interleave(group, 0), v2.repeat_interleave(group, 0)
+    o2, lse2 = flash(q[None], k2[None], v2[None], is_causal=True, scale=scale)
+    o2, lse2 = o2[0], lse2[0]
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * (lse1 - lse).exp_()[..., None] + o2 * (lse2 - lse).exp_()[..., None]
 
 
 def short_query_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kernels):
