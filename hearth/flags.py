@@ -36,6 +36,8 @@ from hearth.router.policy import POLICIES, PolicyConfig
 from hearth.router.router_config import HealthConfig, RouterConfig, SupervisorConfig, UpConfig
 from hearth.server.server_config import ServerConfig
 
+SERVE_SPECULATIVE_METHOD = "suffix"  # `hearth serve` and `hearth up` workers; EngineConfig: off
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -90,7 +92,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
                     "comma-separated host:port or host (default: loopback only)")
     sp = p.add_argument_group("speculative decoding (docs/speculative.md)")
-    sp.add_argument("--speculative-method", default=SpeculativeConfig.method,
+    # The server drafts by default (EngineConfig's default stays off, for the library): on agent
+    # traffic, which repeats itself and its prompts, suffix drafts cut the replay's wall time, and
+    # greedy output is unchanged (docs/speculative.md, "Default").
+    sp.add_argument("--speculative-method", default=SERVE_SPECULATIVE_METHOD,
                     choices=list(SPECULATIVE_METHODS),
                     help="draft tokens from the request's own context (ngram: prompt lookup; "
                          "suffix: plus recent outputs of other requests), verified in the same "

@@ -61,7 +61,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, cmd: StepCommand) -> SampleResult:
-        self.sampler.forget(cmd.finished_ids)
         input_ids, positions, meta = self.prepare_inputs(cmd)
         if self.thread_tuner is None:
             hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)

@@ -3,8 +3,10 @@
 `sample(logits, batch)` takes `[num_reqs, vocab]` logits and a `SamplingBatch` of per-request
 parameters and returns token ids plus logprobs. Order of operations (as vLLM/HF do it):
 penalties -> temperature -> min_p / top_k / top_p masks -> draw. Greedy rows take the argmax of the
-penalised logits. Seeded rows draw from their own generator, so the same seed gives the same
-tokens whatever else is in the batch.
+penalised logits. A seeded row's draw for output position i comes from a generator seeded by
+(seed, i) alone, so the same seed gives the same tokens whatever else is in the batch, whichever
+executor runs it, and whatever drafts speculative decoding verified before (rejected drafts
+consume no randomness that a later position would see).
 """
 
 from __future__ import annotations
@@ -130,24 +132,28 @@ def sample(logits: torch.Tensor, b: SamplingBatch, shared: torch.Generator | Non
     return tokens, chosen, top
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output position: splitmix64 of the pair, so
+    neighbouring positions (and seeds) get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # torch seeds are below 2**63 here
+
+
 class RowSampler:
     """Samples the rows of a StepCommand from their logits, wherever the logits live (the
     ModelRunner in one process, the last pipeline stage's TP rank 0 otherwise), and verifies
-    draft tokens (see hearth/engine/step.py for the rule).
-
-    Seeded requests keep their generator here, created from the seed at first use and dropped
-    when a step lists the request as finished, so a seeded request draws the same numbers
-    whichever executor runs it.
+    draft tokens (see hearth/engine/step.py for the rule). It keeps no per-request state: a
+    seeded row's position i draws from `position_seed(seed, i)`.
     """
 
     def __init__(self, seed: int, vocab_size: int) -> None:
         self.shared_generator = torch.Generator(device="cpu").manual_seed(seed)
         self.vocab_size = vocab_size
-        self.generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, rows: list):
         """`logits`: [sum(row.num_positions), vocab] float32 on CPU, rows back to back.
@@ -167,7 +173,6 @@ class RowSampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {expected} sampled positions")
         params, histories, generators, first = [], [], [], 0
         for row in rows:
-            gen = self._generator(row)
             for j in range(row.num_positions):
                 if row.allowed:
                     bits = np.unpackbits(np.frombuffer(row.allowed[j], dtype=np.uint8))
@@ -180,7 +185,8 @@ class RowSampler:
                 # position j follows the drafts before it
                 histories.append((row.prompt_ids, row.output_ids + row.draft_token_ids[:j]
                                   if row.output_ids or row.prompt_ids else []))
-                generators.append(gen)
+                generators.append(None if row.seed is None else torch.Generator().manual_seed(
+                    position_seed(row.seed, row.output_pos + j)))
             first += row.num_positions
         batch = make_sampling_batch(params, histories, generators, logits.shape[-1])
         tokens, chosen, top = sample(logits, batch, self.shared_generator)
@@ -201,10 +207,3 @@ class RowSampler:
                 top_logprobs=[top_lps[i] for i in span] if top_lps is not None else []))
             first += row.num_positions
         return out
-
-    def _generator(self, row) -> torch.Generator | None:
-        if row.seed is None:
-            return None
-        if row.request_id not in self.generators:
-            self.generators[row.request_id] = torch.Generator().manual_seed(row.seed)
-        return self.generators[row.request_id]

@@ -38,7 +38,7 @@ class SampleRow(msgspec.Struct, frozen=True):
     the history a penalty reads, the grammar masks and the draft tokens to verify."""
 
     index: int  # position of the request in StepCommand's request lists
-    request_id: str  # keys the sampler's per-request seeded generator
+    request_id: str
     temperature: float
     top_p: float
     top_k: int
@@ -48,6 +48,7 @@ class SampleRow(msgspec.Struct, frozen=True):
     repetition_penalty: float
     logprobs: int | None
     seed: int | None
+    output_pos: int = 0  # output tokens before the first sampled position (keys seeded draws)
     prompt_ids: list[int] = []  # token history, sent only when a penalty needs it
     output_ids: list[int] = []
     draft_token_ids: list[int] = []  # the request's last len(drafts) input ids, to verify
@@ -74,7 +75,6 @@ class StepCommand(msgspec.Struct, frozen=True):
     block_tables: list[list[int]]
     micro_batch_sizes: list[int]  # requests per micro-batch, in order; sums to len(query_lens)
     samples: list[SampleRow]  # requests that sample this step, by index
-    finished_ids: list[str] = []  # drop the sampler's state for these before sampling
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +129,7 @@ def make_sample_row(req: Request, index: int, vocab_size: int,
         index=index, request_id=req.request_id, temperature=p.temperature, top_p=p.top_p,
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-        logprobs=p.logprobs, seed=p.seed,
+        logprobs=p.logprobs, seed=p.seed, output_pos=req.num_output_tokens,
         prompt_ids=req.prompt_token_ids if penalised else [],
         output_ids=req.output_token_ids if penalised else [],
         draft_token_ids=list(drafts), allowed=allowed)
@@ -157,20 +157,15 @@ def _grammar_masks(req: Request, drafts: list[int], vocab_size: int) -> list[byt
 
 
 class StepBuilder:
-    """Flattens a SchedulerOutput into a StepCommand (both executors use this one path), and
-    tracks which seeded requests the sampler holds a generator for."""
+    """Flattens a SchedulerOutput into a StepCommand (both executors use this one path)."""
 
     def __init__(self, block_size: int, vocab_size: int) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self._seeded: dict[str, Request] = {}  # requests whose generator lives on the sampler
 
     def build(self, out, num_micro_batches: int = 1) -> tuple[StepCommand, list[Request]]:
         """(command, the request of each sample row in order)."""
         input_ids, query_lens, context_lens, tables, samples, sampled = [], [], [], [], [], []
-        finished = [rid for rid, req in self._seeded.items() if req.is_finished]
-        for rid in finished:
-            del self._seeded[rid]
         for i, (req, num_new) in enumerate(out.scheduled):
             start = req.num_computed_tokens
             drafts = out.drafts.get(req.request_id, [])
@@ -183,13 +178,8 @@ class StepBuilder:
             if start + num_new >= req.num_tokens:
                 samples.append(make_sample_row(req, i, self.vocab_size, drafts))
                 sampled.append(req)
-                if req.params.seed is not None and self._seeded.get(req.request_id) is not req:
-                    if req.request_id in self._seeded:  # the id was reused: a fresh generator
-                        finished.append(req.request_id)
-                    self._seeded[req.request_id] = req
         sizes = split_micro_batches(query_lens, num_micro_batches)
-        return StepCommand(input_ids, query_lens, context_lens, tables, sizes, samples,
-                           finished), sampled
+        return StepCommand(input_ids, query_lens, context_lens, tables, sizes, samples), sampled
 
 
 def to_step_tokens(result: SampleResult, requests: list[Request],

@@ -103,15 +103,28 @@ def test_row_sampler_on_the_wire_equals_model_runner_over_steps():
             b.append_token(s.token_ids[0])
 
 
-def test_forgotten_request_restarts_its_seeded_generator():
+def test_a_seeded_draw_depends_on_the_seed_and_output_position_alone():
+    """No state on the sampler: the same row draws the same token every time, positions draw
+    differently, and verifying drafts (one rejected) leaves every position's draw as it was
+    without speculation."""
     sampler = RowSampler(seed=0, vocab_size=VOCAB)
     req = make_requests()[1]
-    logits = torch.zeros(1, VOCAB)  # uniform: the draw is decided by the generator alone
+    assert req.params.seed is not None and req.params.temperature > 0
+    logits = torch.zeros(8, VOCAB)  # uniform: the draw is decided by the randomness alone
     row = make_sample_row(req, 0, VOCAB)
-    first = [sampler.sample(logits.clone(), [row]).rows[0].token_ids[0] for _ in range(4)]
-    sampler.forget([req.request_id])
-    again = [sampler.sample(logits.clone(), [row]).rows[0].token_ids[0] for _ in range(4)]
-    assert first == again and len(set(first)) > 1
+
+    def at(pos, drafts=()):
+        r = msgspec.structs.replace(row, output_pos=pos, draft_token_ids=list(drafts))
+        return sampler.sample(logits[: r.num_positions].clone(), [r]).rows[0].token_ids
+
+    walk = [at(pos)[0] for pos in range(6)]
+    assert walk == [at(pos)[0] for pos in range(6)] and len(set(walk)) > 1
+    wrong = (walk[2] + 1) % VOCAB
+    assert at(0, [walk[0], walk[1], wrong, walk[3]]) == walk[:3]  # stops at the rejected draft
+    assert at(3, walk[3:5]) == walk[3:6]  # all accepted, plus the next position
+    other = msgspec.structs.replace(row, seed=row.seed + 1)
+    assert [sampler.sample(logits[:1].clone(), [msgspec.structs.replace(other, output_pos=p)])
+            .rows[0].token_ids[0] for p in range(6)] != walk
 
 
 def test_history_is_sent_only_when_a_penalty_reads_it():

@@ -89,8 +89,6 @@ class StageShard:
         """Run this rank's part of the step. The sampler rank calls `on_result(SampleResult)`
         once per micro-batch that samples, in order."""
         step_start = time.perf_counter()
-        if self.sampler is not None:
-            self.sampler.forget(cmd.finished_ids)
         pending = []  # in-flight sends: their tensors must stay alive until waited
         for mb in micro_batches(cmd):
             hidden, residual = (None, None) if self.groups.is_first_stage else self._receive(mb)
