@@ -324,3 +324,69 @@ def test_fused_layer_takes_short_query_steps(kernels):
         ref, _ = model(ids, positions, meta, module_kv)
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_kv, module_kv)
+
+
+def decode_layer_by_ops(ops, args, threads):
+    """The decoder layer as its separate kernels compute it, one op after another."""
+    (x, residual, has_residual, in_norm, post_norm, eps, w, types, cos, sin, positions, kc, vc,
+     slots, tables, ctx, H, KVH, D, inter, scale, split, int8_act, qlens) = args
+    T, hidden = x.shape
+    residual = residual if has_residual else x
+    normed = ops.add_rms_norm(x, residual, in_norm, eps) if has_residual else ops.rms_norm(x, in_norm, eps)
+    qkv = ops.qlinear(normed, w[0], w[1], w[2], types[0], (H + 2 * KVH) * D, hidden, threads, int8_act)
+    ops.rope_write_kv(qkv, positions, cos, sin, kc, vc, slots, H, KVH, D)
+    q = qkv[:, : H * D].reshape(T, H, D)
+    attn = ops.decode_attention(q, kc, vc, tables, ctx, scale, split, threads, qlens)
+    h = ops.qlinear(attn.reshape(T, H * D), w[3], w[4], w[5], types[1], hidden, H * D, threads, int8_act)
+    normed2 = ops.add_rms_norm(h, residual, post_norm, eps)
+    gate_up = ops.qlinear(normed2, w[6], w[7], w[8], types[2], 2 * inter, hidden, threads, int8_act)
+    out = ops.qlinear(ops.silu_mul(gate_up), w[9], w[10], w[11], types[3], hidden, inter, threads,
+                      int8_act)
+    return out, residual
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("int8_act", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("query_lens,context_lens", [([1], [7]), ([1, 1, 1], [3, 40, 700]),
+                                                     ([3, 1, 5], [9, 1200, 20])])
+def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cache_dtype,
+                                                 has_residual, query_lens, context_lens):
+    """The fused decoder layer (one call, one parallel region) computes what its kernels give
+    one after another: same output, same residual, same K/V written to the cache."""
+    gen = torch.Generator().manual_seed(sum(context_lens) + 7 * len(query_lens))
+    H, KVH, D, hidden, inter, block_size, num_blocks = 9, 3, 64, 192, 320, 16, 160
+    T = sum(query_lens)
+    w, types = [], []
+    for n, k, fmt in (((H + 2 * KVH) * D, hidden, "q4_1"), (hidden, H * D, "q4_0"),
+                      (2 * inter, hidden, "q4_1"), (hidden, inter, "q8_0")):
+        blocks = (quantize_q8_0(torch.randn(n, k, generator=gen)) if fmt == "q8_0"
+                  else make_q4_blocks(n, k, fmt == "q4_1", gen))
+        p = pack_ggml(QTYPE_IDS[fmt], blocks)
+        w += [p.qs, p.d, p.m]
+        types.append(p.qtype)
+    rotary = RotaryEmbedding(D, 4096, 10000.0, None)
+    kc = torch.randn(num_blocks, block_size, KVH, D, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, block_size, KVH, D, generator=gen).to(cache_dtype)
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)])
+    x = torch.randn(T, hidden, generator=gen)
+    residual = torch.randn(T, hidden, generator=gen)
+    in_norm, post_norm = torch.rand(hidden, generator=gen) + 0.5, torch.rand(hidden, generator=gen) + 0.5
+
+    def args(kc, vc, x, residual):
+        return (x, residual, has_residual, in_norm, post_norm, 1e-5, w, types, rotary.cos,
+                rotary.sin, positions, kc, vc, meta.slot_mapping, meta.short_block_table_i32,
+                meta.short_context_lens, H, KVH, D, inter, 0.125, 512, int8_act,
+                meta.short_query_lens)
+
+    ref_kc, ref_vc, ref_x, ref_res = kc.clone(), vc.clone(), x.clone(), residual.clone()
+    want_out, want_res = decode_layer_by_ops(kernels.ops, args(ref_kc, ref_vc, ref_x, ref_res), threads)
+    a = list(args(kc, vc, x, residual))
+    got_out, got_res = kernels.ops.decode_layer(*a[:21], a[21], threads, *a[22:])
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kc, ref_kc, rtol=0, atol=0)
+    torch.testing.assert_close(vc, ref_vc, rtol=0, atol=0)
