@@ -353,8 +353,9 @@ def decode_layer_by_ops(ops, args, threads):
                                                      ([3, 1, 5], [9, 1200, 20])])
 def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cache_dtype,
                                                  has_residual, query_lens, context_lens):
-    """The fused decoder layer (one call, one parallel region) computes what its kernels give
-    one after another: same output, same residual, same K/V written to the cache."""
+    """The fused decoder layer (one call) computes what its kernels give, run
+    one after another: same output, same residual, same K/V written to the cache. (It guards
+    a rewrite of the layer's threading, such as one parallel region for all its phases.)"""
     gen = torch.Generator().manual_seed(sum(context_lens) + 7 * len(query_lens))
     H, KVH, D, hidden, inter, block_size, num_blocks = 9, 3, 64, 192, 320, 16, 160
     T = sum(query_lens)
