@@ -82,11 +82,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-port", type=int, default=0, help="KV transfer port (0: any free one)")
     kv.add_argument("--kv-advertise-host", default=None,
                     help="address put in KV descriptors (default: --kv-host)")
-    kv.add_argument("--kv-secret", default=None,
-                    help="shared secret of the KV transfer handshake (visible in ps: prefer "
-                         "$HEARTH_KV_SECRET or --kv-secret-file)")
-    kv.add_argument("--kv-secret-file", default=None, metavar="PATH",
-                    help="read the KV secret from this file")
+    add_secret_args(kv, "--kv-secret",
+                    "shared secret of the KV transfer handshake (visible in ps: prefer "
+                    "$HEARTH_KV_SECRET or --kv-secret-file)",
+                    "read the KV secret from this file")
     kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
                     help="how long exported KV blocks wait for the decode worker")
     kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
@@ -186,11 +185,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default=defaults.host)
     g.add_argument("--port", type=int, default=defaults.port)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (visible in ps: prefer "
-                        "$HEARTH_API_KEY or --api-key-file)")
-    g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from this file")
+    add_secret_args(g, "--api-key",
+                    "require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                    "$HEARTH_API_KEY or --api-key-file)",
+                    "read the API key from this file")
     g.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
                    help="auto (by model family) | hermes | llama3_json")
     g.add_argument("--no-guided-auto-tools", action="store_true",
@@ -199,6 +197,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413")
     g.add_argument("--log-level", default=defaults.log_level)
     add_edge_args(g)
+
+
+def add_secret_args(g, flag: str, help: str, file_help: str) -> None:
+    """A secret flag and its `FLAG-file` twin, the pair `read_secrets` reads (with the
+    environment variable of SECRET_ENV as the third source)."""
+    g.add_argument(flag, default=None, help=help)
+    g.add_argument(flag + "-file", default=None, metavar="PATH", help=file_help)
 
 
 def add_edge_args(g) -> None:
@@ -327,11 +332,10 @@ def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) ->
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
-                        "$HEARTH_API_KEY or --api-key-file)")
-    g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from this file")
+    add_secret_args(g, "--api-key",
+                    "clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
+                    "$HEARTH_API_KEY or --api-key-file)",
+                    "read the API key from this file")
     g.add_argument("--policy", default=policy.name, choices=POLICIES,
                    help="cost: token- and cache-aware (default); round_robin: the cache-blind baseline")
     if with_block_size:
@@ -376,10 +380,9 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
                    help="decode-role workers (hearth serve --role decode)")
     g.add_argument("--worker", nargs="+", action="extend", default=[], metavar="URL",
                    help="monolithic workers (hearth serve, role both)")
-    g.add_argument("--worker-api-key", default=None,
-                   help="the key the router sends to workers (prefer $HEARTH_WORKER_API_KEY)")
-    g.add_argument("--worker-api-key-file", default=None, metavar="PATH",
-                   help="read the workers' key from this file")
+    add_secret_args(g, "--worker-api-key",
+                    "the key the router sends to workers (prefer $HEARTH_WORKER_API_KEY)",
+                    "read the workers' key from this file")
     g.add_argument("--model", default=None,
                    help="tokenize in the router with this model's tokenizer (built-in name, "
                         ".gguf or HF folder); without it the router asks a worker's /tokenize")
@@ -422,11 +425,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pin", action="store_true", help="give each worker its own CPU cores")
     g.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="an extra flag for every worker, e.g. --worker-arg=--kv-lease-seconds=10")
-    g.add_argument("--worker-api-key", default=None,
-                   help="the workers' API key (default: a random one only the router knows; "
-                        "visible in ps: prefer $HEARTH_WORKER_API_KEY or --worker-api-key-file)")
-    g.add_argument("--worker-api-key-file", default=None, metavar="PATH",
-                   help="read the workers' API key from this file")
+    add_secret_args(g, "--worker-api-key",
+                    "the workers' API key (default: a random one only the router knows; "
+                    "visible in ps: prefer $HEARTH_WORKER_API_KEY or --worker-api-key-file)",
+                    "read the workers' API key from this file")
     g.add_argument("--startup-timeout", type=float, default=stack.startup_timeout_seconds)
     g.add_argument("--log-dir", default=None, help="worker logs go here instead of this terminal")
     g.add_argument("--max-restarts", type=int, default=sup.max_restarts,
