@@ -17,7 +17,10 @@ causal) merged by log-sum-exp, elsewhere one call with the offset causal mask wr
 paths work on CPU and CUDA. With hearth's CPU
 kernels, every request with at most SHORT_QUERY_MAX new tokens (decodes, and speculative
 decoding's verify steps of 1 + k tokens) attends in one kernel call over the cache in place,
-causal among its new tokens; only longer queries take the SDPA loop.
+causal among its new tokens; with an AVX-512 build, longer queries (prefill chunks, after a
+cached prefix or not) are one kernel call each over the cache in place too (flash-style tiles,
+~1.35x torch's CPU flash kernel on a 2k-token prompt), and only the other builds take the
+SDPA loop.
 """
 
 from __future__ import annotations
@@ -153,10 +156,15 @@ def paged_attention(
         return short_query_attention(q, k_cache, v_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    prefill_kernel = use_kernel and kernels.fast_prefill_attention and q.shape[1] // num_kv_heads <= 48
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
         if use_kernel and q_len <= meta.short_max:
             continue  # the kernel below does it
+        if prefill_kernel:  # the chunk over the cache in place, this step's K/V included
+            out[start : start + q_len] = kernels.ops.prefill_attention(
+                q[start : start + q_len], k_cache, v_cache, table, ctx_len, scale, kernels.threads.count)
+            continue
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys
             ki, vi = k[start : start + q_len], v[start : start + q_len]

@@ -93,6 +93,13 @@ class CpuKernels:
     def ops(self):
         return torch.ops.hearth
 
+    @property
+    def fast_prefill_attention(self) -> bool:
+        """Whether `prefill_attention` has its vector path in this build (the AVX-512 ones);
+        the AVX2 build's plain loops are slower than torch's flash kernel, so the caller uses
+        that there."""
+        return self.variant.startswith("avx512")
+
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
                                         w.in_features, self.threads.count, w.int8_act)

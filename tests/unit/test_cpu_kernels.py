@@ -266,6 +266,60 @@ def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
+def masked_attention_reference(q, kc, vc, table, context_len, scale):
+    """Query i of a chunk of q_len sees tokens [0, context_len - q_len + i]: float64 softmax with
+    the mask written out, K/V gathered from the cache through the block table."""
+    kv_heads, dim = kc.shape[2], kc.shape[3]
+    k = kc[table.long()].reshape(-1, kv_heads, dim)[:context_len].double()
+    v = vc[table.long()].reshape(-1, kv_heads, dim)[:context_len].double()
+    q_len, group = q.shape[0], q.shape[1] // kv_heads
+    visible = torch.arange(context_len)[None, :] <= torch.arange(q_len)[:, None] + context_len - q_len
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", p, v).float()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+# head_dim 16 takes the plain loops; 64 and 128 the AVX-512 tiles, with 1, 3, 4 and 5 query
+# heads per KV head (5: a query tile of 9 positions, not a power of two).
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (4, 4, 64), (9, 3, 64), (8, 2, 128),
+                                                  (10, 2, 64)])
+# (cached prefix, chunk, block size): fresh prompts of 1 token, under and over one key tile;
+# chunks whose query tiles straddle key tiles; a prefix longer than the chunk; tiny blocks.
+@pytest.mark.parametrize("prefix, q_len, block_size", [(0, 1, 16), (0, 5, 16), (0, 64, 16),
+                                                       (0, 150, 16), (40, 77, 16), (63, 65, 16),
+                                                       (300, 20, 4), (17, 3, 8)])
+def test_prefill_attention_equals_masked_softmax(kernels, cache_dtype, heads, kv_heads, dim,
+                                                 prefix, q_len, block_size):
+    gen = torch.Generator().manual_seed(prefix + q_len)
+    context_len = prefix + q_len
+    num_blocks = -(-context_len // block_size) + 4
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:-(-context_len // block_size)].to(torch.int32)
+    q = torch.randn(q_len, heads, dim, generator=gen)
+    ref = masked_attention_reference(q, kc, vc, table, context_len, dim ** -0.5)
+    for threads in (1, 2):
+        got = kernels.ops.prefill_attention(q, kc, vc, table, context_len, dim ** -0.5, threads)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_rejects_bad_input(kernels):
+    kc = torch.zeros(4, 16, 1, 16)
+    q = torch.zeros(5, 2, 16)
+    table = torch.tensor([0, 1], dtype=torch.int32)
+    op = kernels.ops.prefill_attention
+    with pytest.raises(RuntimeError, match="outside"):
+        op(q, kc, kc, table, 4, 1.0, 1)  # 5 queries in a 4-token context
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        op(q, kc, kc, table, 33, 1.0, 1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, kc, kc, torch.tensor([0, 4], dtype=torch.int32), 20, 1.0, 1)
+    with pytest.raises(RuntimeError, match="alike"):
+        op(q, kc, kc.bfloat16(), table, 20, 1.0, 1)
+
+
 def test_short_query_kernel_rejects_bad_metadata(kernels):
     kc = torch.zeros(4, 16, 1, 16)
     q = torch.zeros(5, 2, 16)
