@@ -628,9 +628,10 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 // ---------------------------------------------------------------------------------------------
 // Decode attention over the paged cache.
 //
-//   work item = (request b, kv head g, context split s); split s covers tokens [s*S, (s+1)*S)
-//   of request b and the G = H / KVH query heads that share kv head g. Each item writes a
-//   partial (max, sum, unnormalized out) per query head; a second pass merges the splits.
+//   work item = (request b, context split s); split s covers tokens [s*S, (s+1)*S) of request
+//   b, every KV head g and, per head, the G = H / KVH query heads (times the request's new
+//   tokens) that share it. Each item writes a partial (max, sum, unnormalized out) per query
+//   row; a second pass merges the splits.
 
 template <typename KV>
 inline float load_kv(const KV* p, int64_t j);
@@ -737,85 +738,96 @@ inline __m256 hsum8(const __m512* v) {
   return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
 }
 
-// The same item with D = 16 * DV. Scores: 8 tokens at a time, HB heads per pass, the 8 x HB dot
-// products left in registers and reduced together (hsum8). Outputs: each token's V row is loaded
-// into registers once and used by all G query heads; up to 8 heads' outputs stay in registers.
+// One work item over every KV head at once, D = 16 * DV: the token loops are outermost, so a
+// token's K (then V) rows of all heads -- adjacent in the cache -- are read together, and the
+// cache streams in order while the scores and outputs are computed (one head at a time over the
+// whole split read each token's record three times, strided). Rows of kv head g: qgs[g] (R query
+// rows), partial results parts[g]; scores [KVH][R][n].
+// Scores: 8 tokens at a time, HB rows per pass, the 8 x HB dot products left in registers and
+// reduced together (hsum8). Outputs: per chunk of 64 tokens and head, each V row is loaded once
+// for up to VB query rows, whose outputs stay in registers over the chunk (parts[g] between).
 template <typename KV, int DV>
-void attend_avx512(const float* qg, const KV* kc, const KV* vc, const int64_t* off, int64_t t0,
-                   int64_t t1, int64_t G, int64_t KVH, int64_t g, float scale,
-                   const int64_t* lim, float* part, float* scores) {
+void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, const int64_t* off,
+                         int64_t t0, int64_t t1, int64_t R, int64_t KVH, float scale,
+                         const int64_t* lim, float* const* parts, float* scores) {
   constexpr int64_t D = 16 * DV;
   constexpr int HB = DV <= 4 ? 3 : 2;  // HB * 8 accumulators + DV key registers fit in 32
   const int64_t n = t1 - t0, pstride = D + 2;
-  auto row = [&](const KV* cache, int64_t t) {
-    return cache + off[t - t0] + g * D;
-  };
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t t = t0;
   for (; t + 8 <= t1; t += 8) {
-    const KV* krow[8];
-    for (int i = 0; i < 8; ++i) krow[i] = row(kc, t + i);
-    for (int64_t h0 = 0; h0 < G; h0 += HB) {
-      const int64_t hn = std::min<int64_t>(HB, G - h0);
-      __m512 acc[HB][8];
-      for (int i = 0; i < 8; ++i) {
-        __m512 kv[DV];
-        for (int c = 0; c < DV; ++c) kv[c] = load16(krow[i] + 16 * c);
-        for (int hh = 0; hh < HB; ++hh) {
-          if (hh >= hn) break;
-          const float* qh = qg + (h0 + hh) * D;
-          __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
-          for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), a);
-          acc[hh][i] = a;
+    for (int64_t g = 0; g < KVH; ++g) {
+      const KV* krow[8];
+      for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0] + g * D;
+      const float* qg = qgs[g];
+      float* sg = scores + g * R * n;
+      for (int64_t h0 = 0; h0 < R; h0 += HB) {
+        const int64_t hn = std::min<int64_t>(HB, R - h0);
+        __m512 acc[HB][8];
+        for (int i = 0; i < 8; ++i) {
+          __m512 kv[DV];
+          for (int c = 0; c < DV; ++c) kv[c] = load16(krow[i] + 16 * c);
+          for (int hh = 0; hh < HB; ++hh) {
+            if (hh >= hn) break;
+            const float* qh = qg + (h0 + hh) * D;
+            __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
+            for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), a);
+            acc[hh][i] = a;
+          }
         }
+        for (int hh = 0; hh < hn; ++hh)
+          _mm256_storeu_ps(sg + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), vscale));
       }
-      for (int hh = 0; hh < hn; ++hh)
-        _mm256_storeu_ps(scores + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), vscale));
     }
   }
-  for (; t < t1; ++t) {
-    const KV* k = row(kc, t);
-    __m512 kv[DV];
-    for (int c = 0; c < DV; ++c) kv[c] = load16(k + 16 * c);
-    for (int64_t h = 0; h < G; ++h) {
-      __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qg + h * D));
-      for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qg + h * D + 16 * c), acc);
-      scores[h * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
+  for (; t < t1; ++t)
+    for (int64_t g = 0; g < KVH; ++g) {
+      const KV* k = kc + off[t - t0] + g * D;
+      __m512 kv[DV];
+      for (int c = 0; c < DV; ++c) kv[c] = load16(k + 16 * c);
+      for (int64_t h = 0; h < R; ++h) {
+        const float* qh = qgs[g] + h * D;
+        __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
+        for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), acc);
+        scores[(g * R + h) * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
+      }
     }
+  for (int64_t g = 0; g < KVH; ++g) {
+    softmax_scores(scores + g * R * n, n, R, lim, parts[g], pstride);
+    for (int64_t h = 0; h < R; ++h)
+      for (int64_t j = 0; j < D; ++j) parts[g][h * pstride + 2 + j] = 0.0f;
   }
-  softmax_scores(scores, n, G, lim, part, pstride);
   constexpr int VB = DV <= 4 ? 6 : 3;  // VB * DV output registers + DV value registers fit in 32
-  for (int64_t h0 = 0; h0 < G; h0 += VB) {
-    const int64_t hn = std::min<int64_t>(VB, G - h0);
-    __m512 o[VB][DV];
-    for (int h = 0; h < VB; ++h)
-      for (int c = 0; c < DV; ++c) o[h][c] = _mm512_setzero_ps();
-    for (int64_t t = t0; t < t1; ++t) {
-      const KV* v = row(vc, t);
-      __m512 vv[DV];
-      for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
-      for (int h = 0; h < VB; ++h) {
-        if (h >= hn) break;
-        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + (t - t0)]);
-        for (int c = 0; c < DV; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+  constexpr int64_t kChunk = 64;  // 64 tokens of V, all heads: 48 KB (fp32)
+  for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
+    const int64_t c1 = std::min(t1, c0 + kChunk);
+    for (int64_t g = 0; g < KVH; ++g) {
+      const float* sg = scores + g * R * n;
+      float* part = parts[g];
+      for (int64_t h0 = 0; h0 < R; h0 += VB) {
+        const int64_t hn = std::min<int64_t>(VB, R - h0);
+        __m512 o[VB][DV];
+        for (int h = 0; h < VB; ++h) {
+          if (h >= hn) break;
+          for (int c = 0; c < DV; ++c) o[h][c] = _mm512_loadu_ps(part + (h0 + h) * pstride + 2 + 16 * c);
+        }
+        for (int64_t tt = c0; tt < c1; ++tt) {
+          const KV* v = vc + off[tt - t0] + g * D;
+          __m512 vv[DV];
+          for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
+          for (int h = 0; h < VB; ++h) {
+            if (h >= hn) break;
+            const __m512 p = _mm512_set1_ps(sg[(h0 + h) * n + (tt - t0)]);
+            for (int c = 0; c < DV; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+          }
+        }
+        for (int h = 0; h < hn; ++h)
+          for (int c = 0; c < DV; ++c) _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * c, o[h][c]);
       }
     }
-    for (int h = 0; h < hn; ++h)
-      for (int c = 0; c < DV; ++c) _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * c, o[h][c]);
   }
 }
 #endif
-
-template <typename KV>
-void attend(const float* qg, const KV* kc, const KV* vc, const int64_t* off, int64_t t0,
-            int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D,
-            float scale, const int64_t* lim, float* part, float* scores) {
-#if defined(__AVX512F__)
-  if (D == 64) return attend_avx512<KV, 4>(qg, kc, vc, off, t0, t1, G, KVH, g, scale, lim, part, scores);
-  if (D == 128) return attend_avx512<KV, 8>(qg, kc, vc, off, t0, t1, G, KVH, g, scale, lim, part, scores);
-#endif
-  attend_generic<KV>(qg, kc, vc, off, t0, t1, G, KVH, g, D, scale, lim, part, scores);
-}
 
 // Merge the splits of query head h of request b into out[b, h].
 inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, int64_t D, float* o) {
@@ -870,6 +882,33 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
     lim.resize(R);
     for (int64_t j = 0; j < ql; ++j)
       for (int64_t h = 0; h < G; ++h) lim[j * G + h] = ctx[b] - ql + j + 1 - t0;
+#if defined(__AVX512F__)
+    if ((D == 64 || D == 128) && t0 < t1) {
+      thread_local std::vector<const float*> qgs;
+      thread_local std::vector<float*> parts;
+      qgs.resize(KVH);
+      parts.resize(KVH);
+      if (ql > 1) qbuf.resize(KVH * R * D);
+      for (int64_t g = 0; g < KVH; ++g) {
+        parts[g] = part_at(b, g, s);
+        const float* qg = q + (qstart[b] * H + g * G) * D;
+        if (ql > 1) {  // the request's queries for kv head g, row j * G + h
+          for (int64_t j = 0; j < ql; ++j)
+            std::memcpy(qbuf.data() + (g * R + j * G) * D, qg + j * H * D, G * D * sizeof(float));
+          qg = qbuf.data() + g * R * D;
+        }
+        qgs[g] = qg;
+      }
+      scores.resize(KVH * R * (t1 - t0));
+      if (D == 64)
+        attend_heads_avx512<KV, 4>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, scale, lim.data(),
+                                   parts.data(), scores.data());
+      else
+        attend_heads_avx512<KV, 8>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, scale, lim.data(),
+                                   parts.data(), scores.data());
+      return;
+    }
+#endif
     for (int64_t g = 0; g < KVH; ++g) {
       float* part = part_at(b, g, s);
       if (t0 >= t1) {
@@ -884,7 +923,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
         qg = qbuf.data();
       }
       scores.resize(R * (t1 - t0));
-      attend<KV>(qg, kc, vc, offs.data(), t0, t1, R, KVH, g, D, scale,
+      attend_generic<KV>(qg, kc, vc, offs.data(), t0, t1, R, KVH, g, D, scale,
                  lim.data(), part, scores.data());
     }
   };
