@@ -239,6 +239,25 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
 }
 #endif
 
+// Ask for the weight rows (and their scales) of the group `kPrefetchGroups` groups of NR rows
+// ahead of row n while this group computes. The hardware prefetcher alone left a batch-1 pass
+// over the default model's 96 MB of weights at ~11 GB/s of the machine's ~28 (the unpack
+// arithmetic between loads keeps too few misses in flight); with this, the pass took 17% less
+// time on 2 threads and 24% less on 1 (interleaved A/B, 25 passes each).
+constexpr int64_t kPrefetchGroups = 2;
+
+inline void prefetch_weight_rows(const QWeight& w, int64_t n, int NR) {
+  const int64_t ahead = n + kPrefetchGroups * NR;
+  if (ahead + NR > w.N) return;
+  auto fetch = [](const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  };
+  fetch(w.qs + ahead * w.qs_row(), NR * w.qs_row());
+  fetch(w.d + ahead * w.nb, NR * w.nb * 2);
+  if (w.m) fetch(w.m + ahead * w.nb, NR * w.nb * 2);
+}
+
 template <int NR>
 void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float* out) {
   thread_local std::vector<float> scales;
@@ -246,6 +265,7 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
   float* sd = scales.data();
   float* sm = sd + NR * w.nb;
   row_scales(w, n, NR, sd, sm);
+  prefetch_weight_rows(w, n, NR);
   int64_t i = 0;
   for (; i + 4 <= M; i += 4)
     qlinear_tile<NR, 4>(w, n, sd, sm, x + i * w.K, w.K, out + i * w.N + n, w.N);
@@ -436,6 +456,7 @@ void qlinear_rows_i8(const QWeight& w, int64_t n, const QAct& a, float* out) {
   float* sd = scales.data();
   float* sm = sd + NR * w.nb;
   row_scales(w, n, NR, sd, sm);
+  prefetch_weight_rows(w, n, NR);
   int64_t i = 0;
   for (; i + 4 <= a.M; i += 4) qlinear_tile_i8<NR, 4>(w, n, sd, sm, a, i, out + i * w.N + n, w.N);
   for (; i < a.M; ++i) qlinear_tile_i8<NR, 1>(w, n, sd, sm, a, i, out + i * w.N + n, w.N);
