@@ -62,8 +62,9 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
             and pc.world_size == 1):  # rank processes do not load the kernels yet
         kernels = load_cpu_kernels(mc.cpu_kernels)
     # auto KV: the model dtype. bfloat16 KV (a flag) reads half the bytes per long-context
-    # decode step, but it changes numbers: under preemption a recomputed prefix attends to fp32
-    # K/V where the first pass read rounded ones, and greedy output drifts from the reference.
+    # decode step, but it changes numbers: rounding turns summation-order noise between paths
+    # (one chunk or several, a prefix hit) into rounding flips, and greedy output drifted from
+    # the reference (docs/formats.md).
     kv_dtype = dtype if cc.kv_cache_dtype == "auto" else DTYPES[cc.kv_cache_dtype]
     quantization = mc.quantization
     if quantization == "auto":
@@ -97,10 +98,15 @@ def _formats(config: EngineConfig, dtype: torch.dtype, quantization: str,
 
 def build_model_for(config: EngineConfig, checkpoint) -> BuiltModel:
     """The model `make_executor(config, checkpoint)` runs with T = P = 1, built once."""
-    mc, pc = config.model, config.parallel
-    if pc.world_size != 1:
+    if config.parallel.world_size != 1:
         raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
-    dtype, kv_dtype, quantization, kernels = resolve_formats(config, checkpoint)
+    return _build(config, checkpoint, resolve_formats(config, checkpoint))
+
+
+def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
+    """The single-process model for `formats`, what `resolve_formats` decided."""
+    mc, pc = config.model, config.parallel
+    dtype, kv_dtype, quantization, kernels = formats
     model = build_model(checkpoint, dtype, pc.device)
     if kernels is not None:
         model.use_kernels(kernels)
@@ -116,20 +122,21 @@ def build_model_for(config: EngineConfig, checkpoint) -> BuiltModel:
 def make_executor(config: EngineConfig, checkpoint, prebuilt: BuiltModel | None = None):
     """`prebuilt`: a model from `build_model_for` with the same checkpoint and formats (else a
     ValueError); None builds one."""
-    mc, pc = config.model, config.parallel
-    dtype, kv_dtype, quantization, kernels = resolve_formats(config, checkpoint)
+    pc = config.parallel
+    formats = resolve_formats(config, checkpoint)
+    dtype, kv_dtype, quantization, kernels = formats
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size)
     num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, kv_dtype)
     if pc.world_size == 1:
         if prebuilt is None:
-            prebuilt = build_model_for(config, checkpoint)
+            prebuilt = _build(config, checkpoint, formats)  # formats resolved once
         elif prebuilt.checkpoint is not checkpoint:
             raise ValueError("prebuilt model: built from another checkpoint")
         elif prebuilt.formats != _formats(config, dtype, quantization, kernels):
             raise ValueError(f"prebuilt model: built for {prebuilt.formats}, this engine's "
                              f"formats are {_formats(config, dtype, quantization, kernels)}")
         return ModelRunner(prebuilt.model, num_blocks, config.cache.block_size, kv_dtype,
-                           pc.device, mc.seed, prebuilt.kernels)
+                           pc.device, config.model.seed, prebuilt.kernels)
     if prebuilt is not None:
         raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
     if quantization != "none" or kv_dtype != dtype:
