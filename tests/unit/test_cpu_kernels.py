@@ -273,7 +273,8 @@ def masked_attention_reference(q, kc, vc, table, context_len, scale):
     k = kc[table.long()].reshape(-1, kv_heads, dim)[:context_len].double()
     v = vc[table.long()].reshape(-1, kv_heads, dim)[:context_len].double()
     q_len, group = q.shape[0], q.shape[1] // kv_heads
-    visible = torch.arange(context_len)[None, :] <= torch.arange(q_len)[:, None] + context_len - q_len
+    positions = torch.arange(q_len)[:, None] + context_len - q_len
+    visible = torch.arange(context_len)[None, :] <= positions
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
@@ -297,7 +298,8 @@ def test_prefill_attention_equals_masked_softmax(kernels, cache_dtype, heads, kv
     num_blocks = -(-context_len // block_size) + 4
     kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    table = torch.randperm(num_blocks, generator=gen)[:-(-context_len // block_size)].to(torch.int32)
+    used = -(-context_len // block_size)
+    table = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32)
     q = torch.randn(q_len, heads, dim, generator=gen)
     ref = masked_attention_reference(q, kc, vc, table, context_len, dim ** -0.5)
     for threads in (1, 2):

@@ -1078,7 +1078,7 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
   const float qscale = scale * kLog2e;
   for (int64_t r = 0; r < kRows; ++r) {
     const bool real = r < rows;
-    const float* qr = q + ((first + r / G) * s.H + g * G + r % G) * D;
+    const float* qr = real ? q + ((first + r / G) * s.H + g * G + r % G) * D : nullptr;
     for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = real ? qr[d] * qscale : 0.0f;
     qpos[r] = real ? static_cast<int32_t>(pos0 + r / G) : INT32_MAX;  // padding sees every key
     m[r] = -INFINITY;
@@ -1167,7 +1167,8 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
       for (int rr = 0; rr < RB; ++rr) {
         if (rr >= rn) break;
         const __m512 a = _mm512_set1_ps(al[r0 + rr]);
-        for (int c = 0; c < DV; ++c) acc[rr][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + rr) * D + 16 * c), a);
+        for (int c = 0; c < DV; ++c)
+          acc[rr][c] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + rr) * D + 16 * c), a);
       }
       for (int64_t j = 0; j < jn; ++j) {
         __m512 vv[DV];
@@ -1187,7 +1188,8 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
   for (int64_t r = 0; r < rows; ++r) {
     float* dst = out + ((first + r / G) * s.H + g * G + r % G) * D;
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c), inv));
+    for (int c = 0; c < DV; ++c)
+      _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c), inv));
   }
 }
 #endif
@@ -1211,7 +1213,8 @@ void prefill_item_generic(const float* q, const KV* kc, const KV* vc, const int3
       float tmx = mx;
       for (int64_t j = 0; j < jn; ++j) {
         const int64_t t = j0 + j;
-        const KV* k = kc + ((static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size) * s.KVH + g) * D;
+        const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
+        const KV* k = kc + (slot * s.KVH + g) * D;
         float dot = 0;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * load_kv(k, d);
@@ -1224,7 +1227,8 @@ void prefill_item_generic(const float* q, const KV* kc, const KV* vc, const int3
       for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
       for (int64_t j = 0; j < jn; ++j) {
         const int64_t t = j0 + j;
-        const KV* v = vc + ((static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size) * s.KVH + g) * D;
+        const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
+        const KV* v = vc + (slot * s.KVH + g) * D;
         const float p = fast_exp(sc[j] - tmx);
         sum += p;
 #pragma omp simd
@@ -1278,7 +1282,8 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "prefill_attention: block id out of range");
   at::Tensor out = at::empty_like(q);
   if (k_cache.scalar_type() == at::kBFloat16) {
-    prefill_attention_impl<uint16_t>(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+    prefill_attention_impl<uint16_t>(q.data_ptr<float>(),
+                                     reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
                                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tp, s,
                                      static_cast<float>(scale), out.data_ptr<float>(), threads);
   } else {
