@@ -38,7 +38,6 @@ class SampleRow(msgspec.Struct, frozen=True):
     the history a penalty reads, the grammar masks and the draft tokens to verify."""
 
     index: int  # position of the request in StepCommand's request lists
-    request_id: str
     temperature: float
     top_p: float
     top_k: int
@@ -126,7 +125,7 @@ def make_sample_row(req: Request, index: int, vocab_size: int,
     penalised = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
     allowed = _grammar_masks(req, list(drafts), vocab_size) if req.grammar is not None else []
     return SampleRow(
-        index=index, request_id=req.request_id, temperature=p.temperature, top_p=p.top_p,
+        index=index, temperature=p.temperature, top_p=p.top_p,
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         logprobs=p.logprobs, seed=p.seed, output_pos=req.num_output_tokens,

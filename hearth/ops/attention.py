@@ -32,9 +32,6 @@ import torch.nn.functional as F
 
 # Requests with at most this many new tokens in a step go through the kernel's short-query path.
 SHORT_QUERY_MAX = 16
-# The prefill kernel's query tile holds 48 rows, the query heads of one KV head among them; its
-# vector path has head dims 64 and 128 (others would take its plain loops, slower than SDPA).
-PREFILL_KERNEL_MAX_GROUP = 48
 
 
 @dataclass
@@ -159,8 +156,8 @@ def paged_attention(
         return short_query_attention(q, k_cache, v_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    prefill_kernel = (use_kernel and kernels.fast_prefill_attention and head_dim in (64, 128)
-                      and q.shape[1] // num_kv_heads <= PREFILL_KERNEL_MAX_GROUP)
+    prefill_kernel = use_kernel and kernels.fast_prefill_attention(q.shape[1], num_kv_heads,
+                                                                    head_dim)
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
         if use_kernel and q_len <= meta.short_max:

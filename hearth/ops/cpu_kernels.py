@@ -93,12 +93,13 @@ class CpuKernels:
     def ops(self):
         return torch.ops.hearth
 
-    @property
-    def fast_prefill_attention(self) -> bool:
-        """Whether `prefill_attention` has its vector path in this build (the AVX-512 ones);
-        the AVX2 build's plain loops are slower than torch's flash kernel, so the caller uses
-        that there."""
-        return self.variant.startswith("avx512")
+    def fast_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether `prefill_attention` runs its vector path for these heads: AVX-512 builds,
+        head dims 64 and 128, at most 48 query heads per KV head (its query tile holds 48
+        rows). Elsewhere its plain loops are slower than torch's flash kernel, which the caller
+        uses instead."""
+        return (self.variant.startswith("avx512") and head_dim in (64, 128)
+                and num_heads // num_kv_heads <= 48)
 
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,

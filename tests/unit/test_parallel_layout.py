@@ -88,7 +88,7 @@ def test_split_micro_batches_invariants():
 
 
 def make_row(index: int) -> SampleRow:
-    return SampleRow(index, f"r{index}", 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, None)
+    return SampleRow(index, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, None, None)
 
 
 def test_micro_batches_map_sample_rows_to_their_last_token():
