@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,11 @@ def test_killed_driver_makes_every_rank_exit_naming_it(tiny):
     assert len(pids) == 2
     # EOF once the ranks (which share the pipe) are gone; the timeout only guards a hang
     _, stderr = driver.communicate(timeout=120)
+    # A rank closes the pipe on its way out a moment before it is gone from /proc (or a zombie):
+    # wait for that (the deadline only guards a hang).
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert all(not _alive(pid) for pid in pids)
     for rank in (1, 2):
         assert f"hearth: rank {rank} (stage {rank}, tp 0): lost the rendezvous store" in stderr
