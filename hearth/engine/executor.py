@@ -111,8 +111,7 @@ def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
     if kernels is not None:
         model.use_kernels(kernels)
         quantize_model(model, checkpoint, quantization, kernels)
-        for layer in model.layers:
-            layer.enable_fused_decode()
+        model.enable_fused_decode()
     log.info("formats: weights %s (decode: %s), KV cache %s, CPU kernels %s", mc.dtype,
              quantization, str(kv_dtype).removeprefix("torch."),
              kernels.variant if kernels else "off")

@@ -159,11 +159,53 @@ class LlamaForCausalLM(nn.Module):
         Returns (hidden, residual); the last stage returns the final normed hidden states."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, meta, kv_cache)
+        if (self._fused_all is not None and meta.num_short_tokens == meta.num_tokens
+                and hidden.shape[0] <= QLINEAR_MAX_ROWS and hidden.dtype == torch.float32):
+            hidden, residual = self._decode_layers(hidden, residual, positions, meta, kv_caches)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(hidden, residual, positions, meta, kv_cache)
         if self.is_last:
             return self.norm.add_forward(hidden, residual)[0], None
         return hidden, residual
+
+    _fused_all = None
+
+    def enable_fused_decode(self) -> bool:
+        """Fuse each layer's short-query steps (`LlamaDecoderLayer.enable_fused_decode`); when
+        all of them are fused, such a step runs every layer in one kernel call
+        (`decode_layers`: one Python call per step instead of one per layer). Returns whether
+        every layer is fused."""
+        self._fused_all = None
+        if not all([layer.enable_fused_decode() for layer in self.layers]):
+            return False
+        fused = [layer._fused for layer in self.layers]
+        kernels, int8_act = fused[0][3], fused[0][4]
+        if not self.layers or any(f[4] != int8_act for f in fused):
+            return True
+        first = self.layers[0]
+        attn = first.self_attn
+        self._fused_all = (
+            kernels.ops.decode_layers,
+            [n for layer in self.layers
+             for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)],
+            [t for f in fused for t in f[1]], [t for f in fused for t in f[2]], kernels,
+            int8_act, first.input_layernorm.eps, attn.rotary.cos, attn.rotary.sin,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.inter, attn.scale)
+        return True
+
+    def _decode_layers(self, hidden, residual, positions, meta, kv_caches):
+        (op, norms, weights, types, kernels, int8_act, eps, cos, sin, heads, kv_heads, head_dim,
+         inter, scale) = self._fused_all
+        if isinstance(kv_caches, torch.Tensor):  # [layers, 2, blocks, ...]: two views per layer
+            k_caches, v_caches = kv_caches[:, 0].unbind(0), kv_caches[:, 1].unbind(0)
+        else:
+            k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
+        return op(hidden, hidden if residual is None else residual, residual is not None, norms,
+                  eps, weights, types, cos, sin, positions, k_caches, v_caches, meta.slot_mapping,
+                  meta.short_block_table_i32, meta.short_context_lens, heads, kv_heads, head_dim,
+                  inter, scale, kernels.decode_split, kernels.threads.count, int8_act,
+                  meta.short_query_lens)
 
     def use_kernels(self, kernels) -> None:
         """Route norms, RoPE + cache writes, SiLU-mul and decode attention through `kernels`."""

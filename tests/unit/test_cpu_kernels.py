@@ -340,46 +340,67 @@ def test_short_query_kernel_rejects_bad_metadata(kernels):
 
 def test_fused_layer_takes_short_query_steps(kernels):
     """A step of short queries (1 + k tokens per request, as a speculative verify step) through
-    the fused decoder layer equals the same step through the module path (the same kernels op by
-    op, with the per-request queries in the attention kernel)."""
+    the fused decoder layers (all layers in one `decode_layers` call, and one `decode_layer`
+    call per layer) equals the same step through the module path (the same kernels op by op,
+    with the per-request queries in the attention kernel)."""
     from hearth.models.arch import ModelArch
     from hearth.models.llama import LlamaForCausalLM
 
     torch.manual_seed(5)
-    arch = ModelArch("llama", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=2,
+    arch = ModelArch("llama", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256)
     model = LlamaForCausalLM(arch)
     for p in model.parameters():
         p.data.normal_(0, 0.1)
     for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
-        norm.weight.data.fill_(1.0)
+        norm.weight.data.normal_(1.0, 0.1)  # distinct per layer: a mixed-up layer shows
     model.use_kernels(kernels)
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj):
             lin.set_quantized(pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(lin.weight.data)), kernels)
-        assert layer.enable_fused_decode()
-        op, *rest = layer._fused
-        layer._fused = (lambda *a, _op=op: calls.append(1) or _op(*a), *rest)
+    assert model.enable_fused_decode()
     calls = []
+    op, *rest = model._fused_all
+    model._fused_all = (lambda *a, _op=op: calls.append("all") or _op(*a), *rest)
+    for layer in model.layers:
+        op, *rest = layer._fused
+        layer._fused = (lambda *a, _op=op: calls.append("layer") or _op(*a), *rest)
     block_size, num_blocks = 16, 24
     context_lens, query_lens = [40, 7, 100], [5, 7, 3]  # one request with nothing cached before
     gen = torch.Generator().manual_seed(6)
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
-    kv = torch.randn(2, 2, num_blocks, block_size, 2, 32, generator=gen)
+    kv = torch.randn(arch.num_layers, 2, num_blocks, block_size, 2, 32, generator=gen)
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     ids = torch.randint(0, 96, (sum(query_lens),), generator=gen)
     positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
     with torch.inference_mode():
-        fused_kv = kv.clone()
-        fused, _ = model(ids, positions, meta, fused_kv)
-        assert len(calls) == arch.num_layers  # the step went through the fused layer
+        all_kv = kv.clone()
+        fused_all, _ = model(ids, positions, meta, all_kv)
+        assert calls == ["all"]  # one call for the whole step
+        model._fused_all = None
+        layer_kv = kv.clone()
+        fused, _ = model(ids, positions, meta, layer_kv)
+        assert calls == ["all"] + ["layer"] * arch.num_layers
         for layer in model.layers:
             layer._fused = None
         module_kv = kv.clone()
         ref, _ = model(ids, positions, meta, module_kv)
+    torch.testing.assert_close(fused_all, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fused_kv, module_kv)
+    torch.testing.assert_close(all_kv, module_kv)
+    torch.testing.assert_close(layer_kv, module_kv)
+
+
+def test_decode_layers_rejects_mismatched_lists(kernels):
+    x = torch.randn(1, 32)
+    kc = torch.zeros(2, 16, 1, 32)
+    with pytest.raises(RuntimeError, match="per layer 2 norms"):
+        kernels.ops.decode_layers(x, x, False, [torch.ones(32)], 1e-5, [], [], x, x,
+                                  torch.zeros(1, dtype=torch.long), [kc], [kc],
+                                  torch.zeros(1, dtype=torch.long),
+                                  torch.zeros(1, 1, dtype=torch.int32),
+                                  torch.ones(1, dtype=torch.int32), 1, 1, 32, 64, 1.0, 512, 1)
 
 
 def decode_layer_by_ops(ops, args, threads):

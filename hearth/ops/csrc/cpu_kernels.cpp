@@ -1358,6 +1358,38 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {out, residual};
 }
 
+// Layers [0, L) of the model for a step of short queries only, one decode_layer after another
+// in one call: a batch-1 decode step made 30 Python calls of 25 arguments each (~1 ms of an
+// 11 ms step on this machine); now it makes one. Per layer l: norms[2l], norms[2l + 1] (input,
+// post-attention), w[12l .. 12l + 11] and types[4l .. 4l + 3] as decode_layer takes them, and
+// k_caches[l], v_caches[l]. Returns (hidden, residual) after the last layer.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList norms,
+    double eps, at::TensorList w, at::IntArrayRef types, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& positions, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate, double scale, int64_t split, int64_t threads, bool int8_act,
+    const std::optional<at::Tensor>& query_lens) {
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(L >= 1 && static_cast<int64_t>(v_caches.size()) == L &&
+                  static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(w.size()) == 12 * L &&
+                  static_cast<int64_t>(types.size()) == 4 * L,
+              "decode_layers: per layer 2 norms, 12 weight tensors, 4 types and a K and V cache");
+  at::Tensor hidden = x, residual = residual_in;
+  bool has = has_residual;
+  for (int64_t l = 0; l < L; ++l) {
+    std::tie(hidden, residual) = decode_layer(
+        hidden, residual, has, norms[2 * l], norms[2 * l + 1], eps, w.slice(12 * l, 12),
+        types.slice(4 * l, 4), cos, sin, positions, k_caches[l], v_caches[l], slot_mapping,
+        block_tables, context_lens, num_heads, num_kv_heads, head_dim, intermediate, scale, split,
+        threads, int8_act, query_lens);
+    has = true;
+  }
+  return {hidden, residual};
+}
+
 // Which instruction set this build was compiled for (the loader checks it against its choice).
 int64_t isa() {
 #if defined(__AVX512VNNI__)
@@ -1398,5 +1430,12 @@ TORCH_LIBRARY(hearth, m) {
         "Tensor? query_lens=None) "
         "-> (Tensor, Tensor)",
         &hearth::decode_layer);
+  m.def("decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] norms, "
+        "float eps, Tensor[] w, int[] types, Tensor cos, Tensor sin, Tensor positions, "
+        "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, int intermediate, "
+        "float scale, int split, int threads=64, bool int8_act=False, Tensor? query_lens=None) "
+        "-> (Tensor, Tensor)",
+        &hearth::decode_layers);
   m.def("isa() -> int", &hearth::isa);
 }
