@@ -2,16 +2,31 @@
 
 A parallel region ends at a barrier, so one thread that another process preempts (a busy
 neighbour, the HTTP server, a tokenizer) holds up the whole op for its time slice: beside one
-spinning process, 2-thread decode fell from ~80 to ~2 tokens/s. Which count is faster depends on
-what else runs, so it is measured: for decode-like steps (at most SMALL_STEP_TOKENS tokens) the
-tuner keeps a moving average of seconds per token for each candidate (1: the kernels run on the
-calling thread, no parallel region; all of torch's threads), runs the best, and every
-`explore_every` steps tries the others for a few steps. The count goes to the kernels through
-`KernelThreads` (torch's own thread pool is left alone for them: resizing it costs ~8 ms per
-switch). Results are the same whatever the count; only time differs.
+spinning process a 2-thread decode step took ~0.95 s against ~15 ms on one thread. Which count
+is faster depends on what else runs, so it is measured. For decode-like steps (at most
+SMALL_STEP_TOKENS tokens) the tuner keeps the median of the last few seconds-per-token samples
+of each candidate (1: the kernels run on the calling thread, no parallel region; all of torch's
+threads) and runs the best.
+
+- A median, not a moving average: behind `hearth serve` one hiccup (a 2-thread step of 29 ms
+  among ~10 ms ones) lifted the average above the 1-thread cost, and the next ~50 steps ran on
+  one thread at ~15 ms each. One slow sample in three moves no median.
+- Rounds: now and then it tries every candidate for a few steps, `explore_every` steps after
+  the start and twice as long after each round that confirms the choice (up to
+  `max_explore_every`), since a trial of the losing count is a slow step. A round that changes
+  the choice, or steps that change it between rounds, reset the interval.
+- Load: every LOAD_CHECK_EVERY steps it reads how many cores' worth of CPU other processes used
+  (`OthersCpu`, from /proc). A change of LOAD_CHANGE cores since the last reading that counted
+  (a neighbour starting or stopping) drops the samples and starts a round at once; and while
+  others use cores, no count above the cores left free is run or tried (each such trial was a
+  ~1 s step). Before this, a stopped neighbour left decode on one thread until the next round.
+
+The count goes to the kernels through `KernelThreads` (torch's own thread pool is left alone for
+them: resizing it costs ~8 ms per switch). Results are the same whatever the count; only time
+differs.
 
 Prefill-sized steps are not measured (their cost per token depends on their shape), but they
-follow the decode steps' verdict: while one thread is measured faster, a large step runs on one
+follow the decode steps' verdict: while one thread is the choice, a large step runs on one
 thread, torch's GEMMs included (their barriers are where a preempted thread stalls everything).
 Engine alone, beside a process spinning on the other core, a 600-token prefill took 1.3-1.45 s
 on one thread against 1.7-1.9 s on two (140 tokens: 0.35 against 0.53-0.74 s); on a quiet
@@ -20,43 +35,134 @@ machine the decode steps keep choosing every thread, and so do the large ones.
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
+from collections import deque
 
 import torch
 
 SMALL_STEP_TOKENS = 16
+LOAD_CHECK_EVERY = 16  # steps between reads of the other processes' CPU use
+LOAD_CHANGE = 0.5  # cores' worth of change in it that starts a round
+
+
+class OthersCpu:
+    """Cores' worth of CPU that processes other than this one used since the last call, from
+    /proc/stat and /proc/self/stat (None where they cannot be read: not Linux)."""
+
+    def __init__(self) -> None:
+        self._last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), sum(fields) - idle, int(own[11]) + int(own[12])
+
+    def __call__(self) -> float | None:
+        now = self._read()
+        last, self._last = self._last, now
+        if now is None or last is None or now[0] <= last[0]:
+            return None
+        cores = os.cpu_count() or 1
+        return max(0.0, (now[1] - last[1]) - (now[2] - last[2])) * cores / (now[0] - last[0])
 
 
 class ThreadTuner:
     def __init__(self, threads, max_threads: int | None = None, explore_every: int = 64,
-                 trial_steps: int = 2, smoothing: float = 0.3, clock=time.perf_counter) -> None:
-        """`threads`: the KernelThreads the kernels read."""
+                 trial_steps: int = 2, window: int = 3, max_explore_every: int = 512,
+                 clock=time.perf_counter, others_cpu=None) -> None:
+        """`threads`: the KernelThreads the kernels read; `window`: samples per candidate
+        whose median is its cost; `others_cpu`: a callable giving the other processes' CPU use
+        since its last call, in cores (default OthersCpu(); None from it is ignored)."""
         self.threads = threads
         self.candidates = sorted({1, max_threads or torch.get_num_threads()})
-        self.explore_every, self.trial_steps, self.smoothing = explore_every, trial_steps, smoothing
+        self.explore_every, self.trial_steps = explore_every, trial_steps
         self.clock = clock
-        self.cost: dict[int, float] = {}  # threads -> moving average of seconds per token
+        self._samples: dict[int, deque] = {}  # threads -> recent seconds per token
+        self._window = window
         self.steps = 0
         self._trial: list[int] = []
+        self.max_explore_every = max(explore_every, max_explore_every)
+        self._interval = explore_every
+        self._next_round = 1  # the step at which the next exploration round starts
+        self._round_from: int | None = None  # the choice when the running round started
+        self._in_round = False
+        self._round_to: int | None = None  # the choice the last finished round came to
+        self.rounds = 0
+        self._others_cpu = others_cpu if others_cpu is not None else OthersCpu()
+        self._round_load: float | None = None  # the others' CPU use when the last round started
+
+    @property
+    def cost(self) -> dict[int, float]:
+        """threads -> median of its recent seconds per token (measured candidates only)."""
+        return {t: statistics.median(s) for t, s in self._samples.items()}
+
+    def _usable(self) -> list[int]:
+        """The candidates worth running: while other processes use cores (the last reading),
+        none with more threads than the cores left free, since its barriers would wait out the
+        scheduler's time slices (a 2-thread step beside a spinning process took ~0.95 s
+        against ~15 ms on one thread): such a count is neither chosen nor tried."""
+        load = self._round_load
+        if load is None or load < LOAD_CHANGE:
+            return self.candidates
+        free = max(1, int((os.cpu_count() or 1) - load + 0.5))
+        return [c for c in self.candidates if c <= free] or self.candidates[:1]
+
+    def _best(self) -> int | None:
+        cost, usable = self.cost, self._usable()
+        if any(c not in cost for c in usable):
+            return None
+        return min(usable, key=cost.get)
 
     def choose(self) -> int:
         self.steps += 1
-        if not self._trial and (self.steps % self.explore_every == 1
-                                or len(self.cost) < len(self.candidates)):
-            self._trial = [c for c in self.candidates for _ in range(self.trial_steps)]
+        if self._in_round and not self._trial:  # the last round's trials are all recorded
+            self._in_round = False
+            confirmed = self._round_from is not None and self._best() == self._round_from
+            self._interval = (min(2 * self._interval, self.max_explore_every) if confirmed
+                              else self.explore_every)
+            self._next_round += self._interval
+            self._round_to = self._best()
+        elif not self._in_round and self._round_to is not None and self._best() != self._round_to:
+            # Steps outside a round changed the choice (a neighbour came or went): look again
+            # soon rather than up to max_explore_every steps from now.
+            self._round_to = self._best()
+            self._interval = self.explore_every
+            self._next_round = min(self._next_round, self.steps + self.explore_every)
+        if not self._in_round and self.steps % LOAD_CHECK_EVERY == 0:
+            load = self._others_cpu()
+            if load is not None and self._round_load is None:
+                self._round_load = load
+            elif load is not None and abs(load - self._round_load) >= LOAD_CHANGE:
+                self._round_load = load  # a neighbour came or went: measure afresh, now
+                self._samples.clear()
+                self._interval = self.explore_every
+                self._next_round = self.steps
+        if not self._trial and (self.steps >= self._next_round or self._best() is None):
+            self._trial = [c for c in self._usable() for _ in range(self.trial_steps)]
+            self._round_from, self._in_round = self._best(), True
+            self._next_round = self.steps
+            self.rounds += 1
         if self._trial:
             return self._trial.pop()
-        return min(self.cost, key=self.cost.get)
+        return self._best()
 
     def record(self, threads: int, num_tokens: int, seconds: float) -> None:
-        per_token = seconds / max(1, num_tokens)
-        old = self.cost.get(threads)
-        self.cost[threads] = per_token if old is None else old + self.smoothing * (per_token - old)
+        samples = self._samples.setdefault(threads, deque(maxlen=self._window))
+        samples.append(seconds / max(1, num_tokens))
 
     def contended(self) -> bool:
-        """Whether one thread is currently measured faster than all of them."""
-        return (len(self.cost) == len(self.candidates) and len(self.candidates) > 1
-                and min(self.cost, key=self.cost.get) == self.candidates[0])
+        """Whether one thread is currently the choice (measured faster than all of them, or
+        the only count the free cores allow)."""
+        return len(self.candidates) > 1 and self._best() == self.candidates[0]
 
     def run(self, num_tokens: int, fn):
         """Run `fn()` with the chosen count (decode-like steps) and learn from its time."""

@@ -2,9 +2,12 @@
 prefill-sized steps on every thread unless one thread is measured faster (a fake clock: exact,
 no timing)."""
 
+import os
+
 import torch
 
-from hearth.engine.thread_tuner import SMALL_STEP_TOKENS, ThreadTuner
+from hearth.engine.thread_tuner import (LOAD_CHECK_EVERY, SMALL_STEP_TOKENS, OthersCpu,
+                                        ThreadTuner)
 from hearth.ops.cpu_kernels import KernelThreads
 
 
@@ -16,6 +19,10 @@ class FakeClock:
         return self.now
 
 
+def quiet():
+    return 0.0  # the other processes' CPU use, in cores: nothing else runs
+
+
 def make_step(clock, threads, seconds_by_count):
     def step():
         clock.now += seconds_by_count[threads.count]
@@ -24,7 +31,8 @@ def make_step(clock, threads, seconds_by_count):
 
 def test_picks_the_faster_count_and_keeps_exploring():
     clock, threads = FakeClock(), KernelThreads()
-    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2, clock=clock)
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2, clock=clock,
+                        others_cpu=quiet)
     speeds = {1: 0.020, 2: 0.010}  # quiet machine: 2 threads faster
     used = []
     for _ in range(30):
@@ -42,14 +50,15 @@ def test_picks_the_faster_count_and_keeps_exploring():
 
 def test_prefill_sized_steps_use_every_thread_and_teach_nothing():
     clock, threads = FakeClock(), KernelThreads()
-    tuner = ThreadTuner(threads, max_threads=2, clock=clock)
+    tuner = ThreadTuner(threads, max_threads=2, clock=clock, others_cpu=quiet)
     tuner.run(SMALL_STEP_TOKENS + 1, make_step(clock, threads, {1: 1.0, 2: 1.0}))
     assert threads.count == 2 and tuner.cost == {}
 
 
 def test_prefill_sized_steps_follow_the_decode_verdict_and_restore_torch_threads():
     clock, threads = FakeClock(), KernelThreads()
-    tuner = ThreadTuner(threads, max_threads=2, explore_every=1000, trial_steps=1, clock=clock)
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=1000, trial_steps=1, clock=clock,
+                        others_cpu=quiet)
     saved = torch.get_num_threads()
     seen = []
 
@@ -68,3 +77,77 @@ def test_prefill_sized_steps_follow_the_decode_verdict_and_restore_torch_threads
     assert not tuner.contended()
     tuner.run(SMALL_STEP_TOKENS + 1, large_step)
     assert seen[-1] == (2, saved)
+
+
+def test_one_slow_step_does_not_move_the_choice():
+    """Behind `hearth serve` a 2-thread step now and then takes 3x its usual time (the HTTP
+    process ran meanwhile); a moving average once turned that into ~50 steps on one thread."""
+    clock, threads = FakeClock(), KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2, clock=clock,
+                        others_cpu=quiet)
+    speeds = {1: 0.015, 2: 0.010}
+    used = []
+    for step in range(40):
+        hiccup = step in (8, 20)  # the step before an exploration, and one in the middle
+        tuner.run(1, make_step(clock, threads, {**speeds, 2: 0.030} if hiccup else speeds))
+        used.append(threads.count)
+    assert used.count(1) == 2 * tuner.rounds  # the rounds' 1-thread trials, and nothing else
+    assert not tuner.contended()
+
+
+def test_rounds_that_confirm_the_choice_come_less_often_and_a_change_resets_them():
+    clock, threads = FakeClock(), KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2,
+                        max_explore_every=80, clock=clock, others_cpu=quiet)
+    speeds = {1: 0.015, 2: 0.010}
+    starts = []
+    for step in range(1, 400):
+        rounds = tuner.rounds
+        tuner.run(1, make_step(clock, threads, speeds))
+        if tuner.rounds > rounds:
+            starts.append(step)
+    assert starts == [1, 11, 31, 71, 151, 231, 311, 391]  # 10, 20, 40, 80, then 80 apart
+    speeds[2] = 0.200  # a neighbour: the 2-thread steps are slow from now on
+    used = []
+    for _ in range(40):
+        tuner.run(1, make_step(clock, threads, speeds))
+        used.append(threads.count)
+    assert tuner.contended() and used[-5:] == [1] * 5
+    speeds[2] = 0.010  # quiet again: the next round finds it (after the choice changed,
+    for _ in range(60):  # rounds came 10, then 20, then 40 steps apart)
+        tuner.run(1, make_step(clock, threads, speeds))
+        used.append(threads.count)
+    assert not tuner.contended() and used[-5:] == [2] * 5
+
+
+def test_a_neighbour_starting_or_stopping_starts_a_round_at_once():
+    """The rounds have spread out on a quiet machine; the other processes' CPU use jumping by a
+    core (read every LOAD_CHECK_EVERY steps) brings the next round forward, both ways."""
+    clock, threads = FakeClock(), KernelThreads()
+    load = [0.05]
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2,
+                        max_explore_every=1000, clock=clock, others_cpu=lambda: load[0])
+    speeds = {1: 0.015, 2: 0.010}
+    for _ in range(300):  # rounds at 1, 11, 31, 71, 151: the next would be at 311
+        tuner.run(1, make_step(clock, threads, speeds))
+    rounds = tuner.rounds
+    load[0], speeds[2] = 1.0, 0.500  # a neighbour: 2-thread steps are slow now ...
+    for _ in range(2 * LOAD_CHECK_EVERY):
+        tuner.run(1, make_step(clock, threads, speeds))
+    assert tuner.rounds > rounds and tuner.contended()  # ... and a round found it at once
+    rounds = tuner.rounds
+    for _ in range(300):  # the rounds spread out again, confirming one thread
+        tuner.run(1, make_step(clock, threads, speeds))
+    load[0], speeds[2] = 0.05, 0.010  # the neighbour stops
+    used = []
+    for _ in range(2 * LOAD_CHECK_EVERY):
+        tuner.run(1, make_step(clock, threads, speeds))
+        used.append(threads.count)
+    assert not tuner.contended() and used[-5:] == [2] * 5
+
+
+def test_others_cpu_reads_this_machine():
+    probe = OthersCpu()
+    sum(i * i for i in range(200_000))  # some CPU of our own, which must not count
+    value = probe()
+    assert value is None or 0.0 <= value <= (os.cpu_count() or 1)
