@@ -18,8 +18,9 @@ threads) and runs the best.
 - Load: every LOAD_CHECK_EVERY steps it reads how many cores' worth of CPU other processes used
   (`OthersCpu`, from /proc). A change of LOAD_CHANGE cores since the last reading that counted
   (a neighbour starting or stopping) drops the samples and starts a round at once; and while
-  others use cores, no count above the cores left free is run or tried (each such trial was a
-  ~1 s step). Before this, a stopped neighbour left decode on one thread until the next round.
+  others keep LOAD_BUSY cores or more busy, no count above the cores left free is run or tried
+  (each such trial was a ~1 s step). Less than that (the HTTP process, a benchmark client) only
+  counts through the measured step times. Before this, a stopped neighbour left decode on one thread until the next round.
 
 The count goes to the kernels through `KernelThreads` (torch's own thread pool is left alone for
 them: resizing it costs ~8 ms per switch). Results are the same whatever the count; only time
@@ -45,6 +46,7 @@ import torch
 SMALL_STEP_TOKENS = 16
 LOAD_CHECK_EVERY = 16  # steps between reads of the other processes' CPU use
 LOAD_CHANGE = 0.5  # cores' worth of change in it that starts a round
+LOAD_BUSY = 0.9  # cores' worth of it from which only counts that fit the free cores run
 
 
 class OthersCpu:
@@ -111,9 +113,9 @@ class ThreadTuner:
         scheduler's time slices (a 2-thread step beside a spinning process took ~0.95 s
         against ~15 ms on one thread): such a count is neither chosen nor tried."""
         load = self._round_load
-        if load is None or load < LOAD_CHANGE:
+        if load is None or load < LOAD_BUSY:  # a whole core taken: a neighbour, not our clients
             return self.candidates
-        free = max(1, int((os.cpu_count() or 1) - load + 0.5))
+        free = max(1, int((os.cpu_count() or 1) - load + 1 - LOAD_BUSY))
         return [c for c in self.candidates if c <= free] or self.candidates[:1]
 
     def _best(self) -> int | None:
