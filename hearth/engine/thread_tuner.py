@@ -20,7 +20,8 @@ threads) and runs the best.
   (a neighbour starting or stopping) drops the samples and starts a round at once; and while
   others keep LOAD_BUSY cores or more busy, no count above the cores left free is run or tried
   (each such trial was a ~1 s step). Less than that (the HTTP process, a benchmark client) only
-  counts through the measured step times. Before this, a stopped neighbour left decode on one thread until the next round.
+  counts through the measured step times. Before this, a stopped neighbour left decode on one
+  thread until the next round.
 
 The count goes to the kernels through `KernelThreads` (torch's own thread pool is left alone for
 them: resizing it costs ~8 ms per switch). Results are the same whatever the count; only time
@@ -100,7 +101,7 @@ class ThreadTuner:
         self._round_to: int | None = None  # the choice the last finished round came to
         self.rounds = 0
         self._others_cpu = others_cpu if others_cpu is not None else OthersCpu()
-        self._round_load: float | None = None  # the others' CPU use when the last round started
+        self._round_load: float | None = None  # the others' CPU use, the last reading that counted
 
     @property
     def cost(self) -> dict[int, float]:
@@ -108,7 +109,7 @@ class ThreadTuner:
         return {t: statistics.median(s) for t, s in self._samples.items()}
 
     def _usable(self) -> list[int]:
-        """The candidates worth running: while other processes use cores (the last reading),
+        """The candidates worth running: while other processes keep LOAD_BUSY cores busy,
         none with more threads than the cores left free, since its barriers would wait out the
         scheduler's time slices (a 2-thread step beside a spinning process took ~0.95 s
         against ~15 ms on one thread): such a count is neither chosen nor tried."""

@@ -21,9 +21,9 @@ from hearth.ops.parallel import ParallelGroup
 # A step with at most this many rows multiplies through the quantized weights (decode: bound by
 # reading weights); more rows (prefill chunks) go through the float GEMM (bound by FLOPs). The
 # crossover, measured over the default model's 120 Q4_1 linears on a 2-core AVX-512 machine
-# (with qlinear's 2-row x 8-row tiles): rows 16 / 24 / 32 / 40 / 48 took 22 / 32 / 42 / 52 / 62 ms
-# through qlinear and 38 / 43 / 49 / 53 / 59 ms through the float GEMM. Verify steps of several decoding requests (1 + k rows each) and small
-# chunks beside decodes land in 17-32.
+# (with qlinear's 2-row x 8-row tiles): rows 16 / 24 / 32 / 40 / 48 took 22 / 32 / 42 / 52 / 62
+# ms through qlinear and 38 / 43 / 49 / 53 / 59 ms through the float GEMM. Verify steps of
+# several decoding requests (1 + k rows each) and small chunks beside decodes land in 17-32.
 QLINEAR_MAX_ROWS = 32
 
 

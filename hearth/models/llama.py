@@ -180,9 +180,9 @@ class LlamaForCausalLM(nn.Module):
         if not all([layer.enable_fused_decode() for layer in self.layers]):
             return False
         fused = [layer._fused for layer in self.layers]
+        if not fused or any(f[4] != fused[0][4] for f in fused):
+            return True  # nothing to run, or mixed activation formats: one call per layer
         kernels, int8_act = fused[0][3], fused[0][4]
-        if not self.layers or any(f[4] != int8_act for f in fused):
-            return True
         first = self.layers[0]
         attn = first.self_attn
         self._fused_all = (

@@ -301,7 +301,8 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
   // tiles as possible: a 2-token verify step unpacks W once, not twice (with tiles of 1 or 4
   // rows only, M = 2, 3, 5-7 ran one tile per leftover row: M = 7 cost 1.9x M = 4).
   int64_t i = 0;
-  for (; i + 8 <= M; i += 8) qlinear_tile_pairs<NR, 8>(w, n, sd, sm, x + i * w.K, out + i * w.N + n);
+  for (; i + 8 <= M; i += 8)
+    qlinear_tile_pairs<NR, 8>(w, n, sd, sm, x + i * w.K, out + i * w.N + n);
   const float* xi = x + i * w.K;
   float* oi = out + i * w.N + n;
   switch (M - i) {
