@@ -4,9 +4,17 @@ A parallel region ends at a barrier, so one thread that another process preempts
 neighbour, the HTTP server, a tokenizer) holds up the whole op for its time slice: beside one
 spinning process a 2-thread decode step took ~0.95 s against ~15 ms on one thread. Which count
 is faster depends on what else runs, so it is measured. For decode-like steps (at most
-SMALL_STEP_TOKENS tokens) the tuner keeps the median of the last few seconds-per-token samples
-of each candidate (1: the kernels run on the calling thread, no parallel region; all of torch's
-threads) and runs the best.
+SMALL_STEP_TOKENS tokens) the tuner keeps the median of the last few step times of each
+candidate (1: the kernels run on the calling thread, no parallel region; all of torch's
+threads) per step size, and runs the best at the size nearest the step's where every candidate
+has been measured.
+
+- Per step size, not per token: a step's time is far from proportional to its tokens (verify
+  steps of 1 / 2 / 5 / 9 tokens took 4.7 / 5.7 / 8.9 / 15.2 ms; at 6k tokens of context the extra
+  rows cost less still), so with speculative decoding a 1-thread trial that landed on a 9-token
+  verify step looked ~3x cheaper per token than the 2-thread 1-token steps beside it. One
+  thread then won on a quiet machine, and the prompt that followed ran on one thread: a 6k-token
+  prefill behind `hearth serve` took 25.6 s against 13.7 s with drafts off (2026-12-02).
 
 - A median, not a moving average: behind `hearth serve` one hiccup (a 2-thread step of 29 ms
   among ~10 ms ones) lifted the average above the 1-thread cost, and the next ~50 steps ran on
@@ -37,6 +45,7 @@ machine the decode steps keep choosing every thread, and so do the large ones.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -89,7 +98,7 @@ class ThreadTuner:
         self.candidates = sorted({1, max_threads or torch.get_num_threads()})
         self.explore_every, self.trial_steps = explore_every, trial_steps
         self.clock = clock
-        self._samples: dict[int, deque] = {}  # threads -> recent seconds per token
+        self._samples: dict[int, dict[int, deque]] = {}  # threads -> step size -> seconds
         self._window = window
         self.steps = 0
         self._trial: list[int] = []
@@ -104,9 +113,18 @@ class ThreadTuner:
         self._round_load: float | None = None  # the others' CPU use, the last reading that counted
 
     @property
-    def cost(self) -> dict[int, float]:
-        """threads -> median of its recent seconds per token (measured candidates only)."""
-        return {t: statistics.median(s) for t, s in self._samples.items()}
+    def cost(self) -> dict[int, dict[int, float]]:
+        """threads -> {step size in tokens: median of its recent step times} (measured only)."""
+        return {t: {n: statistics.median(s) for n, s in by_size.items()}
+                for t, by_size in self._samples.items()}
+
+    def _size_for(self, num_tokens: int, usable: list[int]) -> int | None:
+        """The step size nearest `num_tokens` (by ratio) at which every usable count has
+        samples; None where there is none."""
+        sizes = set.intersection(*(set(self._samples.get(c, {})) for c in usable))
+        if not sizes:
+            return None
+        return min(sizes, key=lambda n: (abs(math.log(n / num_tokens)), n))
 
     def _usable(self) -> list[int]:
         """The candidates worth running: while other processes keep LOAD_BUSY cores busy,
@@ -119,25 +137,28 @@ class ThreadTuner:
         free = max(1, int((os.cpu_count() or 1) - load + 1 - LOAD_BUSY))
         return [c for c in self.candidates if c <= free] or self.candidates[:1]
 
-    def _best(self) -> int | None:
-        cost, usable = self.cost, self._usable()
-        if any(c not in cost for c in usable):
+    def _best(self, num_tokens: int = 1) -> int | None:
+        usable = self._usable()
+        size = self._size_for(num_tokens, usable)
+        if size is None:
             return None
-        return min(usable, key=cost.get)
+        return min(usable, key=lambda c: statistics.median(self._samples[c][size]))
 
-    def choose(self) -> int:
+    def choose(self, num_tokens: int = 1) -> int:
+        """The count for the next decode-like step, of `num_tokens` tokens."""
         self.steps += 1
+        n = num_tokens
         if self._in_round and not self._trial:  # the last round's trials are all recorded
             self._in_round = False
-            confirmed = self._round_from is not None and self._best() == self._round_from
+            confirmed = self._round_from is not None and self._best(n) == self._round_from
             self._interval = (min(2 * self._interval, self.max_explore_every) if confirmed
                               else self.explore_every)
             self._next_round += self._interval
-            self._round_to = self._best()
-        elif not self._in_round and self._round_to is not None and self._best() != self._round_to:
+            self._round_to = self._best(n)
+        elif not self._in_round and self._round_to is not None and self._best(n) != self._round_to:
             # Steps outside a round changed the choice (a neighbour came or went): look again
             # soon rather than up to max_explore_every steps from now.
-            self._round_to = self._best()
+            self._round_to = self._best(n)
             self._interval = self.explore_every
             self._next_round = min(self._next_round, self.steps + self.explore_every)
         if not self._in_round and self.steps % LOAD_CHECK_EVERY == 0:
@@ -149,23 +170,23 @@ class ThreadTuner:
                 self._samples.clear()
                 self._interval = self.explore_every
                 self._next_round = self.steps
-        if not self._trial and (self.steps >= self._next_round or self._best() is None):
+        if not self._trial and (self.steps >= self._next_round or self._best(n) is None):
             self._trial = [c for c in self._usable() for _ in range(self.trial_steps)]
-            self._round_from, self._in_round = self._best(), True
+            self._round_from, self._in_round = self._best(n), True
             self._next_round = self.steps
             self.rounds += 1
         if self._trial:
             return self._trial.pop()
-        return self._best()
+        return self._best(n)
 
     def record(self, threads: int, num_tokens: int, seconds: float) -> None:
-        samples = self._samples.setdefault(threads, deque(maxlen=self._window))
-        samples.append(seconds / max(1, num_tokens))
+        by_size = self._samples.setdefault(threads, {})
+        by_size.setdefault(max(1, num_tokens), deque(maxlen=self._window)).append(seconds)
 
     def contended(self) -> bool:
-        """Whether one thread is currently the choice (measured faster than all of them, or
-        the only count the free cores allow)."""
-        return len(self.candidates) > 1 and self._best() == self.candidates[0]
+        """Whether one thread is currently the choice for the largest decode-like steps
+        (measured faster than all of them there, or the only count the free cores allow)."""
+        return len(self.candidates) > 1 and self._best(SMALL_STEP_TOKENS) == self.candidates[0]
 
     def run(self, num_tokens: int, fn):
         """Run `fn()` with the chosen count (decode-like steps) and learn from its time."""
@@ -180,7 +201,7 @@ class ThreadTuner:
                 return fn()
             finally:
                 torch.set_num_threads(saved)
-        self.threads.count = threads = self.choose()
+        self.threads.count = threads = self.choose(num_tokens)
         t0 = self.clock()
         result = fn()
         self.record(threads, num_tokens, self.clock() - t0)

@@ -151,3 +151,47 @@ def test_others_cpu_reads_this_machine():
     sum(i * i for i in range(200_000))  # some CPU of our own, which must not count
     value = probe()
     assert value is None or 0.0 <= value <= (os.cpu_count() or 1)
+
+
+def step_time(base: dict[int, float], threads: KernelThreads, num_tokens: int) -> float:
+    """A step's time: far from proportional to its tokens (each extra one costs a quarter of a
+    1-token step, as verify steps and small batches measured)."""
+    return base[threads.count] * (1 + 0.25 * (num_tokens - 1))
+
+
+def test_steps_of_different_sizes_are_compared_size_for_size():
+    """Speculative decoding mixes 1-token steps with verify steps of up to 16 tokens. Compared per
+    token, a 1-thread trial that landed on a 9-token step looked cheaper than the 2-thread
+    1-token steps, and one thread won on a quiet machine (and prompts then ran on one thread)."""
+    clock, threads = FakeClock(), KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2, clock=clock,
+                        others_cpu=quiet)
+    base = {1: 0.015, 2: 0.010}  # quiet: two threads are faster at every size
+    sizes = [1, 1, 9, 9] + [1, 5, 1, 9, 2, 1, 16, 1] * 10  # the first round's 1-thread trials get 9
+    used = []
+    for n in sizes:
+        def step(n=n):
+            clock.now += step_time(base, threads, n)
+        tuner.run(n, step)
+        used.append(threads.count)
+    assert used.count(1) == 2 * tuner.rounds  # one thread only in the rounds' trials
+    assert not tuner.contended()
+    assert all(tuner._best(n) == 2 for n in (1, 2, 5, 9, 16))
+    base[2] = 0.100  # a neighbour preempts one of the two threads: one is faster at every size
+    for n in sizes * 2:
+        def step(n=n):
+            clock.now += step_time(base, threads, n)
+        tuner.run(n, step)
+        used.append(threads.count)
+    assert used[-8:] == [1] * 8 and tuner.contended()
+
+
+def test_a_step_size_nobody_measured_uses_the_nearest_measured_one():
+    clock, threads = FakeClock(), KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=1000, clock=clock, others_cpu=quiet)
+    for threads_count, n, seconds in ((1, 2, 0.010), (2, 2, 0.020), (1, 12, 0.050), (2, 12, 0.030)):
+        tuner.record(threads_count, n, seconds)
+    assert tuner.cost == {1: {2: 0.010, 12: 0.050}, 2: {2: 0.020, 12: 0.030}}
+    assert tuner._best(1) == 1 and tuner._best(3) == 1  # nearest by ratio: 2
+    assert tuner._best(9) == 2 and tuner._best(16) == 2  # 12
+    assert not tuner.contended()  # prompts follow the largest decode-like steps' verdict
