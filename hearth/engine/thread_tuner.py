@@ -23,9 +23,11 @@ has been measured.
   the start and twice as long after each round that confirms the choice (up to
   `max_explore_every`), since a trial of the losing count is a slow step. A round that changes
   the choice, or steps that change it between rounds, reset the interval.
-- Load: every LOAD_CHECK_EVERY steps it reads how many cores' worth of CPU other processes used
-  (`OthersCpu`, from /proc). A change of LOAD_CHANGE cores since the last reading that counted
-  (a neighbour starting or stopping) drops the samples and starts a round at once; and while
+- Load: every LOAD_CHECK_EVERY steps, after a step SLOW_STEP times slower than its count's
+  median at its size, and before every prompt-sized step, it reads how many cores' worth of
+  CPU other processes used (`OthersCpu`, from /proc; at most every LOAD_MIN_INTERVAL s). A
+  change of LOAD_CHANGE cores since the last reading that counted (a neighbour starting or
+  stopping) drops the samples and starts a round at once; and while
   others keep LOAD_BUSY cores or more busy, no count above the cores left free is run or tried
   (each such trial was a ~1 s step). Less than that (the HTTP process, a benchmark client) only
   counts through the measured step times. Before this, a stopped neighbour left decode on one
@@ -57,6 +59,8 @@ SMALL_STEP_TOKENS = 16
 LOAD_CHECK_EVERY = 16  # steps between reads of the other processes' CPU use
 LOAD_CHANGE = 0.5  # cores' worth of change in it that starts a round
 LOAD_BUSY = 0.9  # cores' worth of it from which only counts that fit the free cores run
+LOAD_MIN_INTERVAL = 0.1  # seconds between two reads of it
+SLOW_STEP = 3.0  # a step this many times its count's median at its size reads the load next
 
 
 class OthersCpu:
@@ -111,6 +115,8 @@ class ThreadTuner:
         self.rounds = 0
         self._others_cpu = others_cpu if others_cpu is not None else OthersCpu()
         self._round_load: float | None = None  # the others' CPU use, the last reading that counted
+        self._load_read_at: float | None = None  # clock() at the last reading
+        self._slow_step = False
 
     @property
     def cost(self) -> dict[int, dict[int, float]]:
@@ -161,15 +167,8 @@ class ThreadTuner:
             self._round_to = self._best(n)
             self._interval = self.explore_every
             self._next_round = min(self._next_round, self.steps + self.explore_every)
-        if not self._in_round and self.steps % LOAD_CHECK_EVERY == 0:
-            load = self._others_cpu()
-            if load is not None and self._round_load is None:
-                self._round_load = load
-            elif load is not None and abs(load - self._round_load) >= LOAD_CHANGE:
-                self._round_load = load  # a neighbour came or went: measure afresh, now
-                self._samples.clear()
-                self._interval = self.explore_every
-                self._next_round = self.steps
+        if not self._in_round and (self.steps % LOAD_CHECK_EVERY == 0 or self._slow_step):
+            self._check_load()
         if not self._trial and (self.steps >= self._next_round or self._best(n) is None):
             self._trial = [c for c in self._usable() for _ in range(self.trial_steps)]
             self._round_from, self._in_round = self._best(n), True
@@ -179,18 +178,45 @@ class ThreadTuner:
             return self._trial.pop()
         return self._best(n)
 
+    def _check_load(self) -> None:
+        """Read the other processes' CPU use (at most every LOAD_MIN_INTERVAL seconds: over a
+        shorter span /proc's 10 ms ticks make it jump); a change of LOAD_CHANGE cores since the
+        last reading that counted drops the samples and starts a round at the next step."""
+        self._slow_step = False
+        now = self.clock()
+        if self._load_read_at is not None and now - self._load_read_at < LOAD_MIN_INTERVAL:
+            return
+        self._load_read_at = now
+        load = self._others_cpu()
+        if load is not None and self._round_load is None:
+            self._round_load = load
+        elif load is not None and abs(load - self._round_load) >= LOAD_CHANGE:
+            self._round_load = load  # a neighbour came or went: measure afresh, now
+            self._samples.clear()
+            self._interval = self.explore_every
+            self._next_round = self.steps
+
     def record(self, threads: int, num_tokens: int, seconds: float) -> None:
         by_size = self._samples.setdefault(threads, {})
-        by_size.setdefault(max(1, num_tokens), deque(maxlen=self._window)).append(seconds)
+        samples = by_size.setdefault(max(1, num_tokens), deque(maxlen=self._window))
+        # A step far slower than this count's recent ones at its size (a neighbour may have
+        # started): read the load at the next step instead of up to LOAD_CHECK_EVERY steps on.
+        self._slow_step = bool(samples) and seconds > SLOW_STEP * statistics.median(samples)
+        samples.append(seconds)
 
     def contended(self) -> bool:
         """Whether one thread is currently the choice for the largest decode-like steps
         (measured faster than all of them there, or the only count the free cores allow)."""
-        return len(self.candidates) > 1 and self._best(SMALL_STEP_TOKENS) == self.candidates[0]
+        if len(self.candidates) < 2:
+            return False
+        if self._usable() == self.candidates[:1]:  # the load rule, whatever was measured
+            return True
+        return self._best(SMALL_STEP_TOKENS) == self.candidates[0]
 
     def run(self, num_tokens: int, fn):
         """Run `fn()` with the chosen count (decode-like steps) and learn from its time."""
         if num_tokens > SMALL_STEP_TOKENS:
+            self._check_load()  # a prompt beside a neighbour that came since the last decode
             if not self.contended():
                 self.threads.count = self.candidates[-1]
                 return fn()

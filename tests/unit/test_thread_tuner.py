@@ -195,3 +195,32 @@ def test_a_step_size_nobody_measured_uses_the_nearest_measured_one():
     assert tuner._best(1) == 1 and tuner._best(3) == 1  # nearest by ratio: 2
     assert tuner._best(9) == 2 and tuner._best(16) == 2  # 12
     assert not tuner.contended()  # prompts follow the largest decode-like steps' verdict
+
+
+def test_a_neighbour_is_noticed_after_one_slow_step_and_before_a_prompt():
+    """Reading the load only every LOAD_CHECK_EVERY steps could leave up to 16 steps of ~0.5-1 s
+    each on two threads beside a neighbour that had just started, and its prompt on two threads;
+    a step 3x slower than its count's median, and every prompt-sized step, read it at once."""
+    clock, threads = FakeClock(), KernelThreads()
+    load = [0.05]
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=10, trial_steps=2,
+                        max_explore_every=1000, clock=clock, others_cpu=lambda: load[0])
+    speeds = {1: 0.015, 2: 0.010}
+    for _ in range(100):
+        tuner.run(1, make_step(clock, threads, speeds))
+    load[0], speeds[2] = 1.0, 0.500  # a neighbour starts between two decode steps
+    used = []
+    for _ in range(LOAD_CHECK_EVERY):
+        tuner.run(1, make_step(clock, threads, speeds))
+        used.append(threads.count)
+    assert used.count(2) == 1 and tuner.contended()  # the one slow step, then one thread
+
+    load[0], speeds[2] = 0.05, 0.010  # it stops; the neighbour's next start meets a prompt
+    for _ in range(3 * LOAD_CHECK_EVERY):
+        tuner.run(1, make_step(clock, threads, speeds))
+    assert not tuner.contended()
+    seen = []
+    load[0] = 1.0
+    clock.now += 1.0
+    tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append(threads.count))
+    assert seen == [1]
