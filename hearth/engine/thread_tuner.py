@@ -95,8 +95,8 @@ class ThreadTuner:
     def __init__(self, threads, max_threads: int | None = None, explore_every: int = 64,
                  trial_steps: int = 2, window: int = 3, max_explore_every: int = 512,
                  clock=time.perf_counter, others_cpu=None) -> None:
-        """`threads`: the KernelThreads the kernels read; `window`: samples per candidate
-        whose median is its cost; `others_cpu`: a callable giving the other processes' CPU use
+        """`threads`: the KernelThreads the kernels read; `window`: samples per candidate and
+        step size whose median is its cost; `others_cpu`: a callable giving the other processes' CPU use
         since its last call, in cores (default OthersCpu(); None from it is ignored)."""
         self.threads = threads
         self.candidates = sorted({1, max_threads or torch.get_num_threads()})
@@ -130,6 +130,7 @@ class ThreadTuner:
         sizes = set.intersection(*(set(self._samples.get(c, {})) for c in usable))
         if not sizes:
             return None
+        num_tokens = max(1, num_tokens)
         return min(sizes, key=lambda n: (abs(math.log(n / num_tokens)), n))
 
     def _usable(self) -> list[int]:
@@ -186,8 +187,10 @@ class ThreadTuner:
         now = self.clock()
         if self._load_read_at is not None and now - self._load_read_at < LOAD_MIN_INTERVAL:
             return
-        self._load_read_at = now
+        first, self._load_read_at = self._load_read_at is None, now
         load = self._others_cpu()
+        if first:  # it spans the start-up, where the HTTP process loads beside the engine
+            return
         if load is not None and self._round_load is None:
             self._round_load = load
         elif load is not None and abs(load - self._round_load) >= LOAD_CHANGE:

@@ -195,6 +195,7 @@ def test_a_step_size_nobody_measured_uses_the_nearest_measured_one():
     assert tuner._best(1) == 1 and tuner._best(3) == 1  # nearest by ratio: 2
     assert tuner._best(9) == 2 and tuner._best(16) == 2  # 12
     assert not tuner.contended()  # prompts follow the largest decode-like steps' verdict
+    assert tuner._best(0) == 1  # an empty step counts as one token
 
 
 def test_a_neighbour_is_noticed_after_one_slow_step_and_before_a_prompt():
@@ -224,3 +225,14 @@ def test_a_neighbour_is_noticed_after_one_slow_step_and_before_a_prompt():
     clock.now += 1.0
     tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append(threads.count))
     assert seen == [1]
+
+
+def test_the_first_load_reading_spans_the_start_up_and_rules_nothing_out():
+    """The first reading covers the time since the tuner was built, while the HTTP process was
+    starting beside the engine: it must not put the first prompt on one thread."""
+    clock, threads = FakeClock(), KernelThreads()
+    readings = iter([1.5] + [0.05] * 100)
+    tuner = ThreadTuner(threads, max_threads=2, clock=clock, others_cpu=lambda: next(readings))
+    seen = []
+    tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append(threads.count))
+    assert seen == [2] and not tuner.contended()
