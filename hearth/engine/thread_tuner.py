@@ -15,7 +15,6 @@ has been measured.
   verify step looked ~3x cheaper per token than the 2-thread 1-token steps beside it. One
   thread then won on a quiet machine, and the prompt that followed ran on one thread: a 6k-token
   prefill behind `hearth serve` took 25.6 s against 13.7 s with drafts off (2026-12-02).
-
 - A median, not a moving average: behind `hearth serve` one hiccup (a 2-thread step of 29 ms
   among ~10 ms ones) lifted the average above the 1-thread cost, and the next ~50 steps ran on
   one thread at ~15 ms each. One slow sample in three moves no median.
@@ -27,9 +26,9 @@ has been measured.
   median at its size, and before every prompt-sized step, it reads how many cores' worth of
   CPU other processes used (`OthersCpu`, from /proc; at most every LOAD_MIN_INTERVAL s). A
   change of LOAD_CHANGE cores since the last reading that counted (a neighbour starting or
-  stopping) drops the samples and starts a round at once; and while
-  others keep LOAD_BUSY cores or more busy, no count above the cores left free is run or tried
-  (each such trial was a ~1 s step). Less than that (the HTTP process, a benchmark client) only
+  stopping) drops the samples and starts a round at once; and while others keep LOAD_BUSY
+  cores or more busy, no count above the cores left free is run or tried (each such trial was
+  a ~1 s step). Less than that (the HTTP process, a benchmark client) only
   counts through the measured step times. Before this, a stopped neighbour left decode on one
   thread until the next round.
 
@@ -38,8 +37,8 @@ them: resizing it costs ~8 ms per switch). Results are the same whatever the cou
 differs.
 
 Prefill-sized steps are not measured (their cost per token depends on their shape), but they
-follow the decode steps' verdict: while one thread is the choice, a large step runs on one
-thread, torch's GEMMs included (their barriers are where a preempted thread stalls everything).
+follow the verdict of the largest decode-like steps, or the load rule: while one thread is the
+choice there, a large step runs on one thread, torch's GEMMs included (their barriers are where a preempted thread stalls everything).
 Engine alone, beside a process spinning on the other core, a 600-token prefill took 1.3-1.45 s
 on one thread against 1.7-1.9 s on two (140 tokens: 0.35 against 0.53-0.74 s); on a quiet
 machine the decode steps keep choosing every thread, and so do the large ones.
