@@ -38,7 +38,8 @@ differs.
 
 Prefill-sized steps are not measured (their cost per token depends on their shape), but they
 follow the verdict of the largest decode-like steps, or the load rule: while one thread is the
-choice there, a large step runs on one thread, torch's GEMMs included (their barriers are where a preempted thread stalls everything).
+choice there, a large step runs on one thread, torch's GEMMs included (their barriers are
+where a preempted thread stalls everything).
 Engine alone, beside a process spinning on the other core, a 600-token prefill took 1.3-1.45 s
 on one thread against 1.7-1.9 s on two (140 tokens: 0.35 against 0.53-0.74 s); on a quiet
 machine the decode steps keep choosing every thread, and so do the large ones.
@@ -95,8 +96,9 @@ class ThreadTuner:
                  trial_steps: int = 2, window: int = 3, max_explore_every: int = 512,
                  clock=time.perf_counter, others_cpu=None) -> None:
         """`threads`: the KernelThreads the kernels read; `window`: samples per candidate and
-        step size whose median is its cost; `others_cpu`: a callable giving the other processes' CPU use
-        since its last call, in cores (default OthersCpu(); None from it is ignored)."""
+        step size whose median is its cost; `others_cpu`: a callable giving the other
+        processes' CPU use since its last call, in cores (default OthersCpu(); None from it
+        is ignored)."""
         self.threads = threads
         self.candidates = sorted({1, max_threads or torch.get_num_threads()})
         self.explore_every, self.trial_steps = explore_every, trial_steps
