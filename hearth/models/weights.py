@@ -18,12 +18,18 @@ On one rank a tied LM head copies the decoded embedding rather than decoding it 
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
 from hearth.ops.cpu_kernels import single_threaded
 from hearth.ops.parallel import SINGLE, ParallelGroup
+
+
+LOAD_THREADS = 2  # Python threads decoding tensors at a load (see load_weights)
 
 
 def _vocab_shard(checkpoint, name: str, rank: int, size: int, shard: int) -> torch.Tensor:
@@ -115,32 +121,33 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
     def fill(param: torch.nn.Parameter, name: str, shard_dim: int | None = None) -> None:
         checkpoint.read_into(param.data, *part(name, shard_dim))
 
-    names = set(checkpoint.tensor_names())
-    head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
-                 else "model.embed_tokens.weight")
-    if size == 1:
-        if model.embed_tokens is not None:
-            fill(model.embed_tokens.weight, "model.embed_tokens.weight")
-        if model.lm_head is not None:
-            if head_name == "model.embed_tokens.weight" and model.embed_tokens is not None:
-                # tied: decoded once. A copy, not a shared parameter: a format may rewrite the
-                # head's float weight (hearth/models/quant.py) and must not touch the embedding.
-                recorder.read.add(head_name)
-                model.lm_head.weight.data.copy_(model.embed_tokens.weight.data)
-            else:
-                fill(model.lm_head.weight, head_name)
-    else:
-        if model.embed_tokens is not None:
-            emb = model.embed_tokens
-            _copy(emb.weight, _vocab_shard(checkpoint, "model.embed_tokens.weight", rank, size,
-                                           emb.shard), "model.embed_tokens.weight")
-        if model.lm_head is not None:
-            _copy(model.lm_head.weight, _vocab_shard(checkpoint, head_name, rank, size,
-                                                     model.lm_head.shard), head_name)
-    if model.norm is not None:
-        fill(model.norm.weight, "model.norm.weight")
+    def load_ends() -> None:
+        names = set(checkpoint.tensor_names())
+        head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
+                     else "model.embed_tokens.weight")
+        if size == 1:
+            if model.embed_tokens is not None:
+                fill(model.embed_tokens.weight, "model.embed_tokens.weight")
+            if model.lm_head is not None:
+                if head_name == "model.embed_tokens.weight" and model.embed_tokens is not None:
+                    # tied: decoded once. A copy, not a shared parameter: a format may rewrite the
+                    # head's float weight (hearth/models/quant.py) and must not touch the embedding.
+                    recorder.read.add(head_name)
+                    model.lm_head.weight.data.copy_(model.embed_tokens.weight.data)
+                else:
+                    fill(model.lm_head.weight, head_name)
+        else:
+            if model.embed_tokens is not None:
+                emb = model.embed_tokens
+                _copy(emb.weight, _vocab_shard(checkpoint, "model.embed_tokens.weight", rank, size,
+                                               emb.shard), "model.embed_tokens.weight")
+            if model.lm_head is not None:
+                _copy(model.lm_head.weight, _vocab_shard(checkpoint, head_name, rank, size,
+                                                         model.lm_head.shard), head_name)
+        if model.norm is not None:
+            fill(model.norm.weight, "model.norm.weight")
 
-    for local, layer in enumerate(model.layers):
+    def load_layer(local: int, layer) -> None:
         p = f"model.layers.{model.layer_start + local}."
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, kv_rows, inter = attn.q_size, attn.kv_size, mlp.gate_up_proj.weight.shape[0] // 2
@@ -166,6 +173,21 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
             fill(mlp.down_proj.bias, p + "mlp.down_proj.bias")
         fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
         fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+
+    # Independent tasks (the embeddings, head and final norm; each decoder layer) on up to two
+    # Python threads, each running torch on one thread (single_threaded in build_model): a
+    # thread preempted by the HTTP process delays only its own task, while the other takes
+    # the rest, so there is no barrier to stall on.
+    tasks = [load_ends] + [lambda i=i, layer=layer: load_layer(i, layer)
+                           for i, layer in enumerate(model.layers)]
+    workers = min(LOAD_THREADS, len(tasks), os.cpu_count() or 1)
+    if workers <= 1:
+        for task in tasks:
+            task()
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="hearth-load") as pool:
+            for future in [pool.submit(task) for task in tasks]:
+                future.result()
     _check_all_read(model, recorder)
 
 
