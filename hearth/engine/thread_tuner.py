@@ -204,8 +204,10 @@ class ThreadTuner:
         by_size = self._samples.setdefault(threads, {})
         samples = by_size.setdefault(max(1, num_tokens), deque(maxlen=self._window))
         # A step far slower than this count's recent ones at its size (a neighbour may have
-        # started): read the load at the next step instead of up to LOAD_CHECK_EVERY steps on.
-        self._slow_step = bool(samples) and seconds > SLOW_STEP * statistics.median(samples)
+        # started): read the load at the next step outside a round instead of up to
+        # LOAD_CHECK_EVERY steps on. Kept until read (a round's steps do not clear it).
+        if samples and seconds > SLOW_STEP * statistics.median(samples):
+            self._slow_step = True
         samples.append(seconds)
 
     def contended(self) -> bool:
