@@ -26,6 +26,7 @@ from hearth.engine.runner import DTYPES, ModelRunner
 from hearth.models.arch import ModelArch
 from hearth.models.quant import QUANTIZATIONS, quantize_model
 from hearth.models.weights import build_model
+from hearth.ops import host_memory
 from hearth.ops.cpu_kernels import CpuKernels, load_cpu_kernels
 from hearth.ops.distributed import RankFailedError
 
@@ -107,6 +108,8 @@ def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
     """The single-process model for `formats`, what `resolve_formats` decided."""
     mc, pc = config.model, config.parallel
     dtype, kv_dtype, quantization, kernels = formats
+    if pc.device == "cpu":
+        host_memory.tune_malloc()
     model = build_model(checkpoint, dtype, pc.device)
     if kernels is not None:
         model.use_kernels(kernels)

@@ -12,6 +12,7 @@ import torch
 from hearth.engine.sampler import RowSampler
 from hearth.engine.step import SampleResult, StepCommand, sample_row_positions
 from hearth.engine.thread_tuner import ThreadTuner
+from hearth.ops import host_memory
 from hearth.ops.attention import build_attention_metadata
 
 
@@ -39,6 +40,8 @@ class ModelRunner:
         alloc = torch.empty if kernels is not None else torch.zeros
         self.kv_cache = alloc(len(model.layers), 2, num_blocks, block_size, num_kv_heads,
                               arch.head_dim, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":  # first touch off the request path (host_memory.py)
+            host_memory.prefault(self.kv_cache)
         self.sampler = RowSampler(seed, self.vocab_size)
         self.num_micro_batches = 1  # micro-batches only pay off with pipeline stages
         # The kernels' thread count for decode-like steps, chosen by measurement (thread_tuner.py).
