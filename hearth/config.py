@@ -43,6 +43,9 @@ class ModelConfig:
     # auto (gguf for a GGUF file when the CPU kernels run here, else none).
     quantization: str = "auto"
     cpu_kernels: str = "auto"  # auto (best build that runs here) | avx512 | avx2 | off
+    # Compute dtype of many-row GEMMs (prefill chunks, large batches) of a float32 model:
+    # float32 (exact) | bfloat16 | auto (bfloat16 where the CPU runs AMX tiles, else float32).
+    prefill_dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's own context length
     served_model_name: str | None = None
     tokenizer: str | None = None  # override: folder with tokenizer.json

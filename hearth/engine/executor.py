@@ -24,6 +24,7 @@ from hearth.config import CacheConfig, EngineConfig, ParallelConfig
 from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank
 from hearth.engine.runner import DTYPES, ModelRunner
 from hearth.models.arch import ModelArch
+from hearth.models.layers import use_lowp_prefill
 from hearth.models.quant import QUANTIZATIONS, quantize_model
 from hearth.models.weights import build_model
 from hearth.ops import host_memory
@@ -81,6 +82,38 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     return dtype, kv_dtype, quantization, kernels
 
 
+PREFILL_DTYPES = ("float32", "bfloat16", "auto")
+
+
+def amx_usable() -> bool:
+    """Whether this process may run AMX tiles (the kernel grants the tile state; a CPU that
+    lists amx_* in /proc/cpuinfo inside a VM that does not pass it through says no here)."""
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    try:
+        return bool(init and init())
+    except RuntimeError:
+        return False
+
+
+def resolve_prefill_dtype(config: EngineConfig) -> torch.dtype:
+    """The compute dtype of many-row GEMMs: the model dtype, or bfloat16 for a float32 model
+    with --prefill-dtype bfloat16 (or auto where AMX runs)."""
+    mc, pc = config.model, config.parallel
+    if mc.prefill_dtype not in PREFILL_DTYPES:
+        raise ValueError(f"prefill_dtype: unsupported {mc.prefill_dtype!r}; "
+                         f"choose from {', '.join(PREFILL_DTYPES)}")
+    dtype = DTYPES.get(mc.dtype, torch.float32)
+    if dtype != torch.float32 or mc.prefill_dtype == "float32":
+        return dtype
+    if mc.prefill_dtype == "auto":
+        return (torch.bfloat16 if pc.world_size == 1 and pc.device == "cpu" and amx_usable()
+                else dtype)
+    if pc.world_size != 1:
+        raise ValueError("prefill_dtype bfloat16 is not yet supported with tensor/pipeline "
+                         "parallelism")
+    return torch.bfloat16
+
+
 @dataclass(frozen=True)
 class BuiltModel:
     """A single-process model with its weights loaded and, where the format asks, the CPU
@@ -88,13 +121,15 @@ class BuiltModel:
 
     model: torch.nn.Module
     checkpoint: object  # the Checkpoint it was built from
-    formats: tuple[torch.dtype, str, str | None, str]  # dtype, quantization, kernels, device
+    # dtype, quantization, kernels, device, prefill dtype
+    formats: tuple[torch.dtype, str, str | None, str, torch.dtype]
     kernels: CpuKernels | None  # the build the model calls (its runner tunes their threads)
 
 
 def _formats(config: EngineConfig, dtype: torch.dtype, quantization: str,
-             kernels: CpuKernels | None) -> tuple[torch.dtype, str, str | None, str]:
-    return dtype, quantization, kernels.variant if kernels else None, config.parallel.device
+             kernels: CpuKernels | None) -> tuple[torch.dtype, str, str | None, str, torch.dtype]:
+    return (dtype, quantization, kernels.variant if kernels else None, config.parallel.device,
+            resolve_prefill_dtype(config))
 
 
 def build_model_for(config: EngineConfig, checkpoint) -> BuiltModel:
@@ -115,9 +150,15 @@ def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
         model.use_kernels(kernels)
         quantize_model(model, checkpoint, quantization, kernels)
         model.enable_fused_decode()
-    log.info("formats: weights %s (decode: %s), KV cache %s, CPU kernels %s", mc.dtype,
-             quantization, str(kv_dtype).removeprefix("torch."),
-             kernels.variant if kernels else "off")
+    prefill_dtype = resolve_prefill_dtype(config)
+    if prefill_dtype != dtype:
+        use_lowp_prefill(model, prefill_dtype)
+        if not amx_usable():
+            log.warning("prefill dtype %s without AMX: likely slower than float32",
+                        str(prefill_dtype).removeprefix("torch."))
+    log.info("formats: weights %s (decode: %s, prefill: %s), KV cache %s, CPU kernels %s",
+             mc.dtype, quantization, str(prefill_dtype).removeprefix("torch."),
+             str(kv_dtype).removeprefix("torch."), kernels.variant if kernels else "off")
     return BuiltModel(model, checkpoint, _formats(config, dtype, quantization, kernels), kernels)
 
 
@@ -127,6 +168,7 @@ def make_executor(config: EngineConfig, checkpoint, prebuilt: BuiltModel | None 
     pc = config.parallel
     formats = resolve_formats(config, checkpoint)
     dtype, kv_dtype, quantization, kernels = formats
+    resolve_prefill_dtype(config)  # a bad or unsupported choice fails before anything is built
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size)
     num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, kv_dtype)
     if pc.world_size == 1:

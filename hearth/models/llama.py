@@ -44,6 +44,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.kernels = None  # CpuKernels, set by `use_kernels`
+        self.prefill_lowp_dtype = None  # --prefill-dtype bfloat16: fresh prompts attend in it
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -57,12 +58,13 @@ class LlamaAttention(nn.Module):
                                            kv_cache[0], kv_cache[1], meta.slot_mapping,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
             o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                self.kernels, kv_written=True)
+                                self.kernels, kv_written=True, lowp_dtype=self.prefill_lowp_dtype)
             return self.o_proj(o.reshape(-1, self.q_size))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels,
+                            lowp_dtype=self.prefill_lowp_dtype)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

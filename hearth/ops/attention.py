@@ -124,6 +124,11 @@ def build_attention_metadata(
     )
 
 
+# A fresh prompt chunk longer than this attends in the low-precision prefill dtype, if any (as
+# hearth.models.layers.QLINEAR_MAX_ROWS: shorter steps stay on the exact float32 path).
+LOWP_MIN_ROWS = 32
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows ([num_tokens, num_kv_heads, head_dim]) into the cache."""
@@ -142,6 +147,7 @@ def paged_attention(
     scale: float,
     kernels=None,  # CpuKernels: short queries attend over the cache in place (no gather)
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
+    lowp_dtype: torch.dtype | None = None,  # a fresh prompt chunk of > LOWP_MIN_ROWS attends in it
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
     The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read, and
@@ -162,6 +168,16 @@ def paged_attention(
                                             meta.prefill_context_lens, meta.prefill_block_tables):
         if use_kernel and q_len <= meta.short_max:
             continue  # the kernel below does it
+        if lowp_dtype is not None and ctx_len == q_len and q_len > LOWP_MIN_ROWS:
+            # --prefill-dtype bfloat16: torch's flash kernel in bf16 (AMX tiles where the CPU
+            # has them; ~2x the fp32 kernel on a 2k prompt), over this step's own K/V.
+            qi = q[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
+            ki = k[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
+            vi = v[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            out[start : start + q_len] = o[0].transpose(0, 1)
+            continue
         if prefill_kernel:  # the chunk over the cache in place, this step's K/V included
             out[start : start + q_len] = kernels.ops.prefill_attention(
                 q[start : start + q_len], k_cache, v_cache, table, ctx_len, scale,

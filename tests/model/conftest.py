@@ -32,7 +32,7 @@ class Models:
         if config.parallel.world_size != 1:
             return None
         mc = config.model
-        key = (mc.dtype, mc.quantization, mc.cpu_kernels, config.parallel.device)
+        key = (mc.dtype, mc.quantization, mc.cpu_kernels, config.parallel.device, mc.prefill_dtype)
         if key not in self._built:
             self._built[key] = build_model_for(config, self.checkpoint)
         return self._built[key]

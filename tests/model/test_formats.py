@@ -104,3 +104,35 @@ def test_format_agrees_with_fp32(models, reference, fmt, min_top1, max_kl):
     top1, kl = torch.cat(agree).mean().item(), torch.cat(kls).mean().item()
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
+
+
+def one_chunk_logits(runner, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """The same positions' logits as `teacher_forced_logits`, from one prefill chunk over every
+    token (the path --prefill-dtype changes). [len(tokens) - prompt_len + 1, vocab]"""
+    table = list(range(-(-len(tokens) // BLOCK)))
+    meta = build_attention_metadata([len(tokens)], [len(tokens)], [table], BLOCK)
+    with torch.inference_mode():
+        hidden, _ = runner.model(torch.tensor(tokens), torch.arange(len(tokens)), meta,
+                                 runner.kv_cache)
+        return runner.model.compute_logits(hidden[prompt_len - 1:])
+
+
+@pytest.mark.parametrize("fmt, min_top1, max_kl", [
+    # measured here (2026-12-02, AMX): 1.0 / 3.6e-9 (float32), 1.0 / 2.5e-4 (bfloat16)
+    ({"prefill_dtype": "float32"}, 1.0, 1e-6),
+    ({"prefill_dtype": "bfloat16"}, 0.97, 5e-3),
+])
+def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl):
+    runner = make_runner(models, **fmt)
+    assert runner.model.layers[0].self_attn.prefill_lowp_dtype == (
+        torch.bfloat16 if fmt["prefill_dtype"] == "bfloat16" else None)
+    agree, kls = [], []
+    for tokens, prompt_len, ref_logits in reference:
+        assert len(tokens) > 32  # a many-row step: the bf16 GEMMs and attention apply
+        logits = one_chunk_logits(runner, tokens, prompt_len)
+        agree.append((logits.argmax(-1) == ref_logits.argmax(-1)).float())
+        ref_logp, logp = ref_logits.log_softmax(-1), logits.log_softmax(-1)
+        kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1))
+    top1, kl = torch.cat(agree).mean().item(), torch.cat(kls).mean().item()
+    print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
+    assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)

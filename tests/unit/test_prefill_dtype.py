@@ -1,0 +1,77 @@
+"""--prefill-dtype: which steps run in bfloat16, how the choice resolves, and that the bf16
+attention of a fresh prompt computes the same attention (to bf16 precision)."""
+
+import pytest
+import torch
+
+from hearth.config import EngineConfig, ModelConfig, ParallelConfig
+from hearth.engine import executor
+from hearth.models.layers import QLINEAR_MAX_ROWS, ColumnParallelLinear, use_lowp_prefill
+from hearth.ops.attention import LOWP_MIN_ROWS, build_attention_metadata, paged_attention
+from hearth.ops.parallel import ParallelGroup
+
+
+def config(choice: str, **parallel) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(prefill_dtype=choice), parallel=ParallelConfig(**parallel))
+
+
+def test_choices_resolve(monkeypatch):
+    assert executor.resolve_prefill_dtype(config("float32")) == torch.float32
+    assert executor.resolve_prefill_dtype(config("bfloat16")) == torch.bfloat16
+    monkeypatch.setattr(executor, "amx_usable", lambda: True)
+    assert executor.resolve_prefill_dtype(config("auto")) == torch.bfloat16
+    monkeypatch.setattr(executor, "amx_usable", lambda: False)
+    assert executor.resolve_prefill_dtype(config("auto")) == torch.float32
+
+
+def test_bad_and_unsupported_choices_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="prefill_dtype: unsupported 'fp8'"):
+        executor.resolve_prefill_dtype(config("fp8"))
+    with pytest.raises(ValueError, match="tensor/pipeline"):
+        executor.resolve_prefill_dtype(config("bfloat16", tensor_parallel_size=2))
+    monkeypatch.setattr(executor, "amx_usable", lambda: True)  # auto falls back, never refuses
+    assert executor.resolve_prefill_dtype(config("auto", tensor_parallel_size=2)) == torch.float32
+    bf16_model = EngineConfig(model=ModelConfig(dtype="bfloat16", prefill_dtype="auto"))
+    assert executor.resolve_prefill_dtype(bf16_model) == torch.bfloat16  # the model's own
+
+
+def test_only_many_row_steps_use_the_bf16_copy():
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 96, True, ParallelGroup())
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = layer
+
+    assert use_lowp_prefill(Holder(), torch.bfloat16) == 1
+    few = torch.randn(QLINEAR_MAX_ROWS, 64)
+    assert torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))
+    many = torch.randn(QLINEAR_MAX_ROWS + 1, 64)
+    out = layer(many)
+    exact = torch.nn.functional.linear(many, layer.weight, layer.bias)
+    lowp = torch.nn.functional.linear(many.bfloat16(), layer.weight_lowp).float() + layer.bias
+    assert out.dtype == torch.float32
+    assert torch.equal(out, lowp)
+    assert not torch.equal(out, exact)  # it really took the bf16 path
+    torch.testing.assert_close(out, exact, rtol=0.05, atol=0.3)
+
+
+@pytest.mark.parametrize("q_len", [LOWP_MIN_ROWS + 1, 200])
+def test_bf16_attention_of_a_fresh_prompt_is_close_to_fp32(q_len):
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block = 6, 2, 32, 16
+    q, k, v = (torch.randn(q_len, h, dim) for h in (heads, kv_heads, kv_heads))
+    blocks = -(-q_len // block)
+    meta = build_attention_metadata([q_len], [q_len], [list(range(blocks))], block)
+
+    def run(lowp):
+        cache = [torch.zeros(blocks, block, kv_heads, dim) for _ in range(2)]
+        return paged_attention(q, k, v, cache[0], cache[1], meta, dim ** -0.5, lowp_dtype=lowp)
+
+    exact, lowp = run(None), run(torch.bfloat16)
+    assert lowp.dtype == torch.float32
+    assert not torch.equal(exact, lowp)
+    torch.testing.assert_close(lowp, exact, rtol=0.05, atol=0.03)
