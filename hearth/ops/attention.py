@@ -168,15 +168,21 @@ def paged_attention(
                                             meta.prefill_context_lens, meta.prefill_block_tables):
         if use_kernel and q_len <= meta.short_max:
             continue  # the kernel below does it
-        if lowp_dtype is not None and ctx_len == q_len and q_len > LOWP_MIN_ROWS:
+        if lowp_dtype is not None and q_len > LOWP_MIN_ROWS and q.device.type == "cpu":
             # --prefill-dtype bfloat16: torch's flash kernel in bf16 (AMX tiles where the CPU
-            # has them; ~2x the fp32 kernel on a 2k prompt), over this step's own K/V.
-            qi = q[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
-            ki = k[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
-            vi = v[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
-                                               enable_gqa=True)
-            out[start : start + q_len] = o[0].transpose(0, 1)
+            # has them; ~2x hearth's fp32 kernel on a 2k prompt).
+            qi = q[start : start + q_len].transpose(0, 1).to(lowp_dtype)  # [H, q, D]
+            if ctx_len == q_len:  # a fresh prompt: this step's own K/V
+                ki = k[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
+                vi = v[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
+                o = F.scaled_dot_product_attention(qi[None], ki, vi, is_causal=True,
+                                                   scale=scale, enable_gqa=True)[0]
+            else:  # a later chunk: the cached prefix and its own keys (already written)
+                ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(lowp_dtype)
+                vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(lowp_dtype)
+                o = _prefix_chunk_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1),
+                                            ctx_len - q_len, scale)
+            out[start : start + q_len] = o.transpose(0, 1)
             continue
         if prefill_kernel:  # the chunk over the cache in place, this step's K/V included
             out[start : start + q_len] = kernels.ops.prefill_attention(
@@ -247,6 +253,7 @@ def _prefix_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
         k2, v2 = k2.repeat_interleave(group, 0), v2.repeat_interleave(group, 0)
     o2, lse2 = flash(q[None], k2[None], v2[None], is_causal=True, scale=scale)
     o2, lse2 = o2[0], lse2[0]
+    o1, o2, lse1, lse2 = o1.float(), o2.float(), lse1.float(), lse2.float()  # bf16 inputs
     lse = torch.logaddexp(lse1, lse2)
     return o1 * (lse1 - lse).exp_()[..., None] + o2 * (lse2 - lse).exp_()[..., None]
 

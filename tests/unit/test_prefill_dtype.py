@@ -75,3 +75,28 @@ def test_bf16_attention_of_a_fresh_prompt_is_close_to_fp32(q_len):
     assert lowp.dtype == torch.float32
     assert not torch.equal(exact, lowp)
     torch.testing.assert_close(lowp, exact, rtol=0.05, atol=0.03)
+
+
+def test_bf16_attention_of_a_chunk_after_a_cached_prefix_is_close_to_fp32():
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block, prefix, q_len = 6, 2, 32, 16, 70, 50
+    ctx = prefix + q_len
+    q, k, v = (torch.randn(ctx, h, dim) for h in (heads, kv_heads, kv_heads))
+    blocks = -(-ctx // block)
+    first = build_attention_metadata([prefix], [prefix], [list(range(blocks))], block)
+    chunk = build_attention_metadata([q_len], [ctx], [list(range(blocks))], block)
+
+    def run(lowp):
+        cache = [torch.zeros(blocks, block, kv_heads, dim) for _ in range(2)]
+        paged_attention(q[:prefix], k[:prefix], v[:prefix], cache[0], cache[1], first,
+                        dim ** -0.5)
+        return paged_attention(q[prefix:], k[prefix:], v[prefix:], cache[0], cache[1], chunk,
+                               dim ** -0.5, lowp_dtype=lowp)
+
+    exact, lowp = run(None), run(torch.bfloat16)
+    whole = paged_attention(q, k, v, *(torch.zeros(blocks, block, kv_heads, dim) for _ in range(2)),
+                            build_attention_metadata([ctx], [ctx], [list(range(blocks))], block),
+                            dim ** -0.5)[prefix:]
+    torch.testing.assert_close(exact, whole, rtol=1e-4, atol=1e-5)  # the reference is causal
+    assert lowp.dtype == torch.float32 and not torch.equal(exact, lowp)
+    torch.testing.assert_close(lowp, exact, rtol=0.05, atol=0.03)
