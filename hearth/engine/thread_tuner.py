@@ -38,7 +38,7 @@ differs.
 
 Prefill-sized steps are not measured (their cost per token depends on their shape), but they
 follow the verdict of the largest decode-like steps, or the load rule: while one thread is the
-choice there, a large step runs on one thread, torch's GEMMs included (their barriers are
+choice there by CONTENDED_MARGIN, a large step runs on one thread, torch's GEMMs included (their barriers are
 where a preempted thread stalls everything).
 Engine alone, beside a process spinning on the other core, a 600-token prefill took 1.3-1.45 s
 on one thread against 1.7-1.9 s on two (140 tokens: 0.35 against 0.53-0.74 s); on a quiet
@@ -61,6 +61,10 @@ LOAD_CHANGE = 0.5  # cores' worth of change in it that starts a round
 LOAD_BUSY = 0.9  # cores' worth of it from which only counts that fit the free cores run
 LOAD_MIN_INTERVAL = 0.1  # seconds between two reads of it
 SLOW_STEP = 3.0  # a step this many times its count's median at its size reads the load next
+# Prompt-sized steps go to one thread only where one thread is this many times faster than
+# every other count at the largest decode-like steps measured (a preempted thread's barrier
+# waits cost ~5x and more; a quiet machine's difference at tiny steps is a few tens of percent).
+CONTENDED_MARGIN = 1.5
 
 
 class OthersCpu:
@@ -212,12 +216,22 @@ class ThreadTuner:
 
     def contended(self) -> bool:
         """Whether one thread is currently the choice for the largest decode-like steps
-        (measured faster than all of them there, or the only count the free cores allow)."""
+        (measured CONTENDED_MARGIN times faster than all of them there, or the only count the
+        free cores allow)."""
         if len(self.candidates) < 2:
             return False
         if self._usable() == self.candidates[:1]:  # the load rule, whatever was measured
             return True
-        return self._best(SMALL_STEP_TOKENS) == self.candidates[0]
+        usable = self._usable()
+        size = self._size_for(SMALL_STEP_TOKENS, usable)
+        if size is None:
+            return False
+        cost = {c: statistics.median(self._samples[c][size]) for c in usable}
+        one, rest = cost[self.candidates[0]], min(v for c, v in cost.items()
+                                                  if c != self.candidates[0])
+        # By a clear margin only: on a quiet machine one thread can win a tiny decode step by a
+        # little (no barrier), and a 2k-token prompt then ran on one thread at half speed.
+        return one * CONTENDED_MARGIN <= rest
 
     def run(self, num_tokens: int, fn):
         """Run `fn()` with the chosen count (decode-like steps) and learn from its time."""

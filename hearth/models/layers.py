@@ -25,12 +25,17 @@ from hearth.ops.parallel import ParallelGroup
 # ms through qlinear and 38 / 43 / 49 / 53 / 59 ms through the float GEMM. Verify steps of
 # several decoding requests (1 + k rows each) and small chunks beside decodes land in 17-32.
 QLINEAR_MAX_ROWS = 32
+# With --prefill-dtype bfloat16, steps of more rows than this multiply through the bf16 weight
+# copy. On an AMX Xeon (2026-12-02) the 120 linears took, qlinear against bf16 GEMM, 9.2 / 18.2
+# ms at 8 rows, 17.0 / 17.3 at 16, 25.5 / 18.2 at 24, 33.7 / 20.7 at 32 (32 streams decoding).
+LOWP_MIN_ROWS = 16
 
 
 class QuantizedWeight:
     """Mixin for linear layers: an optional ggml-block copy of `weight` for few-row steps, and an
-    optional bfloat16 copy for many-row steps (`--prefill-dtype bfloat16`: AMX tiles make a bf16
-    GEMM ~15x faster than fp32 on CPUs that have them; the output is widened back to fp32)."""
+    optional bfloat16 copy for steps of more than LOWP_MIN_ROWS rows (`--prefill-dtype
+    bfloat16`: AMX tiles make a bf16 GEMM ~15x faster than fp32 on CPUs that have them; the
+    output is widened back to fp32)."""
 
     qweight = None  # hearth.ops.cpu_kernels.PackedWeight
     kernels = None
@@ -43,14 +48,14 @@ class QuantizedWeight:
         self.weight_lowp = self.weight.detach().to(dtype).contiguous()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= QLINEAR_MAX_ROWS or x.dtype != torch.float32:
-            if self.qweight is not None and x.dtype == torch.float32:
-                out = self.kernels.qlinear(x, self.qweight)
-                return out if bias is None else out + bias
-        elif self.weight_lowp is not None:
+        rows, fp32 = x.shape[0], x.dtype == torch.float32
+        if self.weight_lowp is not None and fp32 and rows > LOWP_MIN_ROWS:
             out = F.linear(x.to(self.weight_lowp.dtype), self.weight_lowp).float()
-            return out if bias is None else out + bias
-        return F.linear(x, self.weight, bias)
+        elif self.qweight is not None and fp32 and rows <= QLINEAR_MAX_ROWS:
+            out = self.kernels.qlinear(x, self.qweight)
+        else:
+            return F.linear(x, self.weight, bias)
+        return out if bias is None else out + bias
 
 
 def use_lowp_prefill(model: nn.Module, dtype: torch.dtype) -> int:

@@ -6,7 +6,8 @@ import torch
 
 from hearth.config import EngineConfig, ModelConfig, ParallelConfig
 from hearth.engine import executor
-from hearth.models.layers import QLINEAR_MAX_ROWS, ColumnParallelLinear, use_lowp_prefill
+from hearth.models.layers import LOWP_MIN_ROWS as GEMM_MIN_ROWS
+from hearth.models.layers import ColumnParallelLinear, use_lowp_prefill
 from hearth.ops.attention import LOWP_MIN_ROWS, build_attention_metadata, paged_attention
 from hearth.ops.parallel import ParallelGroup
 
@@ -47,9 +48,9 @@ def test_only_many_row_steps_use_the_bf16_copy():
             self.proj = layer
 
     assert use_lowp_prefill(Holder(), torch.bfloat16) == 1
-    few = torch.randn(QLINEAR_MAX_ROWS, 64)
+    few = torch.randn(GEMM_MIN_ROWS, 64)
     assert torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))
-    many = torch.randn(QLINEAR_MAX_ROWS + 1, 64)
+    many = torch.randn(GEMM_MIN_ROWS + 1, 64)
     out = layer(many)
     exact = torch.nn.functional.linear(many, layer.weight, layer.bias)
     lowp = torch.nn.functional.linear(many.bfloat16(), layer.weight_lowp).float() + layer.bias

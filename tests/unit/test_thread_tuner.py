@@ -236,3 +236,23 @@ def test_the_first_load_reading_spans_the_start_up_and_rules_nothing_out():
     seen = []
     tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append(threads.count))
     assert seen == [2] and not tuner.contended()
+
+
+def test_a_small_win_of_one_thread_at_tiny_steps_leaves_prompts_on_every_thread():
+    """On a fast quiet machine one thread won 1-token decode steps by a little (no barrier); the
+    2k-token prompts behind `hearth serve` then ran on one thread at half speed (2026-12-02)."""
+    clock, threads = FakeClock(), KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=1000, trial_steps=1, clock=clock,
+                        others_cpu=quiet)
+    saved = torch.get_num_threads()
+    seen = []
+    for _ in range(4):
+        tuner.run(1, make_step(clock, threads, {1: 0.0040, 2: 0.0045}))
+    assert tuner._best(1) == 1  # decode steps still take the faster count
+    assert not tuner.contended()
+    tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append((threads.count, torch.get_num_threads())))
+    assert seen == [(2, saved)]
+    for _ in range(4):  # a preempted second thread: a clear margin, and prompts follow it
+        tuner.record(1, 1, 0.004)
+        tuner.record(2, 1, 0.020)
+    assert tuner.contended()
