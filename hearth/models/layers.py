@@ -60,8 +60,8 @@ class QuantizedWeight:
 
 def use_lowp_prefill(model: nn.Module, dtype: torch.dtype) -> int:
     """Many-row steps of `model` in `dtype`: every linear layer gets a `dtype` copy of its
-    weight, and attention modules that offer it (`prefill_lowp_dtype`) attend a fresh prompt
-    chunk in `dtype`. Returns how many linear layers got a copy."""
+    weight, and attention modules that offer it (`prefill_lowp_dtype`) attend prompt chunks in
+    `dtype`. Returns how many linear layers got a copy."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
     for m in layers:
         m.set_lowp_weight(dtype)

@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.kernels = None  # CpuKernels, set by `use_kernels`
-        self.prefill_lowp_dtype = None  # --prefill-dtype bfloat16: fresh prompts attend in it
+        self.prefill_lowp_dtype = None  # --prefill-dtype bfloat16: prompt chunks attend in it
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)

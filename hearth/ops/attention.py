@@ -124,8 +124,8 @@ def build_attention_metadata(
     )
 
 
-# A fresh prompt chunk longer than this attends in the low-precision prefill dtype, if any (as
-# hearth.models.layers.QLINEAR_MAX_ROWS: shorter steps stay on the exact float32 path).
+# A prompt chunk longer than this (fresh, or after a cached prefix) attends in the low-precision
+# prefill dtype, if any (--prefill-dtype); shorter chunks stay on the exact float32 path.
 LOWP_MIN_ROWS = 32
 
 
@@ -147,7 +147,7 @@ def paged_attention(
     scale: float,
     kernels=None,  # CpuKernels: short queries attend over the cache in place (no gather)
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
-    lowp_dtype: torch.dtype | None = None,  # a fresh prompt chunk of > LOWP_MIN_ROWS attends in it
+    lowp_dtype: torch.dtype | None = None,  # a prompt chunk of > LOWP_MIN_ROWS attends in it
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
     The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read, and
