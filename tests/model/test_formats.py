@@ -95,15 +95,21 @@ def reference(models):
 ])
 def test_format_agrees_with_fp32(models, reference, fmt, min_top1, max_kl):
     runner = make_runner(models, **fmt)
+    top1, kl = agreement(reference, lambda tokens, n: teacher_forced_logits(runner, tokens, n))
+    print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
+    assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
+
+
+def agreement(reference, logits_of) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(fp32 || format)) over the reference positions; `logits_of(tokens,
+    prompt_len)` gives the format's logits at the same positions."""
     agree, kls = [], []
     for tokens, prompt_len, ref_logits in reference:
-        logits = teacher_forced_logits(runner, tokens, prompt_len)
+        logits = logits_of(tokens, prompt_len)
         agree.append((logits.argmax(-1) == ref_logits.argmax(-1)).float())
         ref_logp, logp = ref_logits.log_softmax(-1), logits.log_softmax(-1)
         kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1))
-    top1, kl = torch.cat(agree).mean().item(), torch.cat(kls).mean().item()
-    print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
-    assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
+    return torch.cat(agree).mean().item(), torch.cat(kls).mean().item()
 
 
 def one_chunk_logits(runner, tokens: list[int], prompt_len: int) -> torch.Tensor:
@@ -126,13 +132,7 @@ def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl
     runner = make_runner(models, **fmt)
     assert runner.model.layers[0].self_attn.prefill_lowp_dtype == (
         torch.bfloat16 if fmt["prefill_dtype"] == "bfloat16" else None)
-    agree, kls = [], []
-    for tokens, prompt_len, ref_logits in reference:
-        assert len(tokens) > 32  # a many-row step: the bf16 GEMMs and attention apply
-        logits = one_chunk_logits(runner, tokens, prompt_len)
-        agree.append((logits.argmax(-1) == ref_logits.argmax(-1)).float())
-        ref_logp, logp = ref_logits.log_softmax(-1), logits.log_softmax(-1)
-        kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1))
-    top1, kl = torch.cat(agree).mean().item(), torch.cat(kls).mean().item()
+    assert all(len(tokens) > 32 for tokens, _, _ in reference)  # many-row: bf16 GEMMs, attention
+    top1, kl = agreement(reference, lambda tokens, n: one_chunk_logits(runner, tokens, n))
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
