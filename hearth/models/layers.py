@@ -34,8 +34,10 @@ LOWP_MIN_ROWS = 16
 class QuantizedWeight:
     """Mixin for linear layers: an optional ggml-block copy of `weight` for few-row steps, and an
     optional bfloat16 copy for steps of more than LOWP_MIN_ROWS rows (`--prefill-dtype
-    bfloat16`: AMX tiles make a bf16 GEMM ~15x faster than fp32 on CPUs that have them; the
-    output is widened back to fp32)."""
+    bfloat16`: AMX tiles make a bf16 GEMM ~15x faster than fp32 on CPUs that have them).
+    bf16 activations (a many-row step of a model under `use_lowp_prefill`) go through the bf16
+    copy and stay bf16; an fp32 input of many rows (the LM head) is rounded to bf16 and the
+    output widened back to fp32."""
 
     qweight = None  # hearth.ops.cpu_kernels.PackedWeight
     kernels = None
@@ -49,8 +51,12 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows, fp32 = x.shape[0], x.dtype == torch.float32
-        if self.weight_lowp is not None and fp32 and rows > LOWP_MIN_ROWS:
-            out = F.linear(x.to(self.weight_lowp.dtype), self.weight_lowp).float()
+        lowp = self.weight_lowp
+        if lowp is not None and x.dtype == lowp.dtype:  # bf16 activations stay bf16
+            out = F.linear(x, lowp)
+            return out if bias is None else out + bias.to(out.dtype)
+        if lowp is not None and fp32 and rows > LOWP_MIN_ROWS:
+            out = F.linear(x.to(lowp.dtype), lowp).float()
         elif self.qweight is not None and fp32 and rows <= QLINEAR_MAX_ROWS:
             out = self.kernels.qlinear(x, self.qweight)
         else:
@@ -60,15 +66,20 @@ class QuantizedWeight:
 
 def use_lowp_prefill(model: nn.Module, dtype: torch.dtype) -> int:
     """Many-row steps of `model` in `dtype`: every linear layer gets a `dtype` copy of its
-    weight, and attention modules that offer it (`prefill_lowp_dtype`) attend prompt chunks in
-    `dtype`. Returns how many linear layers got a copy."""
+    weight, and a model that offers it (`lowp_dtype`) keeps a step's activations in `dtype`
+    between its GEMMs when the step has more than LOWP_MIN_ROWS rows (the residual stream stays
+    fp32). Returns how many linear layers got a copy."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
     for m in layers:
         m.set_lowp_weight(dtype)
     for m in model.modules():
-        if hasattr(m, "prefill_lowp_dtype"):
-            m.prefill_lowp_dtype = dtype
+        if hasattr(m, "lowp_dtype"):
+            m.lowp_dtype = dtype
     return len(layers)
+
+
+# Activation dtypes the CPU kernels' norms, SiLU-mul and RoPE read and write.
+KERNEL_ACT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -78,21 +89,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernels = None  # CpuKernels: one fused pass instead of six torch ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return self.kernels.ops.rms_norm(x, self.weight, self.eps)
+    def _kernel_ok(self, x: torch.Tensor) -> bool:
+        return (self.kernels is not None and x.dtype in KERNEL_ACT_DTYPES
+                and self.weight.dtype == torch.float32 and x.device.type == "cpu")
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """norm(x) * weight, in `out_dtype` (default: x's dtype)."""
+        out_dtype = out_dtype or x.dtype
+        if self._kernel_ok(x) and out_dtype in KERNEL_ACT_DTYPES:
+            return self.kernels.ops.rms_norm(x, self.weight, self.eps,
+                                             out_dtype == torch.bfloat16)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype)).to(out_dtype)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x); the fused kernel updates `residual` in place."""
-        if (self.kernels is not None and x.dtype == torch.float32 and residual.is_contiguous()
-                and x.device.type == "cpu"):
-            return self.kernels.ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x) in `out_dtype` (default: the residual's), residual + x); the
+        fused kernel updates `residual` in place."""
+        out_dtype = out_dtype or residual.dtype
+        if (self._kernel_ok(x) and residual.dtype == torch.float32 and residual.is_contiguous()
+                and out_dtype in KERNEL_ACT_DTYPES):
+            return self.kernels.ops.add_rms_norm(x, residual, self.weight, self.eps,
+                                                 out_dtype == torch.bfloat16), residual
         residual = residual + x
-        return self(residual), residual
+        return self(residual, out_dtype), residual
 
 
 class ColumnParallelLinear(QuantizedWeight, nn.Module):
@@ -123,7 +145,7 @@ class RowParallelLinear(QuantizedWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.group.all_reduce(self.matmul(x))
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from hearth.models.arch import ModelArch
-from hearth.models.layers import (QLINEAR_MAX_ROWS, ColumnParallelLinear, ParallelLMHead,
-                                  RMSNorm, RotaryEmbedding, RowParallelLinear,
-                                  VocabParallelEmbedding)
+from hearth.models.layers import (KERNEL_ACT_DTYPES, LOWP_MIN_ROWS, QLINEAR_MAX_ROWS,
+                                  ColumnParallelLinear, ParallelLMHead, RMSNorm,
+                                  RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from hearth.ops.attention import AttentionMetadata, paged_attention
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
@@ -44,7 +44,6 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.kernels = None  # CpuKernels, set by `use_kernels`
-        self.prefill_lowp_dtype = None  # --prefill-dtype bfloat16: prompt chunks attend in it
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -58,13 +57,17 @@ class LlamaAttention(nn.Module):
                                            kv_cache[0], kv_cache[1], meta.slot_mapping,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
             o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                self.kernels, kv_written=True, lowp_dtype=self.prefill_lowp_dtype)
+                                self.kernels, kv_written=True)
             return self.o_proj(o.reshape(-1, self.q_size))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels,
-                            lowp_dtype=self.prefill_lowp_dtype)
+        if q.dtype != self.qkv_proj.weight.dtype:  # bf16 activations of an fp32 model
+            dtype = q.dtype  # rotate in fp32, as the kernel does
+            q, k = self.rotary(positions, q.float(), k.float())
+            q, k = q.to(dtype), k.to(dtype)
+        else:
+            q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -80,7 +83,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and gate_up.dtype == torch.float32:
+        if self.kernels is not None and gate_up.dtype in KERNEL_ACT_DTYPES:
             return self.down_proj(self.kernels.ops.silu_mul(gate_up))
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
@@ -113,8 +116,10 @@ class LlamaDecoderLayer(nn.Module):
 
     _fused = None
 
-    def forward(self, x, residual, positions, meta, kv_cache):
-        # The residual stream is carried separately so a pipeline stage can hand both on.
+    def forward(self, x, residual, positions, meta, kv_cache, act_dtype=None):
+        """`act_dtype`: the dtype of the normed activations the linears and attention see (None:
+        the residual's, float32); the residual stream itself stays in its own dtype. The
+        residual is carried separately so a pipeline stage can hand both on."""
         if (self._fused is not None and meta.num_short_tokens == meta.num_tokens
                 and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32):
             op, weights, types, kernels, int8_act = self._fused
@@ -128,11 +133,11 @@ class LlamaDecoderLayer(nn.Module):
                       kernels.decode_split, kernels.threads.count, int8_act,
                       meta.short_query_lens)
         if residual is None:
-            residual, normed = x, self.input_layernorm(x)
+            residual, normed = x, self.input_layernorm(x, act_dtype)
         else:
-            normed, residual = self.input_layernorm.add_forward(x, residual)
+            normed, residual = self.input_layernorm.add_forward(x, residual, act_dtype)
         h = self.self_attn(normed, positions, meta, kv_cache)
-        normed, residual = self.post_attention_layernorm.add_forward(h, residual)
+        normed, residual = self.post_attention_layernorm.add_forward(h, residual, act_dtype)
         return self.mlp(normed), residual
 
 
@@ -154,6 +159,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
         self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
                         if self.is_last else None)
+        # --prefill-dtype bfloat16 (`use_lowp_prefill`): a step of more than LOWP_MIN_ROWS rows
+        # keeps its activations in this dtype between the GEMMs (the residual stays fp32).
+        self.lowp_dtype = None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
@@ -165,8 +173,9 @@ class LlamaForCausalLM(nn.Module):
                 and hidden.shape[0] <= QLINEAR_MAX_ROWS and hidden.dtype == torch.float32):
             hidden, residual = self._decode_layers(hidden, residual, positions, meta, kv_caches)
         else:
+            act_dtype = self.lowp_dtype if hidden.shape[0] > LOWP_MIN_ROWS else None
             for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer(hidden, residual, positions, meta, kv_cache)
+                hidden, residual = layer(hidden, residual, positions, meta, kv_cache, act_dtype)
         if self.is_last:
             return self.norm.add_forward(hidden, residual)[0], None
         return hidden, residual

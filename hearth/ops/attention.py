@@ -124,11 +124,6 @@ def build_attention_metadata(
     )
 
 
-# A prompt chunk longer than this (fresh, or after a cached prefix) attends in the low-precision
-# prefill dtype, if any (--prefill-dtype); shorter chunks stay on the exact float32 path.
-LOWP_MIN_ROWS = 32
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows ([num_tokens, num_kv_heads, head_dim]) into the cache."""
@@ -147,43 +142,29 @@ def paged_attention(
     scale: float,
     kernels=None,  # CpuKernels: short queries attend over the cache in place (no gather)
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
-    lowp_dtype: torch.dtype | None = None,  # a prompt chunk of > LOWP_MIN_ROWS attends in it
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
     The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read, and
     a prompt attending to its own fresh keys rounds them the same way first, so a token's
     attention reads the same K/V whether it was computed now or earlier (prefix hit, recompute
-    after preemption, PD import)."""
+    after preemption, PD import). q may be bfloat16 over a float32 cache (a many-row step of
+    --prefill-dtype bfloat16): prompt chunks then attend in bf16 through torch's flash kernel
+    (AMX tiles where the CPU has them; ~2x hearth's fp32 kernel on a 2k prompt), and the
+    kernel's short queries in fp32, their rows widened and the output rounded back."""
     if not kv_written:
         write_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
-    use_kernel = kernels is not None and q.device.type == "cpu" and q.dtype == torch.float32
+    use_kernel = kernels is not None and q.device.type == "cpu"
     if use_kernel and meta.num_short_tokens == meta.num_tokens:
         # Only short queries in this step: the kernel's output is the whole result.
         return short_query_attention(q, k_cache, v_cache, meta, scale, kernels)
     out = torch.empty_like(q)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    prefill_kernel = use_kernel and kernels.fast_prefill_attention(q.shape[1], num_kv_heads,
-                                                                    head_dim)
+    prefill_kernel = (use_kernel and q.dtype == torch.float32
+                      and kernels.fast_prefill_attention(q.shape[1], num_kv_heads, head_dim))
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
         if use_kernel and q_len <= meta.short_max:
             continue  # the kernel below does it
-        if lowp_dtype is not None and q_len > LOWP_MIN_ROWS and q.device.type == "cpu":
-            # --prefill-dtype bfloat16: torch's flash kernel in bf16 (AMX tiles where the CPU
-            # has them; ~2x hearth's fp32 kernel on a 2k prompt).
-            qi = q[start : start + q_len].transpose(0, 1).to(lowp_dtype)  # [H, q, D]
-            if ctx_len == q_len:  # a fresh prompt: this step's own K/V
-                ki = k[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
-                vi = v[start : start + q_len].transpose(0, 1)[None].to(lowp_dtype)
-                o = F.scaled_dot_product_attention(qi[None], ki, vi, is_causal=True,
-                                                   scale=scale, enable_gqa=True)[0]
-            else:  # a later chunk: the cached prefix and its own keys (already written)
-                ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(lowp_dtype)
-                vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(lowp_dtype)
-                o = _prefix_chunk_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1),
-                                            ctx_len - q_len, scale)
-            out[start : start + q_len] = o.transpose(0, 1)
-            continue
         if prefill_kernel:  # the chunk over the cache in place, this step's K/V included
             out[start : start + q_len] = kernels.ops.prefill_attention(
                 q[start : start + q_len], k_cache, v_cache, table, ctx_len, scale,
@@ -192,7 +173,7 @@ def paged_attention(
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys
             ki, vi = k[start : start + q_len], v[start : start + q_len]
-            if k_cache.dtype != q.dtype:  # as rounded in the cache, like every later read
+            if k_cache.dtype not in (q.dtype, torch.float32):  # as the cache rounds them
                 ki, vi = ki.to(k_cache.dtype).to(q.dtype), vi.to(v_cache.dtype).to(q.dtype)
             mask, causal = None, True
         else:
@@ -259,7 +240,9 @@ def _prefix_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 
 def short_query_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kernels):
-    """The CPU kernel over the step's short-query requests (`q`: their rows, request order)."""
-    return kernels.ops.decode_attention(q, k_cache, v_cache, meta.short_block_table_i32,
-                                        meta.short_context_lens, scale, kernels.decode_split,
-                                        kernels.threads.count, meta.short_query_lens)
+    """The CPU kernel over the step's short-query requests (`q`: their rows, request order); it
+    computes in fp32, so bf16 rows are widened and the output rounded back."""
+    out = kernels.ops.decode_attention(q.float(), k_cache, v_cache, meta.short_block_table_i32,
+                                       meta.short_context_lens, scale, kernels.decode_split,
+                                       kernels.threads.count, meta.short_query_lens)
+    return out.to(q.dtype)

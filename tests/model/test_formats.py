@@ -130,7 +130,7 @@ def one_chunk_logits(runner, tokens: list[int], prompt_len: int) -> torch.Tensor
 ])
 def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl):
     runner = make_runner(models, **fmt)
-    assert runner.model.layers[0].self_attn.prefill_lowp_dtype == (
+    assert runner.model.lowp_dtype == (
         torch.bfloat16 if fmt["prefill_dtype"] == "bfloat16" else None)
     assert all(len(tokens) > 32 for tokens, _, _ in reference)  # many-row: bf16 GEMMs, attention
     top1, kl = agreement(reference, lambda tokens, n: one_chunk_logits(runner, tokens, n))

@@ -171,6 +171,62 @@ def test_rope_write_kv_equals_rotary_then_write(kernels, cache_dtype):
     torch.testing.assert_close(vc, ref_vc)
 
 
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                 (torch.float32, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_norms_and_silu_in_bf16(kernels, x_dtype, out_dtype):
+    """--prefill-dtype bfloat16's activations: fp32 math on widened inputs, outputs rounded to
+    nearest even (exactly torch's .to(bfloat16)); the residual stays fp32."""
+    gen = torch.Generator().manual_seed(3)
+    x, r, w = (torch.randn(9, 72, generator=gen) for _ in range(3))
+    x, w = x.to(x_dtype), w[0]
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = kernels.ops.rms_norm(x, w, 1e-5, out_dtype == torch.bfloat16)
+    assert got.dtype == out_dtype
+    torch.testing.assert_close(got.float(), ref.to(out_dtype).float(), rtol=0, atol=1e-5 if
+                               out_dtype == torch.float32 else 0.02)
+    residual = r.clone()
+    got = kernels.ops.add_rms_norm(x, residual, w, 1e-5, out_dtype == torch.bfloat16)
+    s = r + xf
+    assert residual.dtype == torch.float32 and got.dtype == out_dtype
+    torch.testing.assert_close(residual, s)
+    ref = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got.float(), ref.to(out_dtype).float(), rtol=0.01, atol=1e-5)
+    gu = (torch.randn(5, 2 * 40, generator=gen) * 4).to(x_dtype)
+    got = kernels.ops.silu_mul(gu)
+    ref = F.silu(gu[:, :40].float()) * gu[:, 40:].float()
+    assert got.dtype == x_dtype
+    torch.testing.assert_close(got.float(), ref.to(x_dtype).float(), rtol=0.01, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.ops.silu_mul(gu.half())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_in_bf16(kernels, cache_dtype):
+    """bf16 qkv: rotated in fp32 and stored back rounded; the cache gets k and v exactly as qkv
+    now holds them (widened for an fp32 cache), so a prompt attending to its own fresh keys and
+    a later read of the cache see the same numbers."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, tokens = 3, 1, 64, 5
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    positions, slots = torch.tensor([0, 1, 2, 33, 60]), torch.tensor([3, 9, 0, 14, 7])
+    q, k, v = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    ref_q, ref_k = rope(positions, q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim))
+    kc = torch.zeros(2, 8, kv_heads, dim, dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    kernels.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads,
+                              kv_heads, dim)
+    got_q = qkv[:, : heads * dim].reshape(tokens, heads, dim)
+    got_k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    torch.testing.assert_close(got_q.float(), ref_q.bfloat16().float(), rtol=0, atol=0.02)
+    torch.testing.assert_close(got_k.float(), ref_k.bfloat16().float(), rtol=0, atol=0.02)
+    flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
+    assert torch.equal(flat_k[slots].float(), got_k.float())
+    assert torch.equal(flat_v[slots].float(), v.reshape(tokens, kv_heads, dim))
+
+
 def scattered_block_tables(context_lens, block_size, num_blocks, gen) -> list[list[int]]:
     """One block table per request, over a random permutation of the pool (never adjacent)."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()

@@ -53,9 +53,9 @@ inline float bf16_to_float(uint16_t h) {
 inline uint16_t float_to_bf16(float f) {  // round to nearest even (as torch's .to(bfloat16))
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  // A select, not a branch, so loops over it vectorize; NaN stays a (quiet) NaN.
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
 }
 
 // exp(x) for x <= 0 (softmax after max subtraction) and moderate positive x: 2^n * p(f),
@@ -571,123 +571,181 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tenso
 // ---------------------------------------------------------------------------------------------
 // Elementwise fusions.
 
-void rms_row(const float* x, const float* w, float eps, int64_t D, float* out) {
-  float ss = 0;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t j = 0; j < D; ++j) ss += x[j] * x[j];
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-#pragma omp simd
-  for (int64_t j = 0; j < D; ++j) out[j] = w[j] * (x[j] * r);
+// Activations are float32, or bfloat16 (`--prefill-dtype bfloat16`: many-row steps keep their
+// activations in bf16 between the GEMMs, the residual stream in fp32). Every op below reads and
+// writes either; math is always fp32, bf16 outputs are rounded to nearest even.
+inline float act_load(const float* p, int64_t j) { return p[j]; }
+inline float act_load(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
+inline void act_store(float* p, int64_t j, float v) { p[j] = v; }
+inline void act_store(uint16_t* p, int64_t j, float v) { p[j] = float_to_bf16(v); }
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+void check_act(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || is_bf16(t), what, ": float32 or bfloat16");
 }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32");
+template <typename T>
+T* act_ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+template <typename XT, typename OT>
+void rms_row(const XT* x, const float* w, float eps, int64_t D, OT* out) {
+  float ss = 0;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < D; ++j) {
+    const float v = act_load(x, j);
+    ss += v * v;
+  }
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) act_store(out, j, w[j] * (act_load(x, j) * r));
+}
+
+// Call f with (XT*, OT*) typed for x's and the output's dtypes (float or uint16_t = bf16).
+template <typename F>
+void dispatch_act(const at::Tensor& x, const at::Tensor& out, const F& f) {
+  if (is_bf16(x)) {
+    if (is_bf16(out)) f(act_ptr<uint16_t>(x), act_ptr<uint16_t>(out));
+    else f(act_ptr<uint16_t>(x), act_ptr<float>(out));
+  } else {
+    if (is_bf16(out)) f(act_ptr<float>(x), act_ptr<uint16_t>(out));
+    else f(act_ptr<float>(x), act_ptr<float>(out));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps,
+                    bool bf16_out = false) {
+  check_act(x_in, "rms_norm: x");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "rms_norm: float32 weight");
   const int64_t D = x_in.size(-1);
   at::Tensor x = x_in.reshape({-1, D}).contiguous();
-  at::Tensor out = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rms_row(xp + t * D, wp, static_cast<float>(eps), D, op + t * D);
+  dispatch_act(x, out, [&](auto* xp, auto* op) {
+    at::parallel_for(0, x.size(0), 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        rms_row(xp + t * D, wp, static_cast<float>(eps), D, op + t * D);
+    });
   });
   return out.view(x_in.sizes());
 }
 
-// residual += x (in place); returns rms_norm(residual) * weight.
+// residual += x (in place; x float32 or bfloat16, residual float32); returns
+// rms_norm(residual) * weight, in bfloat16 if bf16_out else float32.
 at::Tensor add_rms_norm(const at::Tensor& x_in, at::Tensor& residual, const at::Tensor& weight,
-                        double eps) {
+                        double eps, bool bf16_out = false) {
   TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == at::kFloat, "add_rms_norm: residual");
+  check_act(x_in, "add_rms_norm: x");
   const int64_t D = residual.size(-1);
   at::Tensor x = x_in.reshape({-1, D}).contiguous();
-  at::Tensor out = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
+  TORCH_CHECK(x.size(0) * D == residual.numel(), "add_rms_norm: x and residual differ in shape");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 64, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* r = rp + t * D;
-      const float* xr = xp + t * D;
+  dispatch_act(x, out, [&](auto* xp, auto* op) {
+    at::parallel_for(0, x.size(0), 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        float* r = rp + t * D;
+        const auto* xr = xp + t * D;
 #pragma omp simd
-      for (int64_t j = 0; j < D; ++j) r[j] = r[j] + xr[j];
-      rms_row(r, wp, static_cast<float>(eps), D, op + t * D);
-    }
+        for (int64_t j = 0; j < D; ++j) r[j] = r[j] + act_load(xr, j);
+        rms_row(r, wp, static_cast<float>(eps), D, op + t * D);
+      }
+    });
   });
   return out.view(residual.sizes());
 }
 
-// [T, 2I] (gate | up) -> [T, I]: silu(gate) * up.
+// [T, 2I] (gate | up) -> [T, I]: silu(gate) * up, in gate_up's dtype.
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   at::Tensor gu = gate_up_in.contiguous();
-  TORCH_CHECK(gu.scalar_type() == at::kFloat, "silu_mul: float32");
+  check_act(gu, "silu_mul");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({T, I}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* g = gp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
+  dispatch_act(gu, out, [&](auto* gp, auto* op) {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const auto* g = gp + t * 2 * I;
+        const auto* u = g + I;
+        auto* o = op + t * I;
 #pragma omp simd
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + fast_exp(-g[j])) * u[j];
-    }
+        for (int64_t j = 0; j < I; ++j) {
+          const float gj = act_load(g, j);
+          act_store(o, j, gj / (1.0f + fast_exp(-gj)) * act_load(u, j));
+        }
+      }
+    });
   });
   return out;
 }
 
-// In place on qkv [T, (H + 2 KVH) * D]: rotate-half RoPE on the q and k heads; then k and v of
-// every token are written to their cache slot (float32 or bfloat16 cache).
+// In place on qkv [T, (H + 2 KVH) * D] (float32 or bfloat16): rotate-half RoPE on the q and k
+// heads (in fp32, stored back in qkv's dtype); then k and v of every token, as qkv now holds
+// them, are written to their cache slot (float32 or bfloat16 cache).
+template <typename AT, typename KV>
+void rope_write_kv_impl(AT* qp, const float* cp, const float* sp, const int64_t* pp,
+                        const int64_t* slp, KV* kc, KV* vc, int64_t T, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t D) {
+  const int64_t half = D / 2, row = (num_heads + 2 * num_kv_heads) * D, kv_row = num_kv_heads * D;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      AT* r = qp + t * row;
+      const float* c = cp + pp[t] * half;
+      const float* s = sp + pp[t] * half;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        AT* x = r + h * D;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = act_load(x, j), x2 = act_load(x, j + half);
+          act_store(x, j, x1 * c[j] - x2 * s[j]);
+          act_store(x, j + half, x2 * c[j] + x1 * s[j]);
+        }
+      }
+      const AT* k = r + num_heads * D;
+      const AT* v = k + kv_row;
+      KV* kd = kc + slp[t] * kv_row;
+      KV* vd = vc + slp[t] * kv_row;
+      if constexpr (std::is_same_v<AT, KV>) {
+        std::memcpy(kd, k, kv_row * sizeof(KV));
+        std::memcpy(vd, v, kv_row * sizeof(KV));
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < kv_row; ++j) {
+          act_store(kd, j, act_load(k, j));
+          act_store(vd, j, act_load(v, j));
+        }
+      }
+    }
+  });
+}
+
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim) {
-  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "rope_write_kv: qkv");
+  TORCH_CHECK(qkv.is_contiguous(), "rope_write_kv: qkv");
+  check_act(qkv, "rope_write_kv: qkv");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_write_kv: cache layout");
-  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || k_cache.scalar_type() == at::kFloat, "rope_write_kv: cache dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+              (is_bf16(k_cache) || k_cache.scalar_type() == at::kFloat), "rope_write_kv: cache dtype");
   at::Tensor pos = positions.to(at::kLong).contiguous();
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  const int64_t T = qkv.size(0), D = head_dim, half = D / 2;
-  const int64_t row = (num_heads + 2 * num_kv_heads) * D, kv_row = num_kv_heads * D;
-  float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* slp = slots.data_ptr<int64_t>();
-  void* kc = k_cache.data_ptr();
-  void* vc = v_cache.data_ptr();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* r = qp + t * row;
-      const float* c = cp + pp[t] * half;
-      const float* s = sp + pp[t] * half;
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-        float* x = r + h * D;
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {
-          const float x1 = x[j], x2 = x[j + half];
-          x[j] = x1 * c[j] - x2 * s[j];
-          x[j + half] = x2 * c[j] + x1 * s[j];
-        }
-      }
-      const float* k = r + num_heads * D;
-      const float* v = k + kv_row;
-      const int64_t dst = slp[t] * kv_row;
-      if (bf16) {
-        uint16_t* kd = static_cast<uint16_t*>(kc) + dst;
-        uint16_t* vd = static_cast<uint16_t*>(vc) + dst;
-        for (int64_t j = 0; j < kv_row; ++j) {
-          kd[j] = float_to_bf16(k[j]);
-          vd[j] = float_to_bf16(v[j]);
-        }
-      } else {
-        std::memcpy(static_cast<float*>(kc) + dst, k, kv_row * sizeof(float));
-        std::memcpy(static_cast<float*>(vc) + dst, v, kv_row * sizeof(float));
-      }
-    }
-  });
+  auto run = [&](auto* qp, auto* kc, auto* vc) {
+    rope_write_kv_impl(qp, cp, sp, pp, slp, kc, vc, qkv.size(0), num_heads, num_kv_heads,
+                       head_dim);
+  };
+  auto with_cache = [&](auto* qp) {
+    if (is_bf16(k_cache)) run(qp, act_ptr<uint16_t>(k_cache), act_ptr<uint16_t>(v_cache));
+    else run(qp, act_ptr<float>(k_cache), act_ptr<float>(v_cache));
+  };
+  if (is_bf16(qkv)) with_cache(act_ptr<uint16_t>(qkv));
+  else with_cache(act_ptr<float>(qkv));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1426,8 +1484,8 @@ TORCH_LIBRARY(hearth, m) {
   m.def("qlinear(Tensor x, Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
         "int in_features, int threads=64, bool int8_act=False) -> Tensor",
         &hearth::qlinear);
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &hearth::rms_norm);
-  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool bf16_out=False) -> Tensor", &hearth::rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps, bool bf16_out=False) -> Tensor",
         &hearth::add_rms_norm);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &hearth::silu_mul);
   m.def("rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
