@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype of prefill chunks and large batches (steps of more than "
                         "16 rows) of a float32 model: bfloat16 runs ~2x faster prefill where the "
                         "CPU has AMX, not exact; auto = bfloat16 where AMX runs (docs/formats.md)")
-    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512vnni", "avx512", "avx2", "off"],
+    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512amx", "avx512vnni", "avx512", "avx2", "off"],
                    help="hearth's compiled CPU kernels (built by make setup)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)

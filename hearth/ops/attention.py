@@ -148,9 +148,10 @@ def paged_attention(
     a prompt attending to its own fresh keys rounds them the same way first, so a token's
     attention reads the same K/V whether it was computed now or earlier (prefix hit, recompute
     after preemption, PD import). q may be bfloat16 over a float32 cache (a many-row step of
-    --prefill-dtype bfloat16): prompt chunks then attend in bf16 through torch's flash kernel
-    (AMX tiles where the CPU has them; ~2x hearth's fp32 kernel on a 2k prompt), and the
-    kernel's short queries in fp32, their rows widened and the output rounded back."""
+    --prefill-dtype bfloat16): prompt chunks then attend in bf16, through hearth's AMX kernel
+    where the avx512amx build runs (head dim 64) and torch's flash kernel elsewhere (~2x
+    hearth's fp32 kernel on a 2k prompt), and the kernel's short queries in fp32, their rows
+    widened and the output rounded back."""
     if not kv_written:
         write_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
     use_kernel = kernels is not None and q.device.type == "cpu"
@@ -161,14 +162,16 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     prefill_kernel = (use_kernel and q.dtype == torch.float32
                       and kernels.fast_prefill_attention(q.shape[1], num_kv_heads, head_dim))
+    amx_kernel = (use_kernel and q.dtype == torch.bfloat16
+                  and kernels.amx_prefill_attention(head_dim))
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
         if use_kernel and q_len <= meta.short_max:
             continue  # the kernel below does it
-        if prefill_kernel:  # the chunk over the cache in place, this step's K/V included
-            out[start : start + q_len] = kernels.ops.prefill_attention(
-                q[start : start + q_len], k_cache, v_cache, table, ctx_len, scale,
-                kernels.threads.count)
+        if prefill_kernel or amx_kernel:  # the chunk over the cache in place, its K/V included
+            op = kernels.ops.amx_prefill_attention if amx_kernel else kernels.ops.prefill_attention
+            out[start : start + q_len] = op(q[start : start + q_len], k_cache, v_cache, table,
+                                            ctx_len, scale, kernels.threads.count)
             continue
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys

@@ -23,11 +23,14 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 BUILD_DIR = Path(__file__).parent / "_build"
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"]
 VARIANTS = {  # best first
+    # + prefill attention on AMX tiles (bf16); its probe runs them, so a CPU or VM that lists
+    # AMX but faults on it (or a kernel that refuses the tile state) marks only this build unusable
+    "avx512amx": [*AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
     "avx512vnni": [*AVX512, "-mavx512vnni"],  # qlinear's int8-activation path on VNNI dot products
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-ISA = {"avx512vnni": 513, "avx512": 512, "avx2": 256}  # what each build's isa() returns
+ISA = {"avx512amx": 514, "avx512vnni": 513, "avx512": 512, "avx2": 256}  # what each build's isa() returns
 PROBE_FILE = BUILD_DIR / "probe.json"
 
 
@@ -88,6 +91,14 @@ r = torch.randn(5, 64, generator=g)
 n = h.add_rms_norm(x, r.clone(), torch.ones(64), 1e-5)
 ref_n = (r + x) * torch.rsqrt((r + x).pow(2).mean(-1, keepdim=True) + 1e-5)
 assert torch.allclose(n, ref_n, atol=1e-5), "add_rms_norm"
+if h.isa() == 514:  # AMX tiles: a prompt of 40 after 8 cached tokens, against a float64 softmax
+    qf, kf, vf = (torch.randn(48, h_, 64, generator=g, dtype=torch.float64) for h_ in (6, 2, 2))
+    kc, vc = kf.float().reshape(3, 16, 2, 64), vf.float().reshape(3, 16, 2, 64)
+    got = h.amx_prefill_attention(qf[8:].bfloat16(), kc, vc, torch.tensor([0, 1, 2]), 48, 0.125, 2)
+    s = torch.einsum("qhd,khd->hqk", qf[8:], kf.repeat_interleave(3, 1)) * 0.125
+    s = s.masked_fill(torch.arange(48)[None, :] > torch.arange(8, 48)[:, None], float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", s.softmax(-1), vf.repeat_interleave(3, 1))
+    assert (got.double() - ref).abs().max() < 0.05, "amx_prefill_attention"
 print("ok")
 """
 

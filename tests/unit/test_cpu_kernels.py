@@ -378,6 +378,86 @@ def test_prefill_attention_rejects_bad_input(kernels):
         op(q, kc, kc.bfloat16(), table, 20, 1.0, 1)
 
 
+def needs_amx(kernels):
+    if not kernels.amx_prefill_attention(64):
+        pytest.skip(f"the {kernels.variant} build has no AMX attention (avx512amx does)")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (10, 2)])
+# fresh prompts of 1, 17 (one query block + 1) and 100 tokens; chunks after a prefix that ends
+# inside a 32-key block and one longer than the chunk; tiny blocks
+@pytest.mark.parametrize("prefix, q_len, block_size", [(0, 1, 16), (0, 17, 16), (0, 100, 16),
+                                                       (40, 77, 16), (63, 33, 16), (300, 20, 4),
+                                                       (17, 3, 8)])
+def test_amx_prefill_attention_equals_masked_softmax(kernels, cache_dtype, heads, kv_heads,
+                                                     prefix, q_len, block_size):
+    """bf16 queries and bf16 probabilities on the tiles, fp32 softmax statistics: within bf16
+    rounding of a float64 softmax over the same (cache-rounded) K/V."""
+    needs_amx(kernels)
+    gen = torch.Generator().manual_seed(prefix + q_len)
+    context_len = prefix + q_len
+    num_blocks = -(-context_len // block_size) + 4
+    kc = torch.randn(num_blocks, block_size, kv_heads, 64, generator=gen).to(cache_dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, 64, generator=gen).to(cache_dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:-(-context_len // block_size)].int()
+    q = torch.randn(q_len, heads, 64, generator=gen).bfloat16()
+    # references over the operands as the kernel rounds them: q and K/V in bf16
+    ref = masked_attention_reference(q.float(), kc.bfloat16().float(), vc.bfloat16().float(),
+                                     table, context_len, 0.125)
+    for threads in (1, 2):
+        got = kernels.ops.amx_prefill_attention(q, kc, vc, table, context_len, 0.125, threads)
+        assert got.dtype == torch.bfloat16 and got.shape == q.shape
+        torch.testing.assert_close(got.float(), ref, rtol=0.02, atol=0.02)
+    # a strided view of q (as the qkv projection hands it over) reads the same rows
+    wide = torch.randn(q_len, heads + 2, 64, generator=gen).bfloat16()
+    wide[:, :heads] = q
+    got = kernels.ops.amx_prefill_attention(wide[:, :heads], kc, vc, table, context_len, 0.125, 2)
+    torch.testing.assert_close(got.float(), ref, rtol=0.02, atol=0.02)
+
+
+def test_amx_prefill_attention_rejects_bad_input(kernels):
+    needs_amx(kernels)
+    kc = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(5, 2, 64, dtype=torch.bfloat16)
+    table = torch.tensor([0, 1], dtype=torch.int32)
+    op = kernels.ops.amx_prefill_attention
+    with pytest.raises(RuntimeError, match="q bfloat16"):
+        op(q.float(), kc, kc, table, 20, 1.0, 1)
+    with pytest.raises(RuntimeError, match="q bfloat16"):
+        op(torch.zeros(5, 2, 32, dtype=torch.bfloat16), kc, kc, table, 20, 1.0, 1)
+    with pytest.raises(RuntimeError, match="outside"):
+        op(q, kc, kc, table, 4, 1.0, 1)  # 5 queries in a 4-token context
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        op(q, kc, kc, table, 33, 1.0, 1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, kc, kc, torch.tensor([0, 4], dtype=torch.int32), 20, 1.0, 1)
+    with pytest.raises(RuntimeError, match="alike"):
+        op(q, kc, kc.bfloat16(), table, 20, 1.0, 1)
+
+
+def test_amx_prefill_attention_through_paged_attention(kernels):
+    """bf16 prompt chunks (a --prefill-dtype bfloat16 step) take the AMX kernel in
+    paged_attention and agree with the torch path (flash kernel in bf16) to bf16 rounding."""
+    needs_amx(kernels)
+    gen = torch.Generator().manual_seed(5)
+    block_size, heads, kv_heads = 16, 9, 3
+    query_lens, context_lens = [70, 1, 45], [70, 30, 45 + 50]
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 2
+    kc = torch.randn(num_blocks, block_size, kv_heads, 64, generator=gen)
+    vc = torch.randn(num_blocks, block_size, kv_heads, 64, generator=gen)
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, 64, generator=gen).bfloat16()
+    k = torch.randn(tokens, kv_heads, 64, generator=gen).bfloat16()
+    v = torch.randn(tokens, kv_heads, 64, generator=gen).bfloat16()
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125, kernels)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
 def test_short_query_kernel_rejects_bad_metadata(kernels):
     kc = torch.zeros(4, 16, 1, 16)
     q = torch.zeros(5, 2, 16)
