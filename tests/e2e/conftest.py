@@ -25,6 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
 STARTUP_SECONDS = 180
+# The e2e tests compare greedy outputs across servers (PD against monolithic, a retried request
+# against its first try), whose steps are composed differently (batching, cache hits). The exact
+# format is the reference for that: `hearth serve`'s default `--prefill-dtype auto` computes
+# steps of more than 16 rows in bf16 on AMX machines, so a token's numbers would depend on the
+# step it landed in. Servers here pin float32 before their own flags (a later flag wins);
+# test_defaults.py runs the defaults as a user gets them.
+EXACT_FLAGS = ("--prefill-dtype", "float32")
 
 
 def free_port() -> int:
@@ -90,8 +97,9 @@ def stop_all(*servers: Server) -> None:
             server.process.wait()
 
 
-def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
-    return wait_healthy(launch_server(tmp_dir, *flags, api_key=api_key))
+def start_server(tmp_dir: Path, *flags: str, api_key: str | None = None,
+                 exact: bool = True) -> Server:
+    return wait_healthy(launch_server(tmp_dir, *flags, api_key=api_key, exact=exact))
 
 
 def start_servers(tmp_dir: Path, *flag_sets: tuple[str, ...], at_once: int = 2) -> list[Server]:
@@ -111,12 +119,14 @@ def start_servers(tmp_dir: Path, *flag_sets: tuple[str, ...], at_once: int = 2) 
         raise
 
 
-def launch_server(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
-    """`hearth serve` started, not yet waited for (see `wait_healthy`)."""
+def launch_server(tmp_dir: Path, *flags: str, api_key: str | None = None,
+                  exact: bool = True) -> Server:
+    """`hearth serve` started, not yet waited for (see `wait_healthy`); `exact`: with
+    EXACT_FLAGS before `flags`."""
     port = free_port()
     log_path = tmp_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "hearth.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "info", *flags]
+           "--port", str(port), "--log-level", "info", *(EXACT_FLAGS if exact else ()), *flags]
     if api_key:
         cmd += ["--api-key", api_key]
     log_file = open(log_path, "w")

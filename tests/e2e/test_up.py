@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from hearth.models.random_checkpoint import write_random_checkpoint
-from tests.e2e.conftest import REPO, free_port, wait_for
+from tests.e2e.conftest import EXACT_FLAGS, REPO, free_port, wait_for
 from tests.e2e.test_pd import process_tree
 
 CLIENT_KEY = "client-key-5f0e1c"
@@ -71,7 +71,8 @@ def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None,
     log_path = tmp / f"up-{port}.log"
     cmd = [sys.executable, "-m", "hearth.cli", "up", "--model", model, "--port", str(port),
            "--num-kv-blocks", "64", "--max-num-seqs", "4", "--health-interval", "0.3",
-           "--restart-backoff", "0.1", "--log-dir", str(tmp / f"workers-{port}"), *flags]
+           "--restart-backoff", "0.1", "--log-dir", str(tmp / f"workers-{port}"), *EXACT_FLAGS,
+           *flags]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     stack = Stack(process, f"http://127.0.0.1:{port}", log_path, Path(model).name)
