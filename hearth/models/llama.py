@@ -121,7 +121,8 @@ class LlamaDecoderLayer(nn.Module):
         the residual's, float32); the residual stream itself stays in its own dtype. The
         residual is carried separately so a pipeline stage can hand both on."""
         if (self._fused is not None and meta.num_short_tokens == meta.num_tokens
-                and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32):
+                and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32
+                and act_dtype is None):
             op, weights, types, kernels, int8_act = self._fused
             attn = self.self_attn
             return op(x, x if residual is None else residual, residual is not None,
@@ -169,11 +170,14 @@ class LlamaForCausalLM(nn.Module):
         Returns (hidden, residual); the last stage returns the final normed hidden states."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
+        # More rows than LOWP_MIN_ROWS with a bf16 weight copy: the bf16 GEMMs beat the fused
+        # qlinear kernel there (see layers.LOWP_MIN_ROWS), short-query steps included.
+        act_dtype = self.lowp_dtype if hidden.shape[0] > LOWP_MIN_ROWS else None
         if (self._fused_all is not None and meta.num_short_tokens == meta.num_tokens
-                and hidden.shape[0] <= QLINEAR_MAX_ROWS and hidden.dtype == torch.float32):
+                and hidden.shape[0] <= QLINEAR_MAX_ROWS and hidden.dtype == torch.float32
+                and act_dtype is None):
             hidden, residual = self._decode_layers(hidden, residual, positions, meta, kv_caches)
         else:
-            act_dtype = self.lowp_dtype if hidden.shape[0] > LOWP_MIN_ROWS else None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 hidden, residual = layer(hidden, residual, positions, meta, kv_cache, act_dtype)
         if self.is_last:

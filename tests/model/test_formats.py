@@ -136,3 +136,39 @@ def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl
     top1, kl = agreement(reference, lambda tokens, n: one_chunk_logits(runner, tokens, n))
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
+
+
+def test_prefill_dtype_takes_decode_batches_above_16_rows_off_the_fused_kernel(models):
+    """--prefill-dtype bfloat16: a step of 20 decodes runs the bf16 GEMMs (they beat the fused
+    qlinear kernel above LOWP_MIN_ROWS rows), a step of 8 the fused fp32 kernel; both give the
+    same next tokens as far as bf16 allows (here: all 20)."""
+    runner = make_runner(models, prefill_dtype="bfloat16")
+    model = runner.model
+    if model._fused_all is None:
+        pytest.skip("no fused decode kernel here (no CPU kernels or no packed weights)")
+    seen = []
+    model.layers[3].mlp.down_proj.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].dtype))
+    n, prompt = 20, [1, 504, 3057, 28, 260, 3946, 30, 2]
+    tables = [[i] for i in range(n)]
+    with torch.inference_mode():
+        for i in range(n):  # each request's own prompt (8 rows: the exact path) in its block
+            ids = prompt[:-1] + [100 + i]
+            meta = build_attention_metadata([8], [8], [tables[i]], BLOCK)
+            model(torch.tensor(ids), torch.arange(8), meta, runner.kv_cache)
+        seen.clear()
+
+        def decode(rows):
+            meta = build_attention_metadata([1] * len(rows), [9] * len(rows),
+                                            [tables[i] for i in rows], BLOCK)
+            hidden, _ = model(torch.tensor([42] * len(rows)), torch.full((len(rows),), 8), meta,
+                              runner.kv_cache)
+            return model.compute_logits(hidden)
+
+        wide = decode(range(n))
+        assert seen == [torch.bfloat16]
+        seen.clear()
+        narrow = torch.cat([decode(range(lo, lo + 8)) for lo in (0, 8)] + [decode(range(16, 20))])
+        assert seen == []  # the fused kernel: no module forward ran
+    assert (wide.argmax(-1) == narrow.argmax(-1)).all()
+    assert (wide - narrow).abs().max() < 1.0
