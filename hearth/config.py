@@ -58,7 +58,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0  # memory budget for the KV pool
     num_blocks: int | None = None  # explicit override of the budget (tests)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
+    # model (the model dtype: exact) | auto (bfloat16 for a float32 model on hearth's CPU
+    # kernels, else the model dtype; the CLI's default) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "model"
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
                         "kernels run here (docs/formats.md)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache storage (auto: the model dtype; bfloat16 halves it)")
+                   choices=["auto", "model", "float32", "bfloat16", "float16"],
+                   help="KV cache storage: auto (default) = bfloat16 for a float32 model on "
+                        "hearth's CPU kernels (half the bytes, not exact), else the model "
+                        "dtype; model = the model dtype (exact)")
     g.add_argument("--prefill-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
                    help="compute dtype of prefill chunks and large batches (steps of more than "
                         "16 rows) of a float32 model: bfloat16 runs ~3x faster prefill where the "

@@ -27,11 +27,12 @@ MODEL = "smollm2-135m-instruct"
 STARTUP_SECONDS = 180
 # The e2e tests compare greedy outputs across servers (PD against monolithic, a retried request
 # against its first try), whose steps are composed differently (batching, cache hits). The exact
-# format is the reference for that: `hearth serve`'s default `--prefill-dtype auto` computes
-# steps of more than 16 rows in bf16 on AMX machines, so a token's numbers would depend on the
-# step it landed in. Servers here pin float32 before their own flags (a later flag wins);
+# format is the reference for that: `hearth serve`'s defaults (`--prefill-dtype auto`: steps
+# of more than 16 rows in bf16 on AMX machines; `--kv-cache-dtype auto`: bf16 KV) round, so a
+# token's numbers would depend on the step it landed in. Servers here pin the exact formats
+# before their own flags (a later flag wins);
 # test_defaults.py runs the defaults as a user gets them.
-EXACT_FLAGS = ("--prefill-dtype", "float32")
+EXACT_FLAGS = ("--prefill-dtype", "float32", "--kv-cache-dtype", "model")
 
 
 def free_port() -> int:

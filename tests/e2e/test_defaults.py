@@ -1,5 +1,6 @@
 """`hearth serve` with nothing but a model and a port, as a user starts it: the formats it picks
-for this machine (`--prefill-dtype auto`: bf16 many-row steps where AMX runs, else fp32) and a
+for this machine (`--prefill-dtype auto`: bf16 many-row steps where AMX runs, else fp32;
+`--kv-cache-dtype auto`: bf16 KV where hearth's CPU kernels run) and a
 real request served through them, a prompt long enough to take the bf16 path, its blocks all
 returned afterwards. The other e2e tests pin the exact reference format (conftest.EXACT_FLAGS).
 """
@@ -23,11 +24,13 @@ def default_server(tmp_path_factory):
 
 def test_default_formats_follow_the_machine(default_server):
     log = default_server.log_path.read_text()
-    found = re.search(r"formats: weights (\S+) \(decode: (\S+), prefill: (\S+)\)", log)
+    found = re.search(r"formats: weights (\S+) \(decode: (\S+), prefill: (\S+)\), "
+                      r"KV cache (\S+), CPU kernels (\S+)", log)
     assert found, log[-3000:]
-    weights, _, prefill = found.groups()
+    weights, _, prefill, kv, kernels = found.groups()
     assert weights == "float32"
     assert prefill == ("bfloat16" if amx_usable() else "float32"), log[-3000:]
+    assert kv == ("float32" if kernels == "off" else "bfloat16"), log[-3000:]
 
 
 def test_default_server_answers_a_long_prompt_and_frees_its_blocks(default_server):

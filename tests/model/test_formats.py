@@ -62,7 +62,7 @@ def teacher_forced_logits(runner, tokens: list[int], prompt_len: int) -> torch.T
 
 
 def make_runner(models, **model_kw):
-    cache = CacheConfig(num_blocks=64, kv_cache_dtype=model_kw.pop("kv_cache_dtype", "auto"))
+    cache = CacheConfig(num_blocks=64, kv_cache_dtype=model_kw.pop("kv_cache_dtype", "model"))
     config = EngineConfig(model=ModelConfig(**model_kw), cache=cache)
     return models.executor(config)
 
