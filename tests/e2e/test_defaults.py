@@ -2,7 +2,9 @@
 for this machine (`--prefill-dtype auto`: bf16 many-row steps where AMX runs, else fp32;
 `--kv-cache-dtype auto`: bf16 KV where hearth's CPU kernels run) and a
 real request served through them, a prompt long enough to take the bf16 path, its blocks all
-returned afterwards. The other e2e tests pin the exact reference format (conftest.EXACT_FLAGS).
+returned afterwards; and `hearth up`'s PD stack on its defaults (bf16 KV crossing from the
+prefill worker to the decode worker). The other e2e tests pin the exact reference formats
+(conftest.EXACT_FLAGS).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import re
 
 import pytest
 
+import httpx
+
 from hearth.engine.executor import amx_usable
-from tests.e2e.conftest import start_server
+from tests.e2e.conftest import MODEL, start_server, wait_for
+from tests.e2e.test_up import CLIENT_KEY, environ, start_up, worker_pids, worker_url
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +51,39 @@ def test_default_server_answers_a_long_prompt_and_frees_its_blocks(default_serve
     report = default_server.wait_idle_and_whole()
     assert report["num_requests_inflight"] == 0 and report["num_waiting"] == 0
     assert report["kv_pool_is_whole"] is True
+
+
+def test_default_pd_stack_moves_bf16_kv_and_frees_everything(tmp_path):
+    stack = start_up(tmp_path, MODEL, "--prefill", "1", "--decode", "1", "--num-kv-blocks", "256",
+                     env={"HEARTH_API_KEY": CLIENT_KEY}, exact=False)
+    try:
+        workers = {}
+        for role in ("prefill", "decode"):
+            [pid] = worker_pids(stack, role)
+            workers[role] = (worker_url(pid),
+                             {"Authorization": f"Bearer {environ(pid)['HEARTH_API_KEY']}"})
+
+        def load(role):
+            url, headers = workers[role]
+            return httpx.get(url + "/load", params={"check_pool": "true"}, headers=headers,
+                             timeout=30).json()
+
+        before = load("decode")["num_transferred_tokens"]
+        facts = " ".join(f"Note {i}: crate {i} holds {i * 3} apples." for i in range(60))
+        body = {"model": MODEL, "max_tokens": 10, "temperature": 0,
+                "messages": [{"role": "user", "content": facts + " How many apples in crate 9?"}]}
+        r = httpx.post(stack.url + "/v1/chat/completions", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert reply["usage"]["prompt_tokens"] > 400 and reply["choices"][0]["message"]["content"]
+        assert load("decode")["num_transferred_tokens"] - before >= 400  # it crossed as KV
+        for role in workers:
+            wait_for(lambda: load(role)["num_requests_inflight"] == 0
+                     and load(role)["kv_pool_is_whole"] is True,
+                     f"{role} idle, pool whole", stack.log_path, 60)
+        logs = "".join(p.read_text() for p in tmp_path.rglob("*.log"))  # the stack's and workers'
+        kv = re.findall(r"KV cache (\S+), CPU kernels (\S+)", logs)
+        assert len(kv) >= 2 and all(d == ("float32" if k == "off" else "bfloat16") for d, k in kv), kv
+    finally:
+        stack.stop()

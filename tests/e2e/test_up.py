@@ -66,13 +66,14 @@ class Stack:
 
 
 def start_up(tmp: Path, model: str, *flags: str, env: dict | None = None,
-             wait: bool = True) -> Stack:
+             wait: bool = True, exact: bool = True) -> Stack:
+    """`hearth up` with test-sized limits; `exact`: with conftest.EXACT_FLAGS before `flags`."""
     port = free_port()
     log_path = tmp / f"up-{port}.log"
     cmd = [sys.executable, "-m", "hearth.cli", "up", "--model", model, "--port", str(port),
            "--num-kv-blocks", "64", "--max-num-seqs", "4", "--health-interval", "0.3",
-           "--restart-backoff", "0.1", "--log-dir", str(tmp / f"workers-{port}"), *EXACT_FLAGS,
-           *flags]
+           "--restart-backoff", "0.1", "--log-dir", str(tmp / f"workers-{port}"),
+           *(EXACT_FLAGS if exact else ()), *flags]
     process = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     stack = Stack(process, f"http://127.0.0.1:{port}", log_path, Path(model).name)
