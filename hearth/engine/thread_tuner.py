@@ -65,6 +65,11 @@ SLOW_STEP = 3.0  # a step this many times its count's median at its size reads t
 # every other count at the largest decode-like steps measured (a preempted thread's barrier
 # waits cost ~5x and more; a quiet machine's difference at tiny steps is a few tens of percent).
 CONTENDED_MARGIN = 1.5
+# ... and only from at least this many step times of every count there: a server's first
+# 2-thread decode step (the warm-up request's) took 129 ms against 8 ms for the next 1-thread
+# one, and on that one pair every 2k-token prompt after it ran on one thread, at half speed
+# (no decode steps came between the prompts to correct it; 2026-12-03).
+CONTENDED_MIN_SAMPLES = 3
 
 
 class OthersCpu:
@@ -225,6 +230,8 @@ class ThreadTuner:
         usable = self._usable()
         size = self._size_for(SMALL_STEP_TOKENS, usable)
         if size is None:
+            return False
+        if any(len(self._samples[c][size]) < CONTENDED_MIN_SAMPLES for c in usable):
             return False
         cost = {c: statistics.median(self._samples[c][size]) for c in usable}
         one, rest = cost[self.candidates[0]], min(v for c, v in cost.items()

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from hearth.engine.thread_tuner import (LOAD_CHECK_EVERY, SMALL_STEP_TOKENS, OthersCpu,
+from hearth.engine.thread_tuner import (CONTENDED_MIN_SAMPLES, LOAD_CHECK_EVERY, SMALL_STEP_TOKENS, OthersCpu,
                                         ThreadTuner)
 from hearth.ops.cpu_kernels import KernelThreads
 
@@ -57,7 +57,7 @@ def test_prefill_sized_steps_use_every_thread_and_teach_nothing():
 
 def test_prefill_sized_steps_follow_the_decode_verdict_and_restore_torch_threads():
     clock, threads = FakeClock(), KernelThreads()
-    tuner = ThreadTuner(threads, max_threads=2, explore_every=1000, trial_steps=1, clock=clock,
+    tuner = ThreadTuner(threads, max_threads=2, explore_every=1000, trial_steps=3, clock=clock,
                         others_cpu=quiet)
     saved = torch.get_num_threads()
     seen = []
@@ -66,7 +66,7 @@ def test_prefill_sized_steps_follow_the_decode_verdict_and_restore_torch_threads
         seen.append((threads.count, torch.get_num_threads()))
 
     speeds = {1: 0.010, 2: 0.050}  # a busy neighbour: one thread decodes faster
-    for _ in range(4):
+    for _ in range(8):  # a round of 3 steps per count (CONTENDED_MIN_SAMPLES), then the best
         tuner.run(1, make_step(clock, threads, speeds))
     assert tuner.contended()
     tuner.run(SMALL_STEP_TOKENS + 1, large_step)
@@ -255,4 +255,21 @@ def test_a_small_win_of_one_thread_at_tiny_steps_leaves_prompts_on_every_thread(
     for _ in range(4):  # a preempted second thread: a clear margin, and prompts follow it
         tuner.record(1, 1, 0.004)
         tuner.record(2, 1, 0.020)
+    assert tuner.contended()
+
+
+def test_one_slow_first_step_is_no_verdict_for_prompts():
+    """A server's first 2-thread decode step (the warm-up request's) was 16x its 1-thread one:
+    one pair of samples must not send the prompts after it to one thread."""
+    clock, threads = FakeClock(), KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, clock=clock, others_cpu=quiet)
+    tuner.record(2, 1, 0.129)
+    tuner.record(1, 1, 0.008)
+    assert not tuner.contended()
+    seen = []
+    tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append(threads.count))
+    assert seen == [2]
+    for _ in range(CONTENDED_MIN_SAMPLES - 1):  # a measured verdict still counts
+        tuner.record(2, 1, 0.129)
+        tuner.record(1, 1, 0.008)
     assert tuner.contended()
