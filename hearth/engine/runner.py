@@ -40,13 +40,14 @@ class ModelRunner:
         alloc = torch.empty if kernels is not None else torch.zeros
         self.kv_cache = alloc(len(model.layers), 2, num_blocks, block_size, num_kv_heads,
                               arch.head_dim, dtype=dtype, device=self.device)
+        prefault = None
         if self.device.type == "cpu":  # first touch off the request path (host_memory.py)
-            host_memory.prefault(self.kv_cache)
+            prefault = host_memory.prefault(self.kv_cache)
         self.sampler = RowSampler(seed, self.vocab_size)
         self.num_micro_batches = 1  # micro-batches only pay off with pipeline stages
         # The kernels' thread count for decode-like steps, chosen by measurement (thread_tuner.py).
-        self.thread_tuner = (ThreadTuner(kernels.threads) if kernels is not None
-                             and torch.get_num_threads() > 1 else None)
+        self.thread_tuner = (ThreadTuner(kernels.threads, background=prefault)
+                             if kernels is not None and torch.get_num_threads() > 1 else None)
 
     def close(self) -> None:
         """Nothing to release in one process (the parallel executor stops its ranks here)."""

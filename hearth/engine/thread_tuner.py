@@ -103,12 +103,15 @@ class OthersCpu:
 class ThreadTuner:
     def __init__(self, threads, max_threads: int | None = None, explore_every: int = 64,
                  trial_steps: int = 2, window: int = 3, max_explore_every: int = 512,
-                 clock=time.perf_counter, others_cpu=None) -> None:
+                 clock=time.perf_counter, others_cpu=None, background=None) -> None:
         """`threads`: the KernelThreads the kernels read; `window`: samples per candidate and
         step size whose median is its cost; `others_cpu`: a callable giving the other
         processes' CPU use since its last call, in cores (default OthersCpu(); None from it
-        is ignored)."""
+        is ignored); `background`: this process's own background work that holds a core
+        for a while (the KV pool's prefault thread, a `threading.Thread`): while it runs,
+        decode-like steps run on one thread and teach nothing, and a prompt waits for it."""
         self.threads = threads
+        self._background = background
         self.candidates = sorted({1, max_threads or torch.get_num_threads()})
         self.explore_every, self.trial_steps = explore_every, trial_steps
         self.clock = clock
@@ -242,20 +245,36 @@ class ThreadTuner:
 
     def run(self, num_tokens: int, fn):
         """Run `fn()` with the chosen count (decode-like steps) and learn from its time."""
+        if self._background is not None:
+            if not self._background.is_alive():
+                self._background = None
+            elif num_tokens <= SMALL_STEP_TOKENS:
+                # Beside the prefault thread (~0.5 s per GB of KV pool right after a start) a
+                # 2-thread decode step took 136 ms against 8 ms on one thread, and samples
+                # taken then sent the prompts after it to one thread.
+                return self._run_on_one_thread(fn)
+            else:  # a prompt on one thread would take twice as long as the rest of the wait
+                self._background.join()
+                self._background = None
         if num_tokens > SMALL_STEP_TOKENS:
             self._check_load()  # a prompt beside a neighbour that came since the last decode
             if not self.contended():
                 self.threads.count = self.candidates[-1]
                 return fn()
-            self.threads.count = 1
-            saved = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                return fn()
-            finally:
-                torch.set_num_threads(saved)
+            return self._run_on_one_thread(fn)
         self.threads.count = threads = self.choose(num_tokens)
         t0 = self.clock()
         result = fn()
         self.record(threads, num_tokens, self.clock() - t0)
         return result
+
+    def _run_on_one_thread(self, fn):
+        """`fn()` on one thread, torch's GEMMs included (their barriers are where a preempted
+        thread stalls everything)."""
+        self.threads.count = 1
+        saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(saved)

@@ -273,3 +273,30 @@ def test_one_slow_first_step_is_no_verdict_for_prompts():
         tuner.record(2, 1, 0.129)
         tuner.record(1, 1, 0.008)
     assert tuner.contended()
+
+
+def test_while_own_background_work_runs_decodes_take_one_thread_and_a_prompt_waits():
+    """The KV pool's prefault thread right after a start: 2-thread decode steps beside it took
+    136 ms against 8 ms on one thread. Decode-like steps run on one thread and teach nothing;
+    a prompt waits for the thread to end, then runs on every thread."""
+    import threading
+
+    clock, threads = FakeClock(), KernelThreads()
+    release = threading.Event()
+    background = threading.Thread(target=release.wait, daemon=True)
+    background.start()
+    tuner = ThreadTuner(threads, max_threads=2, clock=clock, others_cpu=quiet,
+                        background=background)
+    speeds = {1: 0.008, 2: 0.136}
+    for _ in range(6):
+        tuner.run(1, make_step(clock, threads, speeds))
+        assert threads.count == 1
+    assert tuner.cost == {} and not tuner.contended()
+    seen = []
+    threading.Timer(0.05, release.set).start()
+    tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append((background.is_alive(), threads.count)))
+    assert seen == [(False, 2)]
+    speeds.update({2: 0.006})
+    for _ in range(12):
+        tuner.run(1, make_step(clock, threads, speeds))
+    assert set(tuner.cost) == {1, 2} and threads.count == 2
