@@ -65,8 +65,8 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
         kernels = load_cpu_kernels(mc.cpu_kernels)
     # KV "model": the model dtype, exact (the engine's default). "auto" (the CLI's default):
     # bfloat16 where the kernels read it in place, which halves the bytes a long-context decode
-    # step reads (a 6k-context step 24.6 -> 20.9 ms engine alone on a quiet AMX Xeon) and the pool's memory per token, at top-1
-    # 1.000 / KL 4e-5 against fp32 (docs/formats.md). It is not exact: rounding turns
+    # step reads (a 6k-context step 24.6 -> 20.9 ms engine alone on a quiet AMX Xeon) and the
+    # pool's memory per token, at top-1 1.000 / KL 4e-5 against fp32 (docs/formats.md). It is not exact: rounding turns
     # summation-order noise between paths (one chunk or several, a prefix hit) into rounding
     # flips, so greedy output can drift from the fp32 reference.
     if cc.kv_cache_dtype == "model":

@@ -70,6 +70,8 @@ CONTENDED_MARGIN = 1.5
 # one, and on that one pair every 2k-token prompt after it ran on one thread, at half speed
 # (no decode steps came between the prompts to correct it; 2026-12-03).
 CONTENDED_MIN_SAMPLES = 3
+# Seconds a prompt waits at most for the KV pool's prefault thread (~0.5 s per GB here).
+BACKGROUND_WAIT = 2.0
 
 
 class OthersCpu:
@@ -254,8 +256,9 @@ class ThreadTuner:
                 # taken then sent the prompts after it to one thread.
                 return self._run_on_one_thread(fn)
             else:  # a prompt on one thread would take twice as long as the rest of the wait
-                self._background.join()
-                self._background = None
+                self._background.join(timeout=BACKGROUND_WAIT)  # (a huge pool: not for long)
+                if not self._background.is_alive():
+                    self._background = None
         if num_tokens > SMALL_STEP_TOKENS:
             self._check_load()  # a prompt beside a neighbour that came since the last decode
             if not self.contended():

@@ -300,3 +300,24 @@ def test_while_own_background_work_runs_decodes_take_one_thread_and_a_prompt_wai
     for _ in range(12):
         tuner.run(1, make_step(clock, threads, speeds))
     assert set(tuner.cost) == {1, 2} and threads.count == 2
+
+
+def test_a_prompt_waits_for_background_work_only_so_long(monkeypatch):
+    import threading
+
+    from hearth.engine import thread_tuner
+
+    monkeypatch.setattr(thread_tuner, "BACKGROUND_WAIT", 0.05)
+    release = threading.Event()
+    background = threading.Thread(target=release.wait, daemon=True)
+    background.start()
+    threads = KernelThreads()
+    tuner = ThreadTuner(threads, max_threads=2, clock=FakeClock(), others_cpu=quiet,
+                        background=background)
+    seen = []
+    tuner.run(SMALL_STEP_TOKENS + 1, lambda: seen.append((background.is_alive(), threads.count)))
+    assert seen == [(True, 2)]
+    tuner.run(1, lambda: seen.append(threads.count))
+    assert seen[-1] == 1  # still running: decode-like steps stay on one thread
+    release.set()
+    background.join()
