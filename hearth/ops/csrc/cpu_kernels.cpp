@@ -1367,27 +1367,39 @@ void prefill_attention_impl(const float* q, const KV* kc, const KV* vc, const in
 // q [q_len, H, D] float32 (the chunk's queries); caches [num_blocks, block_size, KVH, D] float32
 // or bfloat16 holding the chunk's own K/V already; block_table [>= ctx_len / block_size] int32.
 // Returns [q_len, H, D].
+// The checks both prefill kernels make of a chunk of q_len queries (the last of ctx_len tokens)
+// over a paged cache; returns the block table as int32.
+at::Tensor check_chunk_over_cache(const char* op, int64_t q_len, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table_in,
+                                  int64_t ctx_len) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              op, ": caches [num_blocks, block_size, KVH, D], alike");
+  TORCH_CHECK(q_len >= 1 && q_len <= ctx_len, op, ": query length outside [1, context]");
+  at::Tensor table = block_table_in.to(at::kInt).contiguous();
+  const int64_t bs = k_cache.size(1);
+  TORCH_CHECK(table.dim() == 1 && ctx_len <= table.numel() * bs,
+              op, ": context longer than its block table");
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0), used = (ctx_len + bs - 1) / bs;
+  for (int64_t i = 0; i < used; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, op, ": block id out of range");
+  return table;
+}
+
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_table_in,
                              int64_t ctx_len, double scale, int64_t threads) {
   at::Tensor q = q_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "prefill_attention: q float32 [T, H, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "prefill_attention: caches [num_blocks, block_size, KVH, D], alike");
-  at::Tensor table = block_table_in.to(at::kInt).contiguous();
+  at::Tensor table =
+      check_chunk_over_cache("prefill_attention", q.size(0), k_cache, v_cache, block_table_in, ctx_len);
   PrefillShape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), ctx_len, q.size(0), 0};
   TORCH_CHECK(s.H % s.KVH == 0 && k_cache.size(3) == s.D, "prefill_attention: head shapes");
   s.G = s.H / s.KVH;
   TORCH_CHECK(s.G <= kRows, "prefill_attention: more than ", kRows, " query heads per kv head");
   s.QT = kRows / s.G;
-  TORCH_CHECK(s.q_len >= 1 && s.q_len <= ctx_len, "prefill_attention: query length outside [1, context]");
-  TORCH_CHECK(table.dim() == 1 && ctx_len <= table.numel() * s.block_size,
-              "prefill_attention: context longer than its block table");
   const int32_t* tp = table.data_ptr<int32_t>();
-  const int64_t num_blocks = k_cache.size(0), used = (ctx_len + s.block_size - 1) / s.block_size;
-  for (int64_t i = 0; i < used; ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < num_blocks, "prefill_attention: block id out of range");
   at::Tensor out = at::empty_like(q);
   if (k_cache.scalar_type() == at::kBFloat16) {
     prefill_attention_impl<uint16_t>(q.data_ptr<float>(),
@@ -1601,22 +1613,14 @@ at::Tensor amx_prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cac
   TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && q_in.dim() == 3 && q_in.size(2) == kAmxD,
               "amx_prefill_attention: q bfloat16 [T, H, 64]");
   at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == kAmxD ? q_in : q_in.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.size(3) == kAmxD,
-              "amx_prefill_attention: caches [num_blocks, block_size, KVH, 64], alike");
+  at::Tensor table = check_chunk_over_cache("amx_prefill_attention", q.size(0), k_cache, v_cache,
+                                            block_table_in, ctx_len);
   const bool bf16 = is_bf16(k_cache);
   TORCH_CHECK(bf16 || k_cache.scalar_type() == at::kFloat, "amx_prefill_attention: cache dtype");
-  at::Tensor table = block_table_in.to(at::kInt).contiguous();
   const int64_t T = q.size(0), H = q.size(1), KVH = k_cache.size(2), bs = k_cache.size(1);
-  TORCH_CHECK(KVH >= 1 && H % KVH == 0, "amx_prefill_attention: head shapes");
-  TORCH_CHECK(T >= 1 && T <= ctx_len, "amx_prefill_attention: query length outside [1, context]");
-  TORCH_CHECK(table.dim() == 1 && ctx_len <= table.numel() * bs,
-              "amx_prefill_attention: context longer than its block table");
+  TORCH_CHECK(KVH >= 1 && H % KVH == 0 && k_cache.size(3) == kAmxD,
+              "amx_prefill_attention: head shapes (head dim 64)");
   const int32_t* tp = table.data_ptr<int32_t>();
-  const int64_t used = (ctx_len + bs - 1) / bs;
-  for (int64_t i = 0; i < used; ++i)
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "amx_prefill_attention: block id out of range");
   const int64_t G = H / KVH, nkb32 = (ctx_len + 31) / 32, off = ctx_len - T;
   const int64_t per_head = nkb32 * 32 * kAmxD;  // uint16 elements (K and V alike)
   std::vector<uint16_t> kbuf(KVH * per_head), vbuf(KVH * per_head);
