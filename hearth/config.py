@@ -98,6 +98,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     num_micro_batches: int = 0  # 0: one per pipeline stage
+    # A MoE model's experts split whole across the tensor-parallel ranks (EP size = TP size)
+    # instead of each expert cut along its width; attention stays tensor-parallel.
+    enable_expert_parallel: bool = False
     device: str = "cpu"  # cpu | cuda
     # Rendezvous of an externally launched rank set (torchrun env); None: spawn ranks locally.
     master_addr: str | None = None

@@ -73,6 +73,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="requests queued beyond the running ones before the server answers 429")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a Mixture-of-Experts model's experts are split whole across the "
+                        "tensor-parallel ranks (EP size = TP size) instead of each expert cut "
+                        "along its width; attention stays tensor-parallel")
     g.add_argument("--num-micro-batches", type=int, default=0,
                    help="micro-batches per step in flight through the pipeline (0: one per stage)")
     g.add_argument("--collective-timeout", type=float, default=60.0,
@@ -164,6 +168,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
                                 pipeline_parallel_size=a.pipeline_parallel_size, device=a.device,
                                 num_micro_batches=a.num_micro_batches,
+                                enable_expert_parallel=a.enable_expert_parallel,
                                 collective_timeout_s=a.collective_timeout,
                                 **_launcher_rendezvous(a)),
         kv_transfer=KVTransferConfig(role=a.role, transport=a.kv_transport, host=a.kv_host,
@@ -263,6 +268,7 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--tensor-parallel-size": par.tensor_parallel_size,
         "--pipeline-parallel-size": par.pipeline_parallel_size,
         "--num-micro-batches": par.num_micro_batches,
+        "--enable-expert-parallel": par.enable_expert_parallel,
         "--collective-timeout": par.collective_timeout_s, "--device": par.device,
         "--no-jump-forward": not e.guided.jump_forward,
         "--served-model-name": s.served_model_names,

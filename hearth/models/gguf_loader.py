@@ -23,14 +23,9 @@ from hearth.models.arch import ModelArch
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
 from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
 from hearth.models.gguf_file import GGUFFile
+from hearth.models.registry import GGUF_ARCHITECTURES
 
-# GGUF general.architecture -> (ModelArch.architecture, Q/K rows permuted by the converter)
-_ARCHITECTURES = {
-    "llama": ("llama", True),
-    "mistral": ("mistral", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
-}
+_ARCHITECTURES = GGUF_ARCHITECTURES
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

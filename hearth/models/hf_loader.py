@@ -15,16 +15,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from hearth.models.arch import ModelArch
+from hearth.models.arch import ModelArch, MoeSpec
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds
-
-# config.json "architectures"[0] -> ModelArch.architecture
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from hearth.models.registry import HF_ARCHITECTURES
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed by the model; old checkpoints saved it
 
 
@@ -61,12 +54,12 @@ class HFCheckpoint(Checkpoint):
 def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool = True) -> ModelArch:
     architectures = config.get("architectures") or [None]
     hf_arch = architectures[0]
-    if hf_arch not in _ARCHITECTURES:
+    if hf_arch not in HF_ARCHITECTURES:
         raise ValueError(
             f"{folder}: architecture {hf_arch!r} is not supported "
-            f"(supported: {', '.join(_ARCHITECTURES)})"
+            f"(supported: {', '.join(HF_ARCHITECTURES)})"
         )
-    architecture = _ARCHITECTURES[hf_arch]
+    architecture = HF_ARCHITECTURES[hf_arch]
     max_positions = int(config["max_position_embeddings"])
     _reject_sliding_window(config, folder, max_positions)
     num_heads = int(config["num_attention_heads"])
@@ -102,10 +95,37 @@ def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool 
         attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
         attention_out_bias=architecture != "qwen2" and bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=architecture == "qwen3",
+        qk_norm=architecture in ("qwen3", "qwen3_moe"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(config, folder),
+        moe=_moe_spec(config, architecture, folder),
     )
+
+
+def _moe_spec(config: dict[str, Any], architecture: str, folder: Path) -> MoeSpec | None:
+    """Mixtral: num_local_experts of intermediate_size, top-k renormalised, every layer sparse.
+    Qwen3-MoE: num_experts of moe_intermediate_size, norm_topk_prob, and dense layers where
+    mlp_only_layers says or (layer + 1) is not a multiple of decoder_sparse_step."""
+    if architecture == "mixtral":
+        return MoeSpec(num_experts=int(config["num_local_experts"]),
+                       num_experts_per_tok=int(config["num_experts_per_tok"]),
+                       expert_intermediate_size=int(config["intermediate_size"]))
+    if architecture != "qwen3_moe":
+        return None
+    if config.get("router_type") not in (None, "softmax"):
+        raise ValueError(f"{folder}: unknown router_type {config['router_type']!r} (hearth's "
+                         f"{architecture} router is softmax top-k)")
+    num_layers, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
+    only_dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
+    num_experts = int(config.get("num_experts", config.get("num_local_experts", 0)))
+    dense = tuple(i for i in range(num_layers)
+                  if i in only_dense or num_experts == 0 or (i + 1) % step)
+    return MoeSpec(num_experts=max(num_experts, 1),
+                   num_experts_per_tok=int(config["num_experts_per_tok"]),
+                   expert_intermediate_size=int(config["moe_intermediate_size"]),
+                   norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                   dense_layers=dense)
 
 
 def _reject_sliding_window(config: dict[str, Any], folder: Path, max_positions: int) -> None:

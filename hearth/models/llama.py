@@ -90,19 +90,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
+                 mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(arch, tp, rotary)
-        self.mlp = LlamaMLP(arch, tp)
+        self.mlp = mlp  # LlamaMLP, or a family's own (hearth.models.moe.SparseMoeBlock)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def enable_fused_decode(self) -> bool:
         """Steps of short queries only (decodes, speculative verify steps: at most 16 tokens in
         all) go through one fused kernel call (`decode_layer`) when every part of this layer is
-        one the kernel does: quantized weights, no biases or q/k norms, one
+        one the kernel does: a dense MLP, quantized weights, no biases or q/k norms, one
         rank. Returns whether it is enabled."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP):
+            self._fused = None
+            return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         kernels = attn.kernels
         if (kernels is None or attn.q_norm is not None or any(m.bias is not None for m in linears)
@@ -155,14 +159,18 @@ class LlamaForCausalLM(nn.Module):
                                  arch.rope_scaling)
         self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
                              if self.is_first else None)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary)
-                                    for _ in range(self.layer_start, self.layer_end))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, self.make_mlp(i))
+                                    for i in range(self.layer_start, self.layer_end))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
         self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
                         if self.is_last else None)
         # --prefill-dtype bfloat16 (`use_lowp_prefill`): a step of more than LOWP_MIN_ROWS rows
         # keeps its activations in this dtype between the GEMMs (the residual stays fp32).
         self.lowp_dtype = None
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer` (a family with other MLPs overrides)."""
+        return LlamaMLP(self.arch, self.tp)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):

@@ -1,5 +1,6 @@
-"""Write a random-weight Llama checkpoint as a HF folder (config.json, model.safetensors,
-tokenizer.json) of any shape.
+"""Write a random-weight Llama-family checkpoint as a HF folder (config.json, model.safetensors,
+tokenizer.json) of any shape: dense Llama, or with `num_experts` a Mixture-of-Experts model
+(Qwen3-MoE, or Mixtral with `architecture="mixtral"`) in transformers' per-expert layout.
 
 For tests, benchmarks and GPU checks that need a model of a given shape without downloading one;
 being a folder on disk, every rank process can open it by path like a real checkpoint. Weights are
@@ -18,18 +19,20 @@ from safetensors.torch import save_file
 
 def random_llama_weights(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                          intermediate_size: int, vocab_size: int, head_dim: int | None = None,
-                         tie_word_embeddings: bool = False,
-                         seed: int = 0) -> dict[str, torch.Tensor]:
+                         tie_word_embeddings: bool = False, seed: int = 0,
+                         num_experts: int = 0, expert_intermediate_size: int = 0,
+                         qk_norm: bool = False, mixtral: bool = False,
+                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     head_dim = head_dim or hidden_size // num_heads
 
     def linear(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) / cols ** 0.5
+        return (torch.randn(rows, cols, generator=gen) / cols ** 0.5).to(dtype)
 
     def norm(dim: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(dim, generator=gen)
+        return (1.0 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
 
-    w = {"model.embed_tokens.weight": torch.randn(vocab_size, hidden_size, generator=gen),
+    w = {"model.embed_tokens.weight": torch.randn(vocab_size, hidden_size, generator=gen).to(dtype),
          "model.norm.weight": norm(hidden_size)}
     if not tie_word_embeddings:
         w["lm_head.weight"] = linear(vocab_size, hidden_size)
@@ -41,6 +44,19 @@ def random_llama_weights(num_layers: int, hidden_size: int, num_heads: int, num_
         w[p + "self_attn.k_proj.weight"] = linear(num_kv_heads * head_dim, hidden_size)
         w[p + "self_attn.v_proj.weight"] = linear(num_kv_heads * head_dim, hidden_size)
         w[p + "self_attn.o_proj.weight"] = linear(hidden_size, num_heads * head_dim)
+        if qk_norm:
+            w[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if num_experts:
+            moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+            w[moe + "gate.weight"] = linear(num_experts, hidden_size)
+            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            for j in range(num_experts):
+                e = moe + f"experts.{j}."
+                w[e + names[0] + ".weight"] = linear(expert_intermediate_size, hidden_size)
+                w[e + names[1] + ".weight"] = linear(expert_intermediate_size, hidden_size)
+                w[e + names[2] + ".weight"] = linear(hidden_size, expert_intermediate_size)
+            continue
         w[p + "mlp.gate_proj.weight"] = linear(intermediate_size, hidden_size)
         w[p + "mlp.up_proj.weight"] = linear(intermediate_size, hidden_size)
         w[p + "mlp.down_proj.weight"] = linear(hidden_size, intermediate_size)
@@ -51,11 +67,26 @@ def write_random_checkpoint(folder: str | Path, num_layers: int = 4, hidden_size
                             num_heads: int = 4, num_kv_heads: int = 2,
                             intermediate_size: int = 128, vocab_size: int = 256,
                             max_position_embeddings: int = 1024, tie_word_embeddings: bool = False,
-                            seed: int = 0) -> Path:
+                            seed: int = 0, num_experts: int = 0, num_experts_per_tok: int = 2,
+                            expert_intermediate_size: int = 64, architecture: str = "qwen3_moe",
+                            head_dim: int | None = None,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """`num_experts` > 0: a MoE model (`architecture` "qwen3_moe" or "mixtral"), every layer
+    sparse, top-`num_experts_per_tok` renormalised."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    hf_arch, extra = "LlamaForCausalLM", {}
+    if num_experts and architecture == "mixtral":
+        hf_arch, intermediate_size = "MixtralForCausalLM", expert_intermediate_size
+        extra = {"num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok}
+    elif num_experts:
+        hf_arch = "Qwen3MoeForCausalLM"
+        extra = {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+                 "moe_intermediate_size": expert_intermediate_size, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "head_dim": head_dim or hidden_size // num_heads}
     config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
+        **extra, "architectures": [hf_arch], "vocab_size": vocab_size,
         "hidden_size": hidden_size, "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads, "max_position_embeddings": max_position_embeddings,
@@ -64,8 +95,12 @@ def write_random_checkpoint(folder: str | Path, num_layers: int = 4, hidden_size
     }
     (folder / "config.json").write_text(json.dumps(config))
     weights = random_llama_weights(num_layers, hidden_size, num_heads, num_kv_heads,
-                                   intermediate_size, vocab_size,
-                                   tie_word_embeddings=tie_word_embeddings, seed=seed)
+                                   intermediate_size, vocab_size, head_dim=head_dim,
+                                   tie_word_embeddings=tie_word_embeddings, seed=seed,
+                                   num_experts=num_experts,
+                                   expert_intermediate_size=expert_intermediate_size,
+                                   qk_norm=hf_arch == "Qwen3MoeForCausalLM",
+                                   mixtral=hf_arch == "MixtralForCausalLM", dtype=dtype)
     save_file(weights, str(folder / "model.safetensors"))
     _write_word_tokenizer(folder / "tokenizer.json", vocab_size)
     return folder

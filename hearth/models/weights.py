@@ -25,6 +25,8 @@ import torch
 
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
+from hearth.models.moe import SparseMoeBlock
+from hearth.models.registry import model_class
 from hearth.ops.cpu_kernels import single_threaded
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
@@ -96,7 +98,8 @@ def _check_all_read(model: LlamaForCausalLM, recorder: _ReadRecorder) -> None:
         if name == "lm_head.weight":  # a tied checkpoint may store a copy of the embeddings
             return model.is_last and not model.arch.tie_word_embeddings
         return model.is_last  # model.norm.* and anything unknown at the top level
-    unused = sorted(n for n in recorder.tensor_names() if belongs(n) and n not in recorder.read)
+    unused = sorted(n for n in recorder.tensor_names()
+                    if belongs(n) and n not in recorder.read and not _owned_elsewhere(n, model))
     if unused:
         shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)" if len(unused) > 5 else "")
         raise ValueError(f"checkpoint tensors the {model.arch.architecture} model has no place "
@@ -150,7 +153,7 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
     def load_layer(local: int, layer) -> None:
         p = f"model.layers.{model.layer_start + local}."
         attn, mlp = layer.self_attn, layer.mlp
-        q_rows, kv_rows, inter = attn.q_size, attn.kv_size, mlp.gate_up_proj.weight.shape[0] // 2
+        q_rows, kv_rows = attn.q_size, attn.kv_size
         for kind, param in (("weight", attn.qkv_proj.weight),
                             ("bias", attn.qkv_proj.bias if arch.attention_bias else None)):
             if param is not None:
@@ -163,6 +166,12 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
         if arch.qk_norm:
             fill(attn.q_norm.weight, p + "self_attn.q_norm.weight")
             fill(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+        fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
+        fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        if isinstance(mlp, SparseMoeBlock):
+            load_moe_block(mlp, checkpoint, p)
+            return
+        inter = mlp.gate_up_proj.weight.shape[0] // 2
         for kind, param in (("weight", mlp.gate_up_proj.weight),
                             ("bias", mlp.gate_up_proj.bias if arch.mlp_bias else None)):
             if param is not None:
@@ -171,8 +180,6 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
         fill(mlp.down_proj.weight, p + "mlp.down_proj.weight", 1)
         if arch.mlp_bias:
             fill(mlp.down_proj.bias, p + "mlp.down_proj.bias")
-        fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
-        fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
 
     # Independent tasks (the embeddings, head and final norm; each decoder layer) on up to two
     # Python threads, each running torch on one thread (single_threaded in build_model): a
@@ -191,16 +198,97 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
     _check_all_read(model, recorder)
 
 
+# Where each layout keeps a layer's router and experts (p = "model.layers.{i}."):
+#   packed (transformers 5):  mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
+#   stacked (GGUF's ffn_*_exps): mlp.experts.{gate,up,down}_proj [E, I, H] / [E, H, I]
+#   per expert (transformers 4): mlp.experts.{j}.{gate,up,down}_proj.weight, Mixtral's
+#       block_sparse_moe.experts.{j}.{w1,w3,w2}.weight (gate, up, down)
+_ROUTER_NAMES = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_PER_EXPERT_NAMES = (("mlp.experts.{j}.", ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
+                     ("block_sparse_moe.experts.{j}.", ("w1.weight", "w3.weight", "w2.weight")))
+
+
+def load_moe_block(block: SparseMoeBlock, checkpoint, p: str) -> None:
+    """Fill a sparse block's router and this rank's experts (FusedMoE's docstring: all experts
+    cut along I, or with expert parallelism E/P whole experts) from any of the layouts above.
+    A missing or mis-shaped expert is an error naming the tensor."""
+    names = set(checkpoint.tensor_names())
+    router = next((p + n for n in _ROUTER_NAMES if p + n in names), None)
+    if router is None:
+        raise ValueError(f"checkpoint has no router for MoE layer {p}: expected "
+                         f"{p}{_ROUTER_NAMES[0]}")
+    checkpoint.read_into(block.gate.data, router)
+    experts = block.experts
+    size, rank = experts.group.size, experts.group.rank
+    first, inter = experts.expert_start, experts.inter
+    w13, w2 = experts.w13.data, experts.w2.data  # [E_local, 2 I_loc, H], [E_local, H, I_loc]
+    full_inter = inter if experts.expert_parallel else inter * size
+    lo = 0 if experts.expert_parallel else rank * inter  # this rank's slice of I
+
+    def stacked(name: str, rows_dim: int) -> torch.Tensor:
+        """[E_local, ...] of a 3-D tensor holding every expert, cut to this rank's part."""
+        value = checkpoint.get(name)
+        e = block.gate.shape[0]
+        want = (e, 2 * full_inter if "gate_up" in name else full_inter, w13.shape[2])
+        want = want if rows_dim == 1 else (e, w13.shape[2], full_inter)
+        if tuple(value.shape) != want:
+            raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(value.shape)}, "
+                             f"model expects {want}")
+        return value[first:first + experts.num_local]
+
+    if p + "mlp.experts.gate_up_proj" in names:
+        gate_up = stacked(p + "mlp.experts.gate_up_proj", 1)
+        w13[:, :inter].copy_(gate_up[:, lo:lo + inter])
+        w13[:, inter:].copy_(gate_up[:, full_inter + lo:full_inter + lo + inter])
+        w2.copy_(stacked(p + "mlp.experts.down_proj", 2)[:, :, lo:lo + inter])
+        return
+    if p + "mlp.experts.gate_proj" in names:
+        w13[:, :inter].copy_(stacked(p + "mlp.experts.gate_proj", 1)[:, lo:lo + inter])
+        w13[:, inter:].copy_(stacked(p + "mlp.experts.up_proj", 1)[:, lo:lo + inter])
+        w2.copy_(stacked(p + "mlp.experts.down_proj", 2)[:, :, lo:lo + inter])
+        return
+    pattern, (gate, up, down) = next(
+        ((pat, parts) for pat, parts in _PER_EXPERT_NAMES
+         if p + pat.format(j=0) + parts[0] in names), _PER_EXPERT_NAMES[0])
+    row_shard = None if experts.expert_parallel or size == 1 else (0, rank, size)
+    col_shard = None if experts.expert_parallel or size == 1 else (1, rank, size)
+    for local in range(experts.num_local):
+        q = p + pattern.format(j=first + local)
+        for name in (q + gate, q + up, q + down):
+            if name not in names:
+                raise ValueError(f"checkpoint has no tensor {name} (expert {first + local} of "
+                                 f"MoE layer {p})")
+        checkpoint.read_into(w13[local, :inter], q + gate, row_shard)
+        checkpoint.read_into(w13[local, inter:], q + up, row_shard)
+        checkpoint.read_into(w2[local], q + down, col_shard)
+
+
+def _owned_elsewhere(name: str, model) -> bool:
+    """Per-expert tensors of experts another expert-parallel rank holds (not read here)."""
+    parts = name.split(".")
+    if "experts" not in parts or not getattr(model, "expert_parallel", False):
+        return False
+    index = parts.index("experts") + 1
+    if index >= len(parts) or not parts[index].isdigit():
+        return False
+    experts = next(m.experts for m in model.modules() if isinstance(m, SparseMoeBlock))
+    return not experts.expert_start <= int(parts[index]) < experts.expert_start + experts.num_local
+
+
 def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
-                tp: ParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None):
-    """Instantiate the model without initialising weights, then load the checkpoint."""
+                tp: ParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
+                expert_parallel: bool = False):
+    """Instantiate the model without initialising weights, then load the checkpoint.
+    `expert_parallel`: a MoE model's experts are split across the `tp` ranks whole instead of
+    each cut along its width (hearth.models.moe); a dense model ignores it, as vLLM does."""
+    arch = checkpoint.arch
+    extra = {"expert_parallel": True} if expert_parallel and arch.moe is not None else {}
     # Built straight on the device (parameters are torch.empty, filled by load_weights): the
     # meta-device + to_empty route pulls in torch's symbolic-shapes machinery, ~0.4 s of a cold
     # start.
     with torch.device(device):
-        model = LlamaForCausalLM(checkpoint.arch, tp, layer_range)
+        model = model_class(arch.architecture)(arch, tp, layer_range, **extra)
     # The RoPE tables are computed on the CPU (see RotaryEmbedding): put them on the device.
-    arch = checkpoint.arch
     rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                            arch.rope_scaling)
     for module in model.modules():

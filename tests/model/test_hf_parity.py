@@ -47,6 +47,14 @@ CASES = {
     "rope-yarn": ("Qwen3Config", dict(head_dim=16, use_sliding_window=False, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
     "rope-yarn-no-original": ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0})),
+    # Mixture-of-Experts: 8 experts, top 2 (renormalised or not), a dense layer among sparse ones
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2,
+                                      sliding_window=None, head_dim=16)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, head_dim=32,
+                                         moe_intermediate_size=48, norm_topk_prob=True)),
+    "qwen3-moe-dense-layer": ("Qwen3MoeConfig", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+        mlp_only_layers=[1])),
 }
 
 
@@ -60,8 +68,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.5 * noise)
-            elif param.dim() == 2 and "embed_tokens" not in name:
-                param.copy_(noise / param.shape[1] ** 0.5)
+            elif param.dim() >= 2 and "embed_tokens" not in name:  # 3-D: stacked experts
+                param.copy_(noise / param.shape[-1] ** 0.5)
             else:
                 param.copy_(noise)
 

@@ -40,7 +40,8 @@ class ParallelExecutor:
     def __init__(self, config: EngineConfig, checkpoint, num_blocks: int) -> None:
         pc = config.parallel
         self.layout = RankLayout(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                         pc.enable_expert_parallel)
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
         self.vocab_size = checkpoint.arch.vocab_size
@@ -74,12 +75,13 @@ class ParallelExecutor:
         self.groups = init_rank_groups(store, 0, self.layout, rank_device(pc.device, 0), timeout)
         self.heartbeat = Heartbeat(lambda: connect_store(host, port, False, timeout), 0,
                                    self.layout, self._on_failure).start()
-        load = LoadModel(mc.model, mc.dtype, self.num_blocks, self.block_size, mc.seed)
+        load = LoadModel(mc.model, mc.dtype, self.num_blocks, self.block_size, mc.seed,
+                         pc.enable_expert_parallel)
         broadcast_message(Command.LOAD_MODEL, encode(load), self.groups.cmd)
         errors = []
         try:
             self.shard = StageShard(checkpoint, self.groups, self.num_blocks, self.block_size,
-                                    DTYPES[mc.dtype], mc.seed)
+                                    DTYPES[mc.dtype], mc.seed, pc.enable_expert_parallel)
         except Exception as exc:
             errors.append(f"{self.layout.describe(0)}: {type(exc).__name__}: {exc}")
         for rank in range(1, self.layout.world_size):

@@ -8,8 +8,10 @@ from __future__ import annotations
 from hearth.models.arch import ModelArch
 
 
-def check_parallel_shape(arch: ModelArch, tp_size: int, pp_size: int) -> None:
-    """Raise ValueError naming the constraint when the model cannot be split T x P ways."""
+def check_parallel_shape(arch: ModelArch, tp_size: int, pp_size: int,
+                         expert_parallel: bool = False) -> None:
+    """Raise ValueError naming the constraint when the model cannot be split T x P ways (a MoE
+    model's experts: cut along their width, or with `expert_parallel` split whole)."""
     if tp_size < 1 or pp_size < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor={tp_size} pipeline={pp_size}")
     if pp_size > arch.num_layers:
@@ -23,17 +25,27 @@ def check_parallel_shape(arch: ModelArch, tp_size: int, pp_size: int) -> None:
         # Fewer KV heads than ranks: each KV head is replicated on tp_size / kv ranks, which
         # only lines up with the query heads when kv divides tp_size.
         problems.append(f"num_kv_heads={kv}")
-    if arch.intermediate_size % tp_size:
+    if arch.intermediate_size % tp_size and _has_dense_mlp(arch):
         problems.append(f"intermediate_size={arch.intermediate_size}")
+    if arch.moe is not None and expert_parallel and arch.moe.num_experts % tp_size:
+        problems.append(f"num_experts={arch.moe.num_experts} (--enable-expert-parallel)")
+    if (arch.moe is not None and not expert_parallel
+            and arch.moe.expert_intermediate_size % tp_size):
+        problems.append(f"the experts' intermediate size={arch.moe.expert_intermediate_size}")
     if problems:
         valid = [t for t in range(1, arch.num_heads + 1) if _tp_fits(arch, t)]
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
                          f"{', '.join(problems)}; valid sizes: {', '.join(map(str, valid))}")
 
 
+def _has_dense_mlp(arch: ModelArch) -> bool:
+    return arch.moe is None or any(not arch.is_moe_layer(i) for i in range(arch.num_layers))
+
+
 def _tp_fits(arch: ModelArch, t: int) -> bool:
     kv = arch.num_kv_heads
-    return (arch.num_heads % t == 0 and arch.intermediate_size % t == 0
+    return (arch.num_heads % t == 0
+            and (arch.intermediate_size % t == 0 or not _has_dense_mlp(arch))
             and (kv % t == 0 if kv >= t else t % kv == 0))
 
 

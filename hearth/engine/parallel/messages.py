@@ -40,6 +40,7 @@ class LoadModel(msgspec.Struct, frozen=True):
     num_blocks: int  # the driver's pool size: block ids are the same on every rank
     block_size: int
     seed: int  # the sampler rank's shared generator, as ModelRunner seeds it
+    expert_parallel: bool = False  # a MoE model's experts split whole across the TP ranks
 
 
 class LoadReport(msgspec.Struct, frozen=True):

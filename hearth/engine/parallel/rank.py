@@ -101,7 +101,7 @@ def load_shard(groups: RankGroups, spec: LoadModel):
     try:
         torch.manual_seed(spec.seed)
         shard = StageShard(load_checkpoint(spec.model), groups, spec.num_blocks, spec.block_size,
-                           DTYPES[spec.dtype], spec.seed)
+                           DTYPES[spec.dtype], spec.seed, spec.expert_parallel)
         report = LoadReport(groups.rank, None, shard.num_parameters, shard.kv_cache.nbytes)
     except Exception as exc:  # reported to the driver, which ends the rank set cleanly
         log.exception("%s: loading failed", groups.layout.describe(groups.rank))

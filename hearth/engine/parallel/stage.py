@@ -60,7 +60,7 @@ def micro_batches(cmd: StepCommand) -> list[MicroBatch]:
 
 class StageShard:
     def __init__(self, checkpoint, groups: RankGroups, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, seed: int) -> None:
+                 dtype: torch.dtype, seed: int, expert_parallel: bool = False) -> None:
         self.groups = groups
         self.block_size = block_size
         self.device = groups.device
@@ -68,7 +68,8 @@ class StageShard:
         layout = groups.layout
         layer_range = split_layers(checkpoint.arch.num_layers,
                                    layout.pipeline_parallel_size)[groups.stage]
-        self.model = build_model(checkpoint, dtype, str(self.device), groups.tp, layer_range)
+        self.model = build_model(checkpoint, dtype, str(self.device), groups.tp, layer_range,
+                                 expert_parallel)
         arch = self.model.arch
         self.hidden_size = arch.hidden_size
         num_kv_heads = self.model.layers[0].self_attn.num_kv_heads

@@ -1,0 +1,151 @@
+"""The Mixture-of-Experts layer: a router and one fused expert op, reusable by every MoE family.
+
+    x [T, H] --router--> top-k (expert id, weight) per token
+             --experts--> out[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
+                          e = id[t, j]
+
+Expert weights are stacked per layer, so one call covers every expert:
+
+    w13 [E_local, 2 I_local, H]   rows = [ gate | up ] of each expert
+    w2  [E_local, H, I_local]
+
+Sharding over a tensor-parallel group of size P (each rank adds its part; one all-reduce):
+  * default: every rank holds all E experts, each cut to I / P of its width (gate/up rows,
+    down columns), as a dense MLP is cut;
+  * expert parallel (`--enable-expert-parallel`): rank r holds experts [r E/P, (r+1) E/P) whole;
+    a token's pairs routed elsewhere contribute nothing here.
+Either way the router runs replicated on every rank (it is tiny) and picks the same experts.
+
+The experts run through hearth's CPU kernel `moe_experts` when one is attached (tokens grouped by
+expert, only the active experts' weights read; quantized experts for few-row steps), else
+through `fused_experts_torch`, the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.models.arch import ModelArch
+from hearth.models.layers import LOWP_MIN_ROWS, QLINEAR_MAX_ROWS
+from hearth.ops.parallel import ParallelGroup
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, the top k, optionally renormalised to sum to 1.
+    Returns (weights [T, k] float32, expert ids [T, k] int64)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        expert_start: int = 0) -> torch.Tensor:
+    """The expert op in plain torch: the (token, slot) pairs sorted by expert, each active
+    expert's gate/up, SiLU-mul and down over its group, combined with the routing weights.
+    Experts outside [expert_start, expert_start + E_local) are skipped. Returns [T, H] in x's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    num_local = w13.shape[0]
+    inter = w13.shape[1] // 2
+    local = (topk_ids - expert_start).flatten()
+    mine = (local >= 0) & (local < num_local)
+    order = torch.argsort(local.masked_fill(~mine, num_local), stable=True)
+    counts = torch.bincount(local[mine], minlength=num_local).tolist()
+    weights = topk_weights.flatten()
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        gate_up = F.linear(x[tokens], w13[expert])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(act, w2[expert]).float() * weights[pairs, None]
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+class FusedMoE(nn.Module):
+    """The stacked experts of one layer (this rank's part) and the op that runs them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 tp: ParallelGroup, expert_parallel: bool) -> None:
+        super().__init__()
+        self.num_experts, self.group, self.expert_parallel = num_experts, tp, expert_parallel
+        if expert_parallel:
+            if num_experts % tp.size:
+                raise ValueError(f"expert parallel size {tp.size} does not divide "
+                                 f"num_experts={num_experts}")
+            self.num_local = num_experts // tp.size
+            self.expert_start, self.inter = tp.rank * self.num_local, intermediate_size
+        else:
+            if intermediate_size % tp.size:
+                raise ValueError(f"tensor parallel size {tp.size} does not divide the experts' "
+                                 f"intermediate size {intermediate_size}")
+            self.num_local, self.expert_start = num_experts, 0
+            self.inter = intermediate_size // tp.size
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.inter),
+                               requires_grad=False)
+        self.kernels = None  # CpuKernels
+        self.w13_lowp = self.w2_lowp = None  # bf16 copies for many-row steps (--prefill-dtype)
+        self.qw13 = self.qw2 = None  # PackedWeight copies for few-row steps (hearth.models.quant)
+
+    def set_lowp_weight(self, dtype: torch.dtype) -> None:
+        self.w13_lowp = self.w13.detach().to(dtype).contiguous()
+        self.w2_lowp = self.w2.detach().to(dtype).contiguous()
+
+    def set_quantized(self, qw13, qw2, kernels) -> None:
+        self.qw13, self.qw2, self.kernels = qw13, qw2, kernels
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """Partial sums of this rank's experts, [T, H] float32 (x's dtype without kernels)."""
+        rows = x.shape[0]
+        w13, w2 = self.w13, self.w2
+        if self.w13_lowp is not None and (x.dtype == self.w13_lowp.dtype
+                                          or rows > LOWP_MIN_ROWS):
+            w13, w2 = self.w13_lowp, self.w2_lowp
+        kernels = self.kernels
+        if kernels is None or x.device.type != "cpu":
+            return fused_experts_torch(x.to(w13.dtype), w13, w2, topk_weights, topk_ids,
+                                       self.expert_start).to(x.dtype)
+        quantized = (self.qw13 is not None and x.dtype == torch.float32
+                     and rows <= QLINEAR_MAX_ROWS)
+        q13, q2 = (self.qw13, self.qw2) if quantized else (None, None)
+        return kernels.moe_experts(x, w13, w2, topk_weights, topk_ids, self.expert_start,
+                                   q13, q2)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts in place of a dense MLP (Mixtral, Qwen3-MoE)."""
+
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, expert_parallel: bool = False) -> None:
+        super().__init__()
+        moe = arch.moe
+        self.top_k, self.renormalize = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.gate = nn.Parameter(torch.empty(moe.num_experts, arch.hidden_size),
+                                 requires_grad=False)  # the router, replicated
+        self.experts = FusedMoE(moe.num_experts, arch.hidden_size,
+                                moe.expert_intermediate_size, tp, expert_parallel)
+        # Tokens routed to each expert since the last read, [num_experts] int64 (or None: not
+        # counted). The engine reads and resets it for the per-expert load metrics.
+        self.expert_counts: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.to(x.dtype))
+        topk_weights, topk_ids = route_softmax(logits, self.top_k, self.renormalize)
+        if self.expert_counts is not None:
+            self.expert_counts += torch.bincount(topk_ids.flatten(),
+                                                 minlength=self.expert_counts.numel())
+        out = self.experts(x, topk_weights, topk_ids)
+        out = self.experts.group.all_reduce(out) if self.experts.group.size > 1 else out
+        return out.to(x.dtype)

@@ -1,0 +1,55 @@
+"""One table of the model families hearth serves: file formats' architecture names -> family ->
+model class.
+
+Adding a family is a model module and a line in each table below: the HF `architectures[0]` of
+its config.json, the GGUF `general.architecture` of its files (with whether llama.cpp's converter
+permuted its Q/K rows for interleaved RoPE), and the class that runs it. Loaders ask this module
+which family a file is; the model builder asks it for the class. Nothing else names families.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from hearth.models.arch import SUPPORTED_ARCHITECTURES
+
+# config.json "architectures"[0] -> ModelArch.architecture
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+# GGUF general.architecture -> (ModelArch.architecture, Q/K rows permuted by the converter).
+# llama.cpp writes Mixtral as "llama" with stacked expert tensors (ffn_*_exps): the GGUF loader
+# turns a "llama" file with experts into "mixtral".
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", True),
+    "mistral": ("mistral", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+    "qwen3moe": ("qwen3_moe", False),
+}
+
+# ModelArch.architecture -> "module:class" (imported when a model is built)
+MODEL_CLASSES = {
+    "llama": "hearth.models.llama:LlamaForCausalLM",
+    "mistral": "hearth.models.llama:LlamaForCausalLM",
+    "qwen2": "hearth.models.llama:LlamaForCausalLM",
+    "qwen3": "hearth.models.llama:LlamaForCausalLM",
+    "mixtral": "hearth.models.moe_llama:MoeLlamaForCausalLM",
+    "qwen3_moe": "hearth.models.moe_llama:MoeLlamaForCausalLM",
+}
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES), "every family needs a model class"
+
+
+def model_class(architecture: str) -> type:
+    """The nn.Module class that runs `architecture` (a ModelArch.architecture)."""
+    if architecture not in MODEL_CLASSES:
+        raise ValueError(f"no model class for architecture {architecture!r}; hearth supports "
+                         f"{', '.join(MODEL_CLASSES)}")
+    module, name = MODEL_CLASSES[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

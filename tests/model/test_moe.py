@@ -1,0 +1,180 @@
+"""Mixture-of-Experts models (Qwen3-MoE, Mixtral) through the whole engine.
+
+Logits parity per layout with transformers is in test_hf_parity.py (the per-expert layout that
+`save_pretrained` writes); here: the packed 3-D layout of transformers 5's modules, greedy
+tokens of the engine against a transformers greedy loop through chunked prefill, prefix hits,
+preemption and speculative drafts, tensor and expert parallelism (and EP x PP) against one
+process, and the load errors a broken checkpoint or a bad parallel size gets.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hearth.config import SpeculativeConfig
+from hearth.engine.llm import LLM
+from hearth.engine.sampling_params import SamplingParams
+from hearth.models.hf_loader import HFCheckpoint
+from hearth.models.random_checkpoint import _write_word_tokenizer, write_random_checkpoint
+from tests.model.test_hf_parity import PROMPT, ATOL, PagedRun, hf_logits, make_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)]
+           for i, n in enumerate([5, 12, 23, 34, 47, 70])]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+EXACT = dict(dtype="float32", prefill_dtype="float32", kv_cache_dtype="model")
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE from transformers (8 experts, top 2, renormalised), saved with a
+    word-level tokenizer so the engine can serve the folder."""
+    model, folder = make_hf_model(tmp_path_factory.mktemp("moe"), "qwen3-moe")
+    _write_word_tokenizer(folder / "tokenizer.json", 256)
+    return model, folder
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_packed_expert_layout_equals_transformers(tmp_path: Path, hf_moe) -> None:
+    model, _ = hf_moe
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    # The module's own tensors: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
+    run = PagedRun(folder)
+    torch.testing.assert_close(run.step(PROMPT), hf_logits(model, PROMPT), atol=ATOL, rtol=0)
+
+
+def test_engine_greedy_equals_transformers_through_chunks_hits_preemption_and_drafts(hf_moe):
+    model, folder = hf_moe
+    prompts = PROMPTS[:5]  # the checkpoint's 64 positions hold the longest with its output
+    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    for settings in (dict(num_blocks=10, max_num_batched_tokens=32),  # chunks + preemption
+                     dict(speculative=SpeculativeConfig(method="suffix"))):  # drafts
+        llm = LLM(str(folder), **EXACT, **settings)
+        try:
+            first = llm.generate(prompts, GREEDY)
+            second = llm.generate(prompts, GREEDY)  # prompts now hit the prefix cache
+            assert llm.engine.kv_pool_is_whole()
+            if "num_blocks" in settings:
+                assert llm.engine.counters["preemptions"] > 0
+            else:  # the second round's outputs are drafted from the first's, and accepted
+                assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        finally:
+            llm.engine.close()
+        assert [c.token_ids for c in first] == want
+        assert [c.token_ids for c in second] == want
+        assert sum(c.cached_tokens for c in second) > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    # 8 experts on 2 ranks: EP puts 4 whole experts on each; TP cuts each to half its width.
+    return str(write_random_checkpoint(tmp_path_factory.mktemp("tiny-moe") / "m", num_layers=4,
+                                       hidden_size=64, num_heads=4, num_kv_heads=2,
+                                       vocab_size=256, num_experts=8, num_experts_per_tok=2,
+                                       expert_intermediate_size=32))
+
+
+def run_twice(llm: LLM):
+    try:
+        outs = llm.generate(PROMPTS, GREEDY) + llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.kv_pool_is_whole()
+        return outs, llm.engine.counters["preemptions"]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("parallel", [
+    dict(tensor_parallel_size=2),
+    dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
+], ids=["tp2", "ep2", "ep2-pp2"])
+def test_tensor_and_expert_parallel_equal_one_process(tiny_moe, parallel):
+    settings = dict(num_blocks=16, max_num_batched_tokens=32)
+    want, want_preemptions = run_twice(LLM(tiny_moe, **settings))
+    got, preemptions = run_twice(LLM(tiny_moe, **settings, **parallel))
+    assert want_preemptions > 0 and preemptions == want_preemptions
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert (g.prompt_tokens, g.cached_tokens) == (w.prompt_tokens, w.cached_tokens)
+        for a, b in zip(w.logprobs, g.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_mixtral_layout_serves(tmp_path: Path):
+    folder = write_random_checkpoint(tmp_path / "mixtral", num_layers=2, hidden_size=64,
+                                     num_heads=4, num_kv_heads=2, vocab_size=256, num_experts=4,
+                                     expert_intermediate_size=32, architecture="mixtral")
+    checkpoint = HFCheckpoint(folder)
+    assert checkpoint.arch.architecture == "mixtral"
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in checkpoint.tensor_names()
+    llm = LLM(str(folder))
+    try:
+        out = llm.generate(PROMPTS[:2], GREEDY)
+        assert all(len(c.token_ids) == GREEDY.max_tokens for c in out)
+        assert llm.engine.kv_pool_is_whole()
+    finally:
+        llm.engine.close()
+
+
+def _rewrite(folder: Path, edit) -> None:
+    path = folder / "model.safetensors"
+    weights = load_file(str(path))
+    edit(weights)
+    save_file(weights, str(path))
+
+
+def test_broken_checkpoints_fail_at_load_naming_the_tensor(tmp_path: Path):
+    def make(name: str) -> Path:
+        return write_random_checkpoint(tmp_path / name, num_layers=2, hidden_size=64,
+                                       num_heads=4, num_kv_heads=2, vocab_size=256,
+                                       num_experts=4, expert_intermediate_size=32)
+
+    missing = make("missing")
+    _rewrite(missing, lambda w: w.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"no tensor model\.layers\.1\.mlp\.experts\.2\.up_proj"
+                                         r"\.weight \(expert 2 of MoE layer"):
+        LLM(str(missing))
+
+    misshaped = make("misshaped")
+    _rewrite(misshaped, lambda w: w.update({"model.layers.0.mlp.experts.1.down_proj.weight":
+                                            torch.zeros(64, 16)}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.1\.down_proj\.weight"):
+        LLM(str(misshaped))
+
+    router = make("router")
+    config = json.loads((router / "config.json").read_text())
+    (router / "config.json").write_text(json.dumps({**config, "router_type": "sigmoid"}))
+    with pytest.raises(ValueError, match="unknown router_type 'sigmoid'"):
+        LLM(str(router))
+
+    no_router = make("no-router")
+    _rewrite(no_router, lambda w: w.pop("model.layers.0.mlp.gate.weight"))
+    with pytest.raises(ValueError, match=r"no router for MoE layer model\.layers\.0\."):
+        LLM(str(no_router))
+
+
+def test_parallel_sizes_that_do_not_divide_the_experts_are_refused(tmp_path: Path):
+    folder = write_random_checkpoint(tmp_path / "m", num_layers=2, hidden_size=64, num_heads=4,
+                                     num_kv_heads=2, vocab_size=256, num_experts=6,
+                                     expert_intermediate_size=34)
+    with pytest.raises(ValueError, match=r"num_experts=6 \(--enable-expert-parallel\)"):
+        LLM(str(folder), tensor_parallel_size=4, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="the experts' intermediate size=34"):
+        LLM(str(folder), tensor_parallel_size=4)
