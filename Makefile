@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 
 # hearth's CPU kernels (AVX-512 and AVX2 builds, each probed in a child process); without them
 # hearth runs the plain-torch paths.
-$(KERNELS): $(STAMP) hearth/ops/csrc/cpu_kernels.cpp hearth/ops/build_kernels.py
+$(KERNELS): $(STAMP) $(wildcard hearth/ops/csrc/*) hearth/ops/build_kernels.py
 	$(BIN)/python -m hearth.ops.build_kernels || echo "warning: CPU kernels not built; plain torch paths"
 
 serve: setup

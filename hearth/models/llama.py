@@ -231,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
                   meta.short_query_lens)
 
     def use_kernels(self, kernels) -> None:
-        """Route norms, RoPE + cache writes, SiLU-mul and decode attention through `kernels`."""
+        """Route norms, RoPE + cache writes, SiLU-mul, decode attention and MoE experts through
+        `kernels`."""
         for module in self.modules():
             if hasattr(module, "kernels") and not hasattr(module, "set_quantized"):
                 module.kernels = kernels

@@ -103,7 +103,7 @@ class FusedMoE(nn.Module):
         self.w13_lowp = self.w13.detach().to(dtype).contiguous()
         self.w2_lowp = self.w2.detach().to(dtype).contiguous()
 
-    def set_quantized(self, qw13, qw2, kernels) -> None:
+    def set_quantized_experts(self, qw13, qw2, kernels) -> None:
         self.qw13, self.qw2, self.kernels = qw13, qw2, kernels
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,

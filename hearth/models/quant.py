@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from hearth.models.moe import SparseMoeBlock
 from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml, single_threaded
 
 log = logging.getLogger("hearth.models")
@@ -60,12 +61,57 @@ def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[
         p = f"model.layers.{model.layer_start + local}."
         out.append((layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]))
         out.append((layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"]))
+        if isinstance(layer.mlp, SparseMoeBlock):
+            continue  # experts: quantize_experts
         out.append((layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
         out.append((layer.mlp.down_proj, [p + "mlp.down_proj.weight"]))
     if model.lm_head is not None:
         tied = model.arch.tie_word_embeddings or "lm_head.weight" not in names
         out.append((model.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
     return out
+
+
+def _expert_raw(checkpoint, p: str, num_experts: int) -> tuple[tuple, tuple] | None:
+    """The stored blocks of a layer's stacked experts (a GGUF's ffn_*_exps) as the kernel's two
+    packed weights: [gate_e | up_e] rows per expert (w13) and the down rows (w2), when all three
+    share one format the kernels read."""
+    raw_blocks = getattr(checkpoint, "raw_blocks", None)
+    names = [p + f"mlp.experts.{x}_proj" for x in ("gate", "up", "down")]
+    if raw_blocks is None or not all(n in checkpoint.tensor_names() for n in names):
+        return None
+    parts = [raw_blocks(n) for n in names]
+    if any(part is None for part in parts) or len({part[0] for part in parts}) != 1:
+        return None
+    (qtype, gate), (_, up), (_, down) = parts
+    e = num_experts
+    gate_up = torch.cat([gate.view(e, -1, gate.shape[1]), up.view(e, -1, up.shape[1])], 1)
+    return (qtype, gate_up.reshape(-1, gate.shape[1])), (qtype, down)
+
+
+def quantize_experts(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
+    """Give each MoE layer's experts packed copies for few-row steps (the kernel's quantized
+    path): the GGUF's own expert blocks where it stores them in a kernel format (one rank),
+    else Q8_0 of the float weights. Experts whose widths are not multiples of 32 stay float."""
+    counts: dict[str, int] = {}
+    for local, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, SparseMoeBlock):
+            continue
+        experts = layer.mlp.experts
+        w13, w2 = experts.w13.data, experts.w2.data  # [E, 2I, H], [E, H, I]
+        if w13.shape[2] % 32 or w2.shape[2] % 32:
+            counts["none"] = counts.get("none", 0) + 1
+            continue
+        packed = None
+        if quantization == "gguf" and model.tp.size == 1:
+            packed = _expert_raw(checkpoint, f"model.layers.{model.layer_start + local}.",
+                                 experts.num_local)
+        if packed is None:
+            packed = ((QTYPE_IDS["q8_0"], quantize_q8_0(w13.reshape(-1, w13.shape[2]))),
+                      (QTYPE_IDS["q8_0"], quantize_q8_0(w2.reshape(-1, w2.shape[2]))))
+        experts.set_quantized_experts(pack_ggml(*packed[0]), pack_ggml(*packed[1]), kernels)
+        name = "experts-" + QTYPES[packed[0][0]][1]
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 @single_threaded()  # many small copies at a cold start, beside the HTTP process
@@ -96,6 +142,8 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
         module.set_quantized(pack_ggml(*packed, int8_act=int8_act), kernels)
         name = QTYPES[packed[0]][1]
         counts[name] = counts.get(name, 0) + 1
+    for name, count in quantize_experts(model, checkpoint, quantization, kernels).items():
+        counts[name] = counts.get(name, 0) + count
     log.info("decode weights: %s%s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())),
              ", 8-bit activations" if int8_act else "")
     return counts

@@ -37,7 +37,9 @@ PROBE_FILE = BUILD_DIR / "probe.json"
 def build_key() -> str:
     import torch
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE.parent.iterdir()):  # cpu_kernels.cpp and the headers it includes
+        digest.update(path.name.encode() + path.read_bytes())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:12]
 
@@ -78,6 +80,13 @@ d = w.reshape(8, 2, 32).abs().amax(-1, keepdim=True) / 127
 d = d.half().float()
 q = (w.reshape(8, 2, 32) / d).round().clamp(-127, 127).to(torch.int8)
 ref = x @ (q.float() * d.half().float()).reshape(8, 64).T
+w13, w2 = torch.randn(3, 64, 64, generator=g), torch.randn(3, 64, 32, generator=g)
+ids, tw = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1], [0, 2]]), torch.rand(5, 2, generator=g)
+moe = h.moe_experts(x, w13, w2, tw, ids, 0, [], [])
+gu = torch.einsum("th,tjih->tji", x, w13[ids])
+ref_moe = torch.einsum("tji,tjhi,tj->th", torch.nn.functional.silu(gu[..., :32]) * gu[..., 32:],
+                       w2[ids], tw)
+assert torch.allclose(moe, ref_moe, atol=1e-3, rtol=1e-4), "moe_experts"
 got = h.qlinear(x, q.view(torch.uint8).reshape(8, 64), d.half().reshape(8, 2),
                 torch.empty(0, dtype=torch.half), 8, 8, 64)
 assert torch.allclose(got, ref, atol=1e-4), "qlinear"

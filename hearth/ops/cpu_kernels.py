@@ -112,6 +112,19 @@ class CpuKernels:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
                                         w.in_features, self.threads.count, w.int8_act)
 
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
+                    q13: PackedWeight | None = None, q2: PackedWeight | None = None
+                    ) -> torch.Tensor:
+        """A MoE layer's experts (csrc/moe.h): float32 [T, H]. With `q13`/`q2` (the experts'
+        rows stacked, [E * 2I, H] and [E * H, I] in a block format) through qlinear's tiles,
+        else one GEMM per active expert on `w13` [E, 2I, H] / `w2` [E, H, I]."""
+        q, types = [], []
+        if q13 is not None:
+            q, types = [q13.qs, q13.d, q13.m, q2.qs, q2.d, q2.m], [q13.qtype, q2.qtype]
+        return torch.ops.hearth.moe_experts(x, w13, w2, topk_weights, topk_ids, expert_start,
+                                            q, types, self.threads.count)
+
 
 def available_variants() -> list[str]:
     """Usable builds on this machine, best first (empty when none is built)."""

@@ -133,7 +133,8 @@ def test_logits_equal_transformers(tmp_path: Path, case: str) -> None:
     check_parity(tmp_path, case, kernels=None)
 
 
-@pytest.mark.parametrize("case", ["llama-bias", "llama-mlp-bias", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("case", ["llama-bias", "llama-mlp-bias", "qwen2", "qwen3", "mistral",
+                                  "mixtral", "qwen3-moe"])
 def test_logits_equal_transformers_through_the_cpu_kernels(tmp_path: Path, case: str,
                                                            cpu_kernels) -> None:
     check_parity(tmp_path, case, kernels=cpu_kernels)

@@ -20,6 +20,7 @@ from hearth.config import SpeculativeConfig
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
 from hearth.models.hf_loader import HFCheckpoint
+from hearth.ops.attention import build_attention_metadata
 from hearth.models.random_checkpoint import _write_word_tokenizer, write_random_checkpoint
 from tests.model.test_hf_parity import PROMPT, ATOL, PagedRun, hf_logits, make_hf_model
 
@@ -178,3 +179,42 @@ def test_parallel_sizes_that_do_not_divide_the_experts_are_refused(tmp_path: Pat
         LLM(str(folder), tensor_parallel_size=4, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="the experts' intermediate size=34"):
         LLM(str(folder), tensor_parallel_size=4)
+
+
+def decode_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of every position, each computed as a 1-token step (the few-row path) over the
+    model's own paged cache."""
+    cache = torch.zeros(len(model.layers), 2, 8, 16, model.layers[0].self_attn.num_kv_heads,
+                        model.arch.head_dim)
+    out = []
+    with torch.inference_mode():
+        for i, token in enumerate(tokens):
+            meta = build_attention_metadata([1], [i + 1], [list(range(8))], 16)
+            hidden, _ = model(torch.tensor([token]), torch.tensor([i]), meta, cache)
+            out.append(model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+def test_quantized_experts_agree_with_fp32(tiny_moe):
+    """Q8_0 experts (the kernel's few-row path) against the exact float model: top-1 agreement
+    and KL over teacher-forced positions, as the dense formats are held (test_formats.py)."""
+    from hearth.engine.executor import build_model_for
+    from hearth.engine.llm import make_engine_config
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("hearth's CPU kernels are not built here")
+    folder = tiny_moe
+    checkpoint = HFCheckpoint(folder)
+    exact = build_model_for(make_engine_config(str(folder), quantization="none", **EXACT),
+                            checkpoint).model
+    quant = build_model_for(make_engine_config(str(folder), quantization="q8_0", **EXACT),
+                            checkpoint).model
+    experts = [layer.mlp.experts for layer in quant.layers]
+    assert all(e.qw13 is not None and e.qw13.qtype == 8 for e in experts)
+    tokens = PROMPTS[5][:64]
+    want, got = decode_logits(exact, tokens), decode_logits(quant, tokens)
+    top1 = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+    logp_ref, logp = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
+    assert top1 >= 0.95 and kl < 1e-3, (top1, kl)

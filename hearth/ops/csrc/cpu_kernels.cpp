@@ -14,6 +14,8 @@
 //                    place: flash-style tiles, the query heads of a kv head together.
 //   rms_norm, add_rms_norm, silu_mul, rope_write_kv: elementwise passes, fused.
 //   decode_layer     a whole decoder layer for a step of short queries.
+//   moe_experts      a Mixture-of-Experts layer's experts (moe.h): pairs sorted by expert, only
+//                    the active experts' weights read, quantized for few-row steps.
 //
 // The same source is compiled three times by hearth/ops/build_kernels.py: AVX-512 + VNNI
 // (-mavx512f/bw/vl/dq -mavx512vnni), AVX-512 and AVX2; the loader picks the best build this CPU
@@ -1739,6 +1741,8 @@ int64_t isa() {
 #endif
 }
 
+#include "moe.h"  // moe_experts (Mixture-of-Experts layers), on qlinear's tiles
+
 }  // namespace
 }  // namespace hearth
 
@@ -1775,6 +1779,9 @@ TORCH_LIBRARY(hearth, m) {
         "float scale, int split, int threads=64, bool int8_act=False, Tensor? query_lens=None) "
         "-> (Tensor, Tensor)",
         &hearth::decode_layers);
+  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        "int expert_start, Tensor[] q, int[] qtypes, int threads=64) -> Tensor",
+        &hearth::moe_experts);
   m.def("isa() -> int", &hearth::isa);
   m.def("amx_attention_usable() -> bool", &hearth::amx_attention_usable);
   m.def("amx_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "

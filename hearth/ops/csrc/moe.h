@@ -1,0 +1,161 @@
+// moe_experts: the expert part of a Mixture-of-Experts layer in one call.
+//
+//   out[t] = sum_j  w[t, j] * down_e( silu(gate_e x_t) * up_e x_t ),   e = ids[t, j]
+//
+// Included by cpu_kernels.cpp (one build, probed per ISA): it reuses qlinear's tiles, the
+// task pool and the fast exp. The (token, slot) pairs of a step are sorted by expert (a counting
+// sort), the tokens of each active expert gathered into one block, and only the active experts'
+// weights are read:
+//
+//   pairs sorted by expert:  | e3: t0 t5 | e7: t0 t2 t5 | e9: t2 |      (P = T * k pairs)
+//   xs [P, H]   gathered token rows, in that order
+//   gu [P, 2I]  xs against each expert's [gate | up] rows    (quantized: qlinear tiles; float:
+//   act [P, I]  silu(gate) * up                               one GEMM per expert, at::mm)
+//   ys [P, H]   act against each expert's down rows
+//   out[t]      sum over t's slots j in slot order of w[t, j] * ys[pos(t, j)]  (deterministic)
+//
+// Weights: w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (many-row steps: GEMMs), or the
+// same rows in a ggml block format (few-row steps: a task per (expert, 64 weight rows), so a
+// decode step spreads its k experts' rows over every thread). Pairs routed to experts outside
+// [expert_start, expert_start + E) belong to another expert-parallel rank and are skipped.
+
+struct ExpertPairs {
+  std::vector<int64_t> offset;  // [E + 1] first sorted pair of each expert
+  std::vector<int64_t> token;   // [P] token of each sorted pair
+  std::vector<int64_t> pos;     // [T * k] sorted position of pair (t, j), -1 if not local
+};
+
+ExpertPairs sort_pairs(const int64_t* ids, int64_t T, int64_t k, int64_t E, int64_t first) {
+  ExpertPairs s;
+  s.offset.assign(E + 1, 0);
+  s.pos.assign(T * k, -1);
+  for (int64_t p = 0; p < T * k; ++p) {
+    const int64_t e = ids[p] - first;
+    if (e >= 0 && e < E) ++s.offset[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) s.offset[e + 1] += s.offset[e];
+  s.token.resize(s.offset[E]);
+  std::vector<int64_t> next(s.offset.begin(), s.offset.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) {
+    const int64_t e = ids[p] - first;
+    if (e < 0 || e >= E) continue;
+    s.pos[p] = next[e]++;
+    s.token[s.pos[p]] = p / k;
+  }
+  return s;
+}
+
+// Expert e's rows of a packed weight holding E experts' rows stacked ([E * rows, K]).
+QWeight expert_rows(const QWeight& w, int64_t e, int64_t rows) {
+  QWeight v = w;
+  v.N = rows;
+  v.qs = w.qs + e * rows * w.qs_row();
+  v.d = w.d + e * rows * w.nb;
+  v.m = w.m ? w.m + e * rows * w.nb : nullptr;
+  return v;
+}
+
+QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                      int64_t qtype, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "moe_experts: ", what,
+              ": unsupported ggml type ", qtype);
+  TORCH_CHECK(K % kQK == 0, "moe_experts: ", what, ": in_features must be a multiple of 32");
+  const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 ? K : K / 2;
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == N * qs_row,
+              "moe_experts: ", what, ": qs does not match the repacked ggml layout");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb,
+              "moe_experts: ", what, ": d must be float16 [N, K/32]");
+  TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.numel() == N * nb),
+              "moe_experts: ", what, ": Q4_1 needs m float16 [N, K/32]");
+  return QWeight{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
+                 reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                 qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
+}
+
+// rows [P, N] of `in` (float) through each expert's rows of `w` into out [P, w_rows]: one task
+// per (active expert, 64 weight rows).
+void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
+                     float* out, int64_t threads) {
+  constexpr int64_t NR = 4, kRowsPerTask = 64;
+  const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (s.offset[e + 1] > s.offset[e]) active.push_back(e);
+  parallel_tasks(active.size() * tasks_per_expert, [&](int64_t task) {
+    const int64_t e = active[task / tasks_per_expert];
+    const int64_t r0 = (task % tasks_per_expert) * kRowsPerTask;
+    const int64_t r1 = std::min(w_rows, r0 + kRowsPerTask);
+    const QWeight we = expert_rows(w, e, w_rows);
+    const int64_t p0 = s.offset[e], M = s.offset[e + 1] - p0;
+    const float* x = in + p0 * w.K;
+    float* o = out + p0 * w_rows;
+    int64_t n = r0;
+    for (; n + NR <= r1; n += NR) qlinear_rows<NR>(we, n, x, M, o);
+    for (; n < r1; ++n) qlinear_rows<1>(we, n, x, M, o);
+  }, threads);
+}
+
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                       int64_t expert_start, std::vector<at::Tensor> q, std::vector<int64_t> qtypes,
+                       int64_t threads) {
+  TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, H]");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) &&
+                  w13.size(2) == x_in.size(1) && w2.size(1) == x_in.size(1) &&
+                  w13.size(1) == 2 * w2.size(2),
+              "moe_experts: w13 must be [E, 2I, H] and w2 [E, H, I] for x [T, H]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_ids.dim() == 2 && topk_ids.size(0) == x_in.size(0),
+              "moe_experts: topk_ids (int64) and topk_weights must both be [T, k]");
+  TORCH_CHECK(q.empty() || (q.size() == 6 && qtypes.size() == 2),
+              "moe_experts: quantized weights are [qs13, d13, m13, qs2, d2, m2] with 2 types");
+  const int64_t T = x_in.size(0), H = x_in.size(1), k = topk_ids.size(1);
+  const int64_t E = w13.size(0), I = w2.size(2);
+  at::Tensor ids = topk_ids.contiguous();
+  at::Tensor tw = topk_weights.to(at::kFloat).contiguous();
+  const ExpertPairs s = sort_pairs(ids.data_ptr<int64_t>(), T, k, E, expert_start);
+  const int64_t P = s.offset[E];
+  at::Tensor out = at::zeros({T, H}, x_in.options().dtype(at::kFloat));
+  if (P == 0) return out;
+  at::Tensor index = at::from_blob(const_cast<int64_t*>(s.token.data()), {P}, at::kLong);
+  at::Tensor ys;
+  if (!q.empty()) {
+    TORCH_CHECK(x_in.scalar_type() == at::kFloat, "moe_experts: quantized experts take float32 x");
+    const QWeight q13 = packed_weight(q[0], q[1], q[2], qtypes[0], E * 2 * I, H, "w13");
+    const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "w2");
+    at::Tensor xs = x_in.contiguous().index_select(0, index);  // [P, H]
+    at::Tensor gu = at::empty({P, 2 * I}, xs.options());
+    experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads);
+    at::Tensor act = silu_mul(gu);  // [P, I]
+    ys = at::empty({P, H}, xs.options());
+    experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads);
+  } else {
+    TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
+    at::Tensor xs = x_in.to(w13.scalar_type()).contiguous().index_select(0, index);
+    ys = at::empty({P, H}, xs.options());
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t p0 = s.offset[e], n = s.offset[e + 1] - p0;
+      if (n == 0) continue;
+      at::Tensor gu = at::mm(xs.narrow(0, p0, n), w13[e].t());
+      at::Tensor y = ys.narrow(0, p0, n);
+      at::mm_out(y, silu_mul(gu), w2[e].t());
+    }
+    ys = ys.to(at::kFloat);
+  }
+  const float* yp = ys.data_ptr<float>();
+  const float* wp = tw.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* pos = s.pos.data();
+  parallel_tasks(T, [&](int64_t t) {
+    float* o = op + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t p = pos[t * k + j];
+      if (p < 0) continue;
+      const float w = wp[t * k + j];
+      const float* y = yp + p * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
+    }
+  }, T >= 4 ? threads : 1);
+  return out;
+}

@@ -1,0 +1,107 @@
+"""The MoE expert op (`moe_experts`, hearth/ops/csrc/moe.h) against the torch reference
+(`hearth.models.moe.fused_experts_torch`): float and bf16 GEMM paths, every quantized format,
+expert-parallel ranks (pairs of other ranks skipped), tokens that route nowhere locally, and
+bad shapes. The router (`route_softmax`) against transformers' arithmetic."""
+
+import pytest
+import torch
+
+from hearth.models.moe import fused_experts_torch, route_softmax
+from hearth.models.quant import quantize_q8_0
+from hearth.models.dequant import dequantize
+from hearth.ops.cpu_kernels import QTYPE_IDS, pack_ggml
+from tests.unit.test_cpu_kernels import kernels, make_q4_blocks  # noqa: F401 (fixture)
+
+E, H, I = 6, 64, 96
+
+
+def make_case(num_tokens: int, top_k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, H, generator=gen)
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    weights, ids = route_softmax(torch.randn(num_tokens, E, generator=gen), top_k, True)
+    return x, w13, w2, weights, ids
+
+
+def test_router_is_softmax_then_top_k_then_renormalised():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    weights, ids = route_softmax(logits, 2, renormalize=False)
+    probs = logits.softmax(-1)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, probs[:, [1, 2]])
+    weights, _ = route_softmax(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights, probs[:, [1, 2]] / probs[:, [1, 2]].sum())
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (3, 1), (17, 4), (40, 6)])
+def test_float_path_equals_reference(kernels, num_tokens, top_k):
+    x, w13, w2, weights, ids = make_case(num_tokens, top_k)
+    want = fused_experts_torch(x, w13, w2, weights, ids)
+    got = kernels.moe_experts(x, w13, w2, weights, ids, 0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_weights_equal_reference_in_bf16(kernels):
+    x, w13, w2, weights, ids = make_case(24, 2)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    want = fused_experts_torch(x.bfloat16(), w13, w2, weights, ids).float()
+    got = kernels.moe_experts(x, w13, w2, weights, ids, 0)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_expert_parallel_rank_adds_only_its_experts(kernels, start):
+    x, w13, w2, weights, ids = make_case(9, 2)
+    mine = slice(start, start + 3)  # this rank holds experts [start, start + 3)
+    want = fused_experts_torch(x, w13[mine], w2[mine], weights, ids, expert_start=start)
+    got = kernels.moe_experts(x, w13[mine].contiguous(), w2[mine].contiguous(), weights, ids,
+                              start)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the two ranks' parts sum to the whole layer
+    other = slice(3 - start, 6 - start)
+    total = got + kernels.moe_experts(x, w13[other].contiguous(), w2[other].contiguous(),
+                                      weights, ids, 3 - start)
+    torch.testing.assert_close(total, fused_experts_torch(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_no_local_pairs_gives_zeros(kernels):
+    x, w13, w2, weights, ids = make_case(4, 2)
+    got = kernels.moe_experts(x, w13[:1].contiguous(), w2[:1].contiguous(), weights, ids, 100)
+    assert got.shape == (4, H) and not got.any()
+
+
+def packed(fmt: str, w: torch.Tensor, gen):
+    """(PackedWeight, its dequantized float rows) of `w` [rows, K] in `fmt`."""
+    rows, k = w.shape
+    if fmt == "q8_0":
+        blocks = quantize_q8_0(w)
+    else:
+        blocks = make_q4_blocks(rows, k, fmt == "q4_1", gen)
+    qtype = QTYPE_IDS[fmt]
+    return pack_ggml(qtype, blocks), dequantize(blocks.reshape(-1), qtype, (rows, k))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (5, 3), (16, 2)])
+def test_quantized_path_equals_reference_on_dequantized_weights(kernels, fmt, num_tokens, top_k):
+    gen = torch.Generator().manual_seed(1)
+    x, w13, w2, weights, ids = make_case(num_tokens, top_k)
+    q13, f13 = packed(fmt, w13.reshape(E * 2 * I, H), gen)
+    q2, f2 = packed(fmt, w2.reshape(E * H, I), gen)
+    f13, f2 = f13.reshape(E, 2 * I, H), f2.reshape(E, H, I)
+    want = fused_experts_torch(x, f13, f2, weights, ids)
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+def test_bad_shapes_are_refused(kernels):
+    x, w13, w2, weights, ids = make_case(3, 2)
+    with pytest.raises(RuntimeError, match=r"w13 must be \[E, 2I, H\]"):
+        kernels.moe_experts(x, w13[:, :5].contiguous(), w2, weights, ids, 0)
+    with pytest.raises(RuntimeError, match="topk_ids .int64. and topk_weights must both be"):
+        kernels.moe_experts(x, w13, w2, weights, ids.int(), 0)
+    q13 = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(w13.reshape(-1, H)))
+    with pytest.raises(RuntimeError, match="w2: qs does not match"):
+        kernels.moe_experts(x, w13, w2, weights, ids, 0, q13, q13)
