@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hearth.models.arch import ModelArch
+from hearth.models.arch import MOE_ARCHITECTURES, ModelArch, MoeSpec
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
 from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
 from hearth.models.gguf_file import GGUFFile
@@ -43,7 +43,12 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router [E, H]
 }
+# A MoE layer's experts, stacked ([E, I, H] / [E, H, I]): hearth's "stacked" expert layout
+# (hearth.models.weights), named without a .weight suffix.
+_EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+                 "ffn_down_exps": "mlp.experts.down_proj"}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
@@ -53,6 +58,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is not None and match[2] in _EXPERT_NAMES and match[3] == "weight":
+        return f"model.layers.{match[1]}.{_EXPERT_NAMES[match[2]]}"
     if match is None or match[2] not in _BLOCK_NAMES:
         return None
     return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
@@ -140,9 +147,10 @@ class GGUFCheckpoint(Checkpoint):
         from hearth.ops.cpu_kernels import QTYPES
 
         info = self.file.tensors.get(self._hf_to_gguf.get(name, ""))
-        if info is None or len(info.shape) != 2 or info.ggml_type not in QTYPES:
+        if info is None or len(info.shape) not in (2, 3) or info.ggml_type not in QTYPES:
             return None
-        rows = self.file.raw(info.name).view(info.shape[0], -1)
+        # a 3-D tensor (stacked experts): every expert's rows, one after another
+        rows = self.file.raw(info.name).view(math.prod(info.shape[:-1]), -1)
         num_heads = self._permuted_heads(name)
         if num_heads is not None:
             rows = unpermute_qk(rows, num_heads)
@@ -182,11 +190,30 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
     head_dim = int(key("attention.key_length", hidden_size // num_heads))
     rope_theta = float(key("rope.freq_base", 10000.0))
     eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    architecture, moe = _ARCHITECTURES[prefix][0], None
+    num_experts = int(meta.get(f"{prefix}.expert_count") or 0)
+    if num_experts:
+        if architecture == "llama":
+            architecture = "mixtral"  # llama.cpp writes Mixtral as llama with experts
+        if architecture not in MOE_ARCHITECTURES:
+            raise ValueError(f"{file.path}: a {prefix} file with experts is not supported")
+        gate = file.tensors.get("blk.0.ffn_gate_exps.weight")
+        expert_width = meta.get(f"{prefix}.expert_feed_forward_length",
+                                gate.shape[1] if gate is not None else None)
+        # llama.cpp renormalises the top-k weights of both (its qwen3moe and llama graphs)
+        moe = MoeSpec(num_experts=num_experts,
+                      num_experts_per_tok=int(key("expert_used_count")),
+                      expert_intermediate_size=int(expert_width or key("feed_forward_length")),
+                      norm_topk_prob=True,
+                      dense_layers=tuple(i for i in range(int(key("block_count")))
+                                         if f"blk.{i}.ffn_gate_inp.weight" not in file.tensors))
     return ModelArch(
-        architecture=_ARCHITECTURES[prefix][0],
+        architecture=architecture,
+        moe=moe,
         vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(meta.get(f"{prefix}.feed_forward_length")
+                              or (moe.expert_intermediate_size if moe else key("feed_forward_length"))),
         num_layers=int(key("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),

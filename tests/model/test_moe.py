@@ -218,3 +218,102 @@ def test_quantized_experts_agree_with_fp32(tiny_moe):
     logp_ref, logp = want.log_softmax(-1), got.log_softmax(-1)
     kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
     assert top1 >= 0.95 and kl < 1e-3, (top1, kl)
+
+
+def write_moe_gguf(path: Path, folder: str, qtype=None) -> Path:
+    """The HF folder `folder` (a tiny Qwen3-MoE from write_random_checkpoint) as a llama.cpp
+    `qwen3moe` GGUF: stacked ffn_{gate,up,down}_exps [E, I, H] / [E, H, I] and ffn_gate_inp;
+    the experts, attention projections and output head in `qtype` (a
+    gguf.GGMLQuantizationType; None: F32)."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize as reference_quantize
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    weights = load_file(str(Path(folder) / "model.safetensors"))
+    arch, num_layers = "qwen3moe", config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", num_layers), ("context_length", 1024),
+                       ("embedding_length", config["hidden_size"]),
+                       ("feed_forward_length", config["intermediate_size"]),
+                       ("expert_feed_forward_length", config["moe_intermediate_size"]),
+                       ("expert_count", config["num_experts"]),
+                       ("expert_used_count", config["num_experts_per_tok"]),
+                       ("attention.head_count", config["num_attention_heads"]),
+                       ("attention.head_count_kv", config["num_key_value_heads"]),
+                       ("attention.key_length", config["head_dim"]),
+                       ("attention.value_length", config["head_dim"])):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26)
+                           for i in range(config["vocab_size"])])
+    writer.add_token_merges([])
+
+    def add(name: str, tensor: torch.Tensor, qtype=None) -> None:
+        data = tensor.float().numpy()
+        if qtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+        else:
+            data = reference_quantize(data, qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"])
+    add("output.weight", weights["lm_head.weight"], qtype)
+    num_experts = config["num_experts"]
+    for i in range(num_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, gg in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                       ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                       ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                       ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm"),
+                       ("mlp.gate", "ffn_gate_inp")):
+            linear = hf.endswith("_proj")
+            add(b + gg + ".weight", weights[p + hf + ".weight"], qtype if linear else None)
+        for hf, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                       ("down_proj", "ffn_down_exps")):
+            stacked = torch.stack([weights[p + f"mlp.experts.{j}.{hf}.weight"]
+                                   for j in range(num_experts)])
+            add(b + gg + ".weight", stacked, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_qwen3moe_equals_the_hf_folder(tmp_path: Path, tiny_moe):
+    """The same weights as a GGUF: in F32 they give the HF folder's logits; in Q8_0 the experts
+    (and every linear) are served in the file's own blocks (quantization gguf), equal to the
+    float model run on the dequantized weights up to summation order."""
+    import gguf
+
+    from hearth.engine.executor import build_model_for
+    from hearth.engine.llm import make_engine_config
+    from hearth.models.gguf_loader import GGUFCheckpoint
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    tokens = PROMPTS[5][:40]
+    hf = build_model_for(make_engine_config(tiny_moe, quantization="none", **EXACT),
+                         HFCheckpoint(tiny_moe)).model
+    f32 = write_moe_gguf(tmp_path / "f32.gguf", tiny_moe)
+    checkpoint = GGUFCheckpoint(f32)
+    assert checkpoint.arch.architecture == "qwen3_moe" and checkpoint.arch.moe.num_experts == 8
+    gguf_model = build_model_for(make_engine_config(str(f32), quantization="none", **EXACT),
+                                 checkpoint).model
+    torch.testing.assert_close(decode_logits(gguf_model, tokens), decode_logits(hf, tokens),
+                               atol=1e-4, rtol=0)
+    if load_cpu_kernels() is None:
+        return
+    q8 = write_moe_gguf(tmp_path / "q8.gguf", tiny_moe, gguf.GGMLQuantizationType.Q8_0)
+    q8_checkpoint = GGUFCheckpoint(q8)
+    served = build_model_for(make_engine_config(str(q8), quantization="gguf", **EXACT),
+                             q8_checkpoint).model
+    float_only = build_model_for(make_engine_config(str(q8), quantization="none", **EXACT),
+                                 q8_checkpoint).model
+    experts = served.layers[0].mlp.experts
+    assert experts.qw13.qtype == 8 and experts.qw13.out_features == 8 * 2 * 32
+    torch.testing.assert_close(decode_logits(served, tokens), decode_logits(float_only, tokens),
+                               atol=1e-3, rtol=0)
