@@ -434,6 +434,8 @@ class LLMEngine:
             num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
             num_forced_tokens=self.counters["forced"],
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            moe_expert_tokens=(self.executor.expert_load()
+                               if hasattr(self.executor, "expert_load") else {}),
             **self._spec_stats(),
         )
 

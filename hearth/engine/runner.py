@@ -12,6 +12,7 @@ import torch
 from hearth.engine.sampler import RowSampler
 from hearth.engine.step import SampleResult, StepCommand, sample_row_positions
 from hearth.engine.thread_tuner import ThreadTuner
+from hearth.models.moe import SparseMoeBlock
 from hearth.ops import host_memory
 from hearth.ops.attention import build_attention_metadata
 
@@ -44,6 +45,15 @@ class ModelRunner:
         if self.device.type == "cpu":  # first touch off the request path (host_memory.py)
             prefault = host_memory.prefault(self.kv_cache)
         self.sampler = RowSampler(seed, self.vocab_size)
+        # MoE layers count the tokens routed to each expert (the per-expert load metrics); a
+        # model shared by several engines (`prebuilt`) keeps one count.
+        self._moe_layers = {model.layer_start + i: layer.mlp
+                            for i, layer in enumerate(model.layers)
+                            if isinstance(layer.mlp, SparseMoeBlock)}
+        for block in self._moe_layers.values():
+            if block.expert_counts is None:
+                block.expert_counts = torch.zeros(block.gate.shape[0], dtype=torch.int64,
+                                                  device=self.device)
         self.num_micro_batches = 1  # micro-batches only pay off with pipeline stages
         # The kernels' thread count for decode-like steps, chosen by measurement (thread_tuner.py).
         self.thread_tuner = (ThreadTuner(kernels.threads, background=prefault)
@@ -51,6 +61,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release in one process (the parallel executor stops its ranks here)."""
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start, per MoE layer (layer index -> counts; a
+        token counts once per expert it picked). Empty for a dense model."""
+        return {layer: block.expert_counts.tolist() for layer, block in self._moe_layers.items()}
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] view of one block."""

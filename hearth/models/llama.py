@@ -51,11 +51,16 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.kernels is not None and self.q_norm is None and qkv.is_contiguous():
-            # One pass: RoPE on q and k in place, then k and v into their cache slots.
-            self.kernels.ops.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin,
-                                           kv_cache[0], kv_cache[1], meta.slot_mapping,
-                                           self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.kernels is not None and qkv.is_contiguous():
+            # One pass: (Qwen3's q/k norms,) RoPE on q and k in place, then k and v into their
+            # cache slots.
+            args = (qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
+                    meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+            if self.q_norm is None:
+                self.kernels.ops.rope_write_kv(*args)
+            else:
+                self.kernels.ops.qk_norm_rope_write_kv(*args, self.q_norm.weight,
+                                                       self.k_norm.weight, self.q_norm.eps)
             o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                 self.kernels, kv_written=True)
             return self.o_proj(o.reshape(-1, self.q_size))

@@ -125,6 +125,9 @@ class FusedMoE(nn.Module):
                                    q13, q2)
 
 
+_NO_COUNTS = torch.empty(0, dtype=torch.int64)  # moe_topk's "do not count" (never written)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + experts in place of a dense MLP (Mixtral, Qwen3-MoE)."""
 
@@ -142,10 +145,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.to(x.dtype))
-        topk_weights, topk_ids = route_softmax(logits, self.top_k, self.renormalize)
-        if self.expert_counts is not None:
-            self.expert_counts += torch.bincount(topk_ids.flatten(),
-                                                 minlength=self.expert_counts.numel())
+        kernels = self.experts.kernels
+        if kernels is not None and x.device.type == "cpu":  # one op: softmax, top-k, counts
+            counts = self.expert_counts if self.expert_counts is not None else _NO_COUNTS
+            topk_weights, topk_ids = kernels.ops.moe_topk(logits, self.top_k, self.renormalize,
+                                                          counts)
+        else:
+            topk_weights, topk_ids = route_softmax(logits, self.top_k, self.renormalize)
+            if self.expert_counts is not None:
+                self.expert_counts += torch.bincount(topk_ids.flatten(),
+                                                     minlength=self.expert_counts.numel())
         out = self.experts(x, topk_weights, topk_ids)
         out = self.experts.group.all_reduce(out) if self.experts.group.size > 1 else out
         return out.to(x.dtype)

@@ -24,7 +24,7 @@ import logging
 import torch
 
 from hearth.models.moe import SparseMoeBlock
-from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml, single_threaded
+from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
 
 log = logging.getLogger("hearth.models")
 
@@ -42,15 +42,16 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return packed.reshape(n, -1).contiguous()
 
 
-def _merged_raw(checkpoint, names: list[str]) -> tuple[int, torch.Tensor] | None:
-    """Rows of several stored tensors stacked (QKV, gate/up), if all share one kernel format."""
+def _merged_raw(checkpoint, names: list[str]) -> tuple[int, list[torch.Tensor]] | None:
+    """(ggml type, the stored block rows of each tensor) of several tensors stacked (QKV,
+    gate/up), if all share one kernel format."""
     raw_blocks = getattr(checkpoint, "raw_blocks", None)
     if raw_blocks is None:
         return None
     parts = [raw_blocks(n) for n in names]
     if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
         return None
-    return parts[0][0], torch.cat([p[1] for p in parts])
+    return parts[0][0], [p[1] for p in parts]
 
 
 def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[str]]]:
@@ -71,10 +72,10 @@ def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[
     return out
 
 
-def _expert_raw(checkpoint, p: str, num_experts: int) -> tuple[tuple, tuple] | None:
+def _expert_raw(checkpoint, p: str, num_experts: int):
     """The stored blocks of a layer's stacked experts (a GGUF's ffn_*_exps) as the kernel's two
     packed weights: [gate_e | up_e] rows per expert (w13) and the down rows (w2), when all three
-    share one format the kernels read."""
+    share one format the kernels read; else None."""
     raw_blocks = getattr(checkpoint, "raw_blocks", None)
     names = [p + f"mlp.experts.{x}_proj" for x in ("gate", "up", "down")]
     if raw_blocks is None or not all(n in checkpoint.tensor_names() for n in names):
@@ -83,9 +84,9 @@ def _expert_raw(checkpoint, p: str, num_experts: int) -> tuple[tuple, tuple] | N
     if any(part is None for part in parts) or len({part[0] for part in parts}) != 1:
         return None
     (qtype, gate), (_, up), (_, down) = parts
-    e = num_experts
-    gate_up = torch.cat([gate.view(e, -1, gate.shape[1]), up.view(e, -1, up.shape[1])], 1)
-    return (qtype, gate_up.reshape(-1, gate.shape[1])), (qtype, down)
+    inter = gate.shape[0] // num_experts
+    return (pack_ggml_parts(qtype, [gate, up], [inter, inter], num_experts),
+            pack_ggml_parts(qtype, [down], [down.shape[0]]))
 
 
 def quantize_experts(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
@@ -106,10 +107,11 @@ def quantize_experts(model, checkpoint, quantization: str, kernels) -> dict[str,
             packed = _expert_raw(checkpoint, f"model.layers.{model.layer_start + local}.",
                                  experts.num_local)
         if packed is None:
-            packed = ((QTYPE_IDS["q8_0"], quantize_q8_0(w13.reshape(-1, w13.shape[2]))),
-                      (QTYPE_IDS["q8_0"], quantize_q8_0(w2.reshape(-1, w2.shape[2]))))
-        experts.set_quantized_experts(pack_ggml(*packed[0]), pack_ggml(*packed[1]), kernels)
-        name = "experts-" + QTYPES[packed[0][0]][1]
+            q13, q2 = (quantize_q8_0(w.reshape(-1, w.shape[2])) for w in (w13, w2))
+            packed = (pack_ggml_parts(QTYPE_IDS["q8_0"], [q13], [q13.shape[0]]),
+                      pack_ggml_parts(QTYPE_IDS["q8_0"], [q2], [q2.shape[0]]))
+        experts.set_quantized_experts(*packed, kernels)
+        name = "experts-" + QTYPES[packed[0].qtype][1]
         counts[name] = counts.get(name, 0) + 1
     return counts
 
@@ -135,11 +137,13 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
         packed = None
         if quantization == "gguf" and single_rank:
             packed = _merged_raw(checkpoint, sources)
-            if packed is not None and packed[1].shape[0] != weight.shape[0]:
+            if packed is not None and sum(p.shape[0] for p in packed[1]) != weight.shape[0]:
                 packed = None  # e.g. a vocabulary padded for TP
         if packed is None:
-            packed = (QTYPE_IDS["q8_0"], quantize_q8_0(weight))
-        module.set_quantized(pack_ggml(*packed, int8_act=int8_act), kernels)
+            packed = (QTYPE_IDS["q8_0"], [quantize_q8_0(weight)])
+        qtype, parts = packed
+        module.set_quantized(pack_ggml_parts(qtype, parts, [p.shape[0] for p in parts],
+                                             int8_act=int8_act), kernels)
         name = QTYPES[packed[0]][1]
         counts[name] = counts.get(name, 0) + 1
     for name, count in quantize_experts(model, checkpoint, quantization, kernels).items():

@@ -115,6 +115,11 @@ class ServerMetrics:
         self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted at each position.", ("position",))
         self._spec_seen: dict[str, int] = {}
+        # Mixture-of-Experts: tokens routed to each expert of each MoE layer (fed from totals)
+        self.expert_tokens = counter("moe_expert_tokens", "Tokens routed to each expert, per "
+                                     "MoE layer (a token counts once per expert it picked).",
+                                     ("layer", "expert"))
+        self._expert_seen: dict[tuple[int, int], int] = {}
         self.offload_gauges = {
             key: gauge("kv_offload_" + name, doc) for key, (name, doc) in OFFLOAD_COUNTERS.items()}
 
@@ -162,6 +167,12 @@ class ServerMetrics:
                           else self._m(self.spec_per_pos, position=key[3:]))
                 metric.inc(delta)
                 self._spec_seen[key] = total
+        for layer, counts in stats.moe_expert_tokens.items():
+            for expert, total in enumerate(counts):
+                delta = total - self._expert_seen.get((layer, expert), 0)
+                if delta > 0:
+                    self._m(self.expert_tokens, layer=str(layer), expert=str(expert)).inc(delta)
+                    self._expert_seen[layer, expert] = total
         for tier, counters in stats.kv_tiers.items():
             names = OFFLOAD_COUNTERS if tier == "offload" else TIER_COUNTERS
             for key, value in counters.items():

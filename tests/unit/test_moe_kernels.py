@@ -105,3 +105,57 @@ def test_bad_shapes_are_refused(kernels):
     q13 = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(w13.reshape(-1, H)))
     with pytest.raises(RuntimeError, match="w2: qs does not match"):
         kernels.moe_experts(x, w13, w2, weights, ids, 0, q13, q13)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_topk_equals_route_softmax_and_counts(kernels, renormalize):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(33, E, generator=gen)
+    counts = torch.zeros(E, dtype=torch.int64)
+    weights, ids = kernels.ops.moe_topk(logits, 3, renormalize, counts)
+    want_weights, want_ids = route_softmax(logits, 3, renormalize)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+    assert torch.equal(counts, torch.bincount(want_ids.flatten(), minlength=E))
+    empty = torch.empty(0, dtype=torch.int64)
+    kernels.ops.moe_topk(logits, 3, renormalize, empty)  # not counted
+    with pytest.raises(RuntimeError, match="1 <= k <= E"):
+        kernels.ops.moe_topk(logits, E + 1, renormalize, empty)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_write_kv_equals_norms_then_rope(kernels, cache_dtype):
+    """Qwen3's q/k norms fused ahead of rope_write_kv: the same as normalising q and k per head
+    in fp32, then rope_write_kv."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, tokens = 4, 2, 32, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q_norm, k_norm = 1 + 0.1 * torch.randn(dim, generator=gen), 1 + 0.1 * torch.randn(dim, generator=gen)
+    from hearth.models.layers import RotaryEmbedding
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    positions, slots = torch.tensor([3, 9, 10, 11, 40]), torch.tensor([7, 0, 1, 2, 5])
+
+    def run(fused: bool):
+        x = qkv.clone()
+        caches = torch.zeros(2, 8, kv_heads, dim, dtype=cache_dtype)
+        k_cache, v_cache = caches[0], caches[1]
+        if fused:
+            kernels.ops.qk_norm_rope_write_kv(x, positions, rope.cos, rope.sin, k_cache, v_cache,
+                                              slots, heads, kv_heads, dim, q_norm, k_norm, 1e-6)
+        else:
+            view = x.view(tokens, -1, dim)
+            for h in range(heads + kv_heads):
+                w = q_norm if h < heads else k_norm
+                v = view[:, h]
+                view[:, h] = w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6))
+            kernels.ops.rope_write_kv(x, positions, rope.cos, rope.sin, k_cache, v_cache, slots,
+                                      heads, kv_heads, dim)
+        return x, k_cache, v_cache
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="q_norm and k_norm must be float32"):
+        kernels.ops.qk_norm_rope_write_kv(qkv.clone(), positions, rope.cos, rope.sin,
+                                          torch.zeros(8, kv_heads, dim),
+                                          torch.zeros(8, kv_heads, dim), slots, heads, kv_heads,
+                                          dim, q_norm[:5], k_norm, 1e-6)

@@ -12,7 +12,8 @@
 //                    float32 or bfloat16.
 //   prefill_attention a prefill chunk (causal, after any cached prefix) over the paged cache in
 //                    place: flash-style tiles, the query heads of a kv head together.
-//   rms_norm, add_rms_norm, silu_mul, rope_write_kv: elementwise passes, fused.
+//   rms_norm, add_rms_norm, silu_mul, rope_write_kv, qk_norm_rope_write_kv: elementwise passes,
+//                    fused.
 //   decode_layer     a whole decoder layer for a step of short queries.
 //   moe_experts      a Mixture-of-Experts layer's experts (moe.h): pairs sorted by expert, only
 //                    the active experts' weights read, quantized for few-row steps.
@@ -750,6 +751,51 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   };
   if (is_bf16(qkv)) with_cache(act_ptr<uint16_t>(qkv));
   else with_cache(act_ptr<float>(qkv));
+}
+
+// Qwen3's q/k norms, then rope_write_kv: each q and k head of qkv is RMS-normalised over its
+// head_dim and scaled by q_norm / k_norm (float32 [head_dim]) in place, in fp32.
+template <typename AT>
+void qk_norm_impl(AT* qp, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D,
+                  const float* qw, const float* kw, float eps) {
+  const int64_t row = (num_heads + 2 * num_kv_heads) * D;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        AT* x = qp + t * row + h * D;
+        const float* w = h < num_heads ? qw : kw;
+        float ss = 0;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < D; ++j) ss += act_load(x, j) * act_load(x, j);
+        const float inv = 1.0f / std::sqrt(ss / D + eps);
+#pragma omp simd
+        for (int64_t j = 0; j < D; ++j) act_store(x, j, w[j] * (act_load(x, j) * inv));
+      }
+    }
+  });
+}
+
+void qk_norm_rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, const at::Tensor& q_norm,
+                           const at::Tensor& k_norm, double eps) {
+  TORCH_CHECK(qkv.is_contiguous(), "qk_norm_rope_write_kv: qkv");
+  check_act(qkv, "qk_norm_rope_write_kv: qkv");
+  TORCH_CHECK(q_norm.scalar_type() == at::kFloat && k_norm.scalar_type() == at::kFloat &&
+                  q_norm.numel() == head_dim && k_norm.numel() == head_dim &&
+                  q_norm.is_contiguous() && k_norm.is_contiguous(),
+              "qk_norm_rope_write_kv: q_norm and k_norm must be float32 [head_dim]");
+  TORCH_CHECK(qkv.size(-1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qk_norm_rope_write_kv: qkv width is not (H + 2 KVH) * head_dim");
+  const float* qw = q_norm.data_ptr<float>();
+  const float* kw = k_norm.data_ptr<float>();
+  if (is_bf16(qkv))
+    qk_norm_impl(act_ptr<uint16_t>(qkv), qkv.size(0), num_heads, num_kv_heads, head_dim, qw, kw, eps);
+  else
+    qk_norm_impl(act_ptr<float>(qkv), qkv.size(0), num_heads, num_kv_heads, head_dim, qw, kw, eps);
+  rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                head_dim);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1728,6 +1774,56 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {hidden, residual};
 }
 
+// ggml blocks -> the layout qlinear reads (hearth.ops.cpu_kernels.pack_ggml): each block's fp16
+// scale (and Q4_1 offset) moved to its own array, its quants kept in row order. The output rows
+// interleave the parts by group: for each of `groups` groups, rows_per_group[p] rows of each
+// part p in turn (one group: QKV stacked; groups = experts: each expert's [gate | up]).
+// A plain copy, but torch's strided copy of 32-byte runs took ~2 s for a 1 GB MoE model.
+std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
+                                    const std::vector<int64_t>& rows_per_group, int64_t groups,
+                                    int64_t qtype, int64_t threads) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "repack_ggml: ggml type ", qtype);
+  TORCH_CHECK(!parts.empty() && parts.size() == rows_per_group.size() && groups >= 1,
+              "repack_ggml: one rows_per_group entry per part");
+  const int64_t bbytes = qtype == kQ8_0 ? 34 : qtype == kQ4_1 ? 20 : 18;
+  const int64_t head = qtype == kQ4_1 ? 4 : 2, qbytes = bbytes - head;
+  const int64_t row_bytes = parts[0].size(-1), nb = row_bytes / bbytes;
+  int64_t group_rows = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    TORCH_CHECK(parts[p].scalar_type() == at::kByte && parts[p].is_contiguous() &&
+                    parts[p].dim() == 2 && parts[p].size(1) == row_bytes &&
+                    parts[p].size(0) == groups * rows_per_group[p],
+                "repack_ggml: part ", p, " must be uint8 [groups * rows, row bytes]");
+    group_rows += rows_per_group[p];
+  }
+  TORCH_CHECK(row_bytes % bbytes == 0, "repack_ggml: row bytes are not whole blocks");
+  const int64_t N = groups * group_rows;
+  auto u8 = parts[0].options();
+  at::Tensor qs = at::empty({N, nb * qbytes}, u8);
+  at::Tensor d = at::empty({N, nb}, u8.dtype(at::kHalf));
+  at::Tensor m = qtype == kQ4_1 ? at::empty({N, nb}, u8.dtype(at::kHalf)) : at::empty({0}, u8.dtype(at::kHalf));
+  uint8_t* qp = qs.data_ptr<uint8_t>();
+  uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr());
+  uint16_t* mp = qtype == kQ4_1 ? reinterpret_cast<uint16_t*>(m.data_ptr()) : nullptr;
+  parallel_tasks(groups * parts.size(), [&](int64_t task) {
+    const int64_t g = task / parts.size(), p = task % parts.size(), rows = rows_per_group[p];
+    int64_t out_row = g * group_rows;
+    for (size_t q = 0; q < static_cast<size_t>(p); ++q) out_row += rows_per_group[q];
+    const uint8_t* src = parts[p].data_ptr<uint8_t>() + g * rows * row_bytes;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = src + r * row_bytes;
+      const int64_t o = out_row + r;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * bbytes;
+        std::memcpy(dp + o * nb + b, blk, 2);
+        if (mp) std::memcpy(mp + o * nb + b, blk + 2, 2);
+        std::memcpy(qp + (o * nb + b) * qbytes, blk + head, qbytes);
+      }
+    }
+  }, threads);
+  return {qs, d, m};
+}
+
 // Which instruction set this build was compiled for (the loader checks it against its choice).
 int64_t isa() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -1757,6 +1853,10 @@ TORCH_LIBRARY(hearth, m) {
   m.def("rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim) -> ()",
         &hearth::rope_write_kv);
+  m.def("qk_norm_rope_write_kv(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, "
+        "int num_kv_heads, int head_dim, Tensor q_norm, Tensor k_norm, float eps) -> ()",
+        &hearth::qk_norm_rope_write_kv);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int split, int threads=64, Tensor? query_lens=None) "
         "-> Tensor",
@@ -1782,6 +1882,10 @@ TORCH_LIBRARY(hearth, m) {
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "int expert_start, Tensor[] q, int[] qtypes, int threads=64) -> Tensor",
         &hearth::moe_experts);
+  m.def("moe_topk(Tensor logits, int k, bool renormalize, Tensor(a!) counts) -> (Tensor, Tensor)",
+        &hearth::moe_topk);
+  m.def("repack_ggml(Tensor[] parts, int[] rows_per_group, int groups, int qtype, int threads=64) "
+        "-> Tensor[]", &hearth::repack_ggml);
   m.def("isa() -> int", &hearth::isa);
   m.def("amx_attention_usable() -> bool", &hearth::amx_attention_usable);
   m.def("amx_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "

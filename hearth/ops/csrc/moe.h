@@ -76,7 +76,7 @@ QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
 // per (active expert, 64 weight rows).
 void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
                      float* out, int64_t threads) {
-  constexpr int64_t NR = 4, kRowsPerTask = 64;
+  constexpr int64_t NR = 4, kRowsPerTask = 256;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e)
@@ -93,6 +93,65 @@ void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, con
     for (; n + NR <= r1; n += NR) qlinear_rows<NR>(we, n, x, M, o);
     for (; n < r1; ++n) qlinear_rows<1>(we, n, x, M, o);
   }, threads);
+}
+
+// rows[i] of x (any dtype, contiguous [T, H]) -> [P, H]: one memcpy per row, spread over the
+// threads (at::index_select gathered a 2k-token prefill's 16k pairs at ~2 GB/s, on one thread).
+at::Tensor gather_rows(const at::Tensor& x, const std::vector<int64_t>& rows, int64_t threads) {
+  const int64_t P = rows.size(), bytes = x.size(1) * x.element_size();
+  at::Tensor out = at::empty({P, x.size(1)}, x.options());
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  constexpr int64_t kRowsPerTask = 256;
+  parallel_tasks((P + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
+    const int64_t end = std::min(P, (task + 1) * kRowsPerTask);
+    for (int64_t p = task * kRowsPerTask; p < end; ++p)
+      std::memcpy(dst + p * bytes, src + rows[p] * bytes, bytes);
+  }, P >= 2 * kRowsPerTask ? threads : 1);
+  return out;
+}
+
+// The router's choice per token: softmax over the experts' logits (fp32), the top k (largest
+// first, the lower expert id on a tie), optionally renormalised to sum to 1; each chosen expert
+// adds 1 to counts[e] when `counts` is not empty (the per-expert load metrics).
+std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits_in, int64_t k,
+                                            bool renormalize, at::Tensor& counts) {
+  TORCH_CHECK(logits_in.dim() == 2 && k >= 1 && k <= logits_in.size(1),
+              "moe_topk: logits must be [T, E] with 1 <= k <= E");
+  at::Tensor logits = logits_in.to(at::kFloat).contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(counts.numel() == 0 || (counts.scalar_type() == at::kLong && counts.numel() == E &&
+                                      counts.is_contiguous()),
+              "moe_topk: counts must be empty or int64 [E]");
+  at::Tensor weights = at::empty({T, k}, logits.options());
+  at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<int64_t> order(E);
+  std::vector<float> prob(E);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = lp + t * E;
+    const float mx = *std::max_element(l, l + E);
+    float sum = 0;
+    for (int64_t e = 0; e < E; ++e) sum += (prob[e] = std::exp(l[e] - mx));
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+      return prob[a] > prob[b] || (prob[a] == prob[b] && a < b);
+    });
+    float top = 0;
+    for (int64_t j = 0; j < k; ++j) top += prob[order[j]] / sum;
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = prob[order[j]] / sum;
+      wp[t * k + j] = renormalize ? w / top : w;
+      ip[t * k + j] = order[j];
+    }
+  }
+  if (counts.numel()) {
+    int64_t* cp = counts.data_ptr<int64_t>();
+    for (int64_t p = 0; p < T * k; ++p) ++cp[ip[p]];
+  }
+  return {weights, ids};
 }
 
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
@@ -117,13 +176,12 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::
   const int64_t P = s.offset[E];
   at::Tensor out = at::zeros({T, H}, x_in.options().dtype(at::kFloat));
   if (P == 0) return out;
-  at::Tensor index = at::from_blob(const_cast<int64_t*>(s.token.data()), {P}, at::kLong);
   at::Tensor ys;
   if (!q.empty()) {
     TORCH_CHECK(x_in.scalar_type() == at::kFloat, "moe_experts: quantized experts take float32 x");
     const QWeight q13 = packed_weight(q[0], q[1], q[2], qtypes[0], E * 2 * I, H, "w13");
     const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "w2");
-    at::Tensor xs = x_in.contiguous().index_select(0, index);  // [P, H]
+    at::Tensor xs = gather_rows(x_in.contiguous(), s.token, threads);  // [P, H]
     at::Tensor gu = at::empty({P, 2 * I}, xs.options());
     experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads);
     at::Tensor act = silu_mul(gu);  // [P, I]
@@ -131,7 +189,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::
     experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads);
   } else {
     TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
-    at::Tensor xs = x_in.to(w13.scalar_type()).contiguous().index_select(0, index);
+    at::Tensor xs = gather_rows(x_in.to(w13.scalar_type()).contiguous(), s.token, threads);
     ys = at::empty({P, H}, xs.options());
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = s.offset[e], n = s.offset[e + 1] - p0;
