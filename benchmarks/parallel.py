@@ -1,6 +1,6 @@
 """Tensor/pipeline parallelism on this machine: where a step's time goes, and pipeline bubbles.
 
-    .venv/bin/python benchmarks/parallel.py [--model random|real] [--quick]
+    .venv/bin/python benchmarks/parallel.py [--model random|real|moe] [--quick]
 
 For each layout (T x P, M micro-batches) it runs a prefill phase (8 prompts of 128 tokens, one
 step) and a decode phase (8 requests, 24 decode steps) and prints, per step: wall time at the
@@ -12,8 +12,10 @@ result gathering; this includes waiting for the previous stage), and the pipelin
 
 i.e. the share of each rank's step spent waiting for its neighbours; the ideal for P equal
 stages and M micro-batches is (P - 1) / (M + P - 1). Model "random" has a shape where T=2 is
-valid (SmolLM2's 9 heads are not); "real" is SmolLM2-135M with T=3. On a 2-core CPU with gloo
-this shows overheads, not speedups: every rank gets cores / ranks threads.
+valid (SmolLM2's 9 heads are not); "real" is SmolLM2-135M with T=3; "moe" is a random
+Qwen3-MoE (32 experts, top 4) measured with T=2 (experts cut along their width) and EP=2
+(--enable-expert-parallel: 16 whole experts per rank). On a 2-core CPU with gloo this shows
+overheads, not speedups: every rank gets cores / ranks threads.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 RANDOM_SHAPE = dict(num_layers=16, hidden_size=512, num_heads=8, num_kv_heads=4,
                     intermediate_size=1536, vocab_size=16384)
+MOE_SHAPE = dict(RANDOM_SHAPE, num_experts=32, num_experts_per_tok=4, expert_intermediate_size=256)
 
 
 def layouts(model: str, quick: bool) -> list[tuple[int, int, int]]:
     """(T, P, M) to measure; T x P > 1 ranks get cores / ranks threads each."""
     tp = 3 if model == "real" else 2
+    if model == "moe":  # T=2 cuts the experts along I; "ep" splits them whole (-tp 2 --enable-ep)
+        return [(2, 1, 1), ("ep", 1, 1), ("ep", 2, 2)]
     full = [(tp, 1, 1), (1, 2, 1), (1, 2, 2), (1, 2, 4), (tp, 2, 2)]
     return full[:4] if quick else full
 
@@ -73,8 +78,10 @@ def measure(model: str, tp: int, pp: int, m: int, vocab: int, threads: int = 0) 
 
     if threads:
         torch.set_num_threads(threads)
+    expert_parallel = tp == "ep"
+    tp = 2 if expert_parallel else tp
     llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_micro_batches=m,
-              num_blocks=256, enable_prefix_caching=False)
+              num_blocks=256, enable_prefix_caching=False, enable_expert_parallel=expert_parallel)
     runner = llm.engine.executor
     threads = torch.get_num_threads()  # per rank: the executor divides the cores
     collect = getattr(runner, "collect_stats", None)
@@ -90,24 +97,26 @@ def measure(model: str, tp: int, pp: int, m: int, vocab: int, threads: int = 0) 
         decode = summarize(collect() if collect else None, t_steps, t_wall)
     finally:
         llm.engine.close()
-    return dict(tp=tp, pp=pp, m=m, threads=threads, prefill=prefill, decode=decode)
+    return dict(tp=tp, pp=pp, m=m, ep=expert_parallel, threads=threads, prefill=prefill,
+                decode=decode)
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'T':>2} {'P':>2} {'M':>2} {'thr':>3}  {'phase':<8}{'step ms':>9}{'compute':>9}"
+    print(f"{'T':>4} {'P':>2} {'M':>2} {'thr':>3}  {'phase':<8}{'step ms':>9}{'compute':>9}"
           f"{'TP comm':>9}{'PP comm':>9}{'bubble':>8}{'ideal':>7}")
     for r in rows:
         ideal = (r["pp"] - 1) / (r["m"] + r["pp"] - 1)
         for phase in ("prefill", "decode"):
             s = r[phase]
-            print(f"{r['tp']:>2} {r['pp']:>2} {r['m']:>2} {r['threads']:>3}  {phase:<8}"
+            layout = f"EP{r['tp']}" if r.get("ep") else str(r["tp"])
+            print(f"{layout:>4} {r['pp']:>2} {r['m']:>2} {r['threads']:>3}  {phase:<8}"
                   f"{s['step_ms']:>9.1f}{s['compute_ms']:>9.1f}{s['tp_ms']:>9.1f}{s['pp_ms']:>9.1f}"
                   f"{100 * s['bubble']:>7.0f}%{100 * ideal:>6.0f}%")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["random", "real"], default="random")
+    parser.add_argument("--model", choices=["random", "real", "moe"], default="random")
     parser.add_argument("--quick", action="store_true", help="skip the T x P layout")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,8 +125,9 @@ def main() -> None:
         else:
             from hearth.models.random_checkpoint import write_random_checkpoint
 
-            model = str(write_random_checkpoint(Path(tmp) / "random", **RANDOM_SHAPE))
-            vocab = RANDOM_SHAPE["vocab_size"]
+            shape = MOE_SHAPE if a.model == "moe" else RANDOM_SHAPE
+            model = str(write_random_checkpoint(Path(tmp) / a.model, **shape))
+            vocab = shape["vocab_size"]
         cores = os.cpu_count() or 1
         # One process: with 1 thread (one core) and with every core (what T x P ranks share).
         rows = [measure(model, 1, 1, 1, vocab, threads) for threads in sorted({1, cores})]

@@ -75,13 +75,14 @@ def write_random_checkpoint(folder: str | Path, num_layers: int = 4, hidden_size
     sparse, top-`num_experts_per_tok` renormalised."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    hf_arch, extra = "LlamaForCausalLM", {}
+    hf_arch, extra = "LlamaForCausalLM", {"model_type": "llama"}
     if num_experts and architecture == "mixtral":
         hf_arch, intermediate_size = "MixtralForCausalLM", expert_intermediate_size
-        extra = {"num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok}
+        extra = {"model_type": "mixtral", "num_local_experts": num_experts,
+                 "num_experts_per_tok": num_experts_per_tok}
     elif num_experts:
         hf_arch = "Qwen3MoeForCausalLM"
-        extra = {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+        extra = {"model_type": "qwen3_moe", "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
                  "moe_intermediate_size": expert_intermediate_size, "norm_topk_prob": True,
                  "decoder_sparse_step": 1, "mlp_only_layers": [],
                  "head_dim": head_dim or hidden_size // num_heads}
