@@ -68,8 +68,8 @@ def use_lowp_prefill(model: nn.Module, dtype: torch.dtype) -> int:
     """Many-row steps of `model` in `dtype`: every linear layer gets a `dtype` copy of its
     weight, and a model that offers it (`lowp_dtype`) keeps a step's activations in `dtype`
     between its GEMMs when the step has more than LOWP_MIN_ROWS rows (the residual stream stays
-    fp32). Returns how many linear layers got a copy."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    fp32). Returns how many linear layers (and MoE expert stacks) got a copy."""
+    layers = [m for m in model.modules() if hasattr(m, "set_lowp_weight")]
     for m in layers:
         m.set_lowp_weight(dtype)
     for m in model.modules():

@@ -72,7 +72,7 @@ def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[
     return out
 
 
-def _expert_raw(checkpoint, p: str, num_experts: int):
+def _expert_raw(checkpoint, p: str, num_experts: int, int8_act: bool):
     """The stored blocks of a layer's stacked experts (a GGUF's ffn_*_exps) as the kernel's two
     packed weights: [gate_e | up_e] rows per expert (w13) and the down rows (w2), when all three
     share one format the kernels read; else None."""
@@ -85,11 +85,12 @@ def _expert_raw(checkpoint, p: str, num_experts: int):
         return None
     (qtype, gate), (_, up), (_, down) = parts
     inter = gate.shape[0] // num_experts
-    return (pack_ggml_parts(qtype, [gate, up], [inter, inter], num_experts),
-            pack_ggml_parts(qtype, [down], [down.shape[0]]))
+    return (pack_ggml_parts(qtype, [gate, up], [inter, inter], num_experts, int8_act),
+            pack_ggml_parts(qtype, [down], [down.shape[0]], int8_act=int8_act))
 
 
-def quantize_experts(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
+def quantize_experts(model, checkpoint, quantization: str, kernels,
+                     int8_act: bool = False) -> dict[str, int]:
     """Give each MoE layer's experts packed copies for few-row steps (the kernel's quantized
     path): the GGUF's own expert blocks where it stores them in a kernel format (one rank),
     else Q8_0 of the float weights. Experts whose widths are not multiples of 32 stay float."""
@@ -105,11 +106,11 @@ def quantize_experts(model, checkpoint, quantization: str, kernels) -> dict[str,
         packed = None
         if quantization == "gguf" and model.tp.size == 1:
             packed = _expert_raw(checkpoint, f"model.layers.{model.layer_start + local}.",
-                                 experts.num_local)
+                                 experts.num_local, int8_act)
         if packed is None:
             q13, q2 = (quantize_q8_0(w.reshape(-1, w.shape[2])) for w in (w13, w2))
-            packed = (pack_ggml_parts(QTYPE_IDS["q8_0"], [q13], [q13.shape[0]]),
-                      pack_ggml_parts(QTYPE_IDS["q8_0"], [q2], [q2.shape[0]]))
+            packed = (pack_ggml_parts(QTYPE_IDS["q8_0"], [q13], [q13.shape[0]], 1, int8_act),
+                      pack_ggml_parts(QTYPE_IDS["q8_0"], [q2], [q2.shape[0]], 1, int8_act))
         experts.set_quantized_experts(*packed, kernels)
         name = "experts-" + QTYPES[packed[0].qtype][1]
         counts[name] = counts.get(name, 0) + 1
@@ -146,7 +147,8 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
                                              int8_act=int8_act), kernels)
         name = QTYPES[packed[0]][1]
         counts[name] = counts.get(name, 0) + 1
-    for name, count in quantize_experts(model, checkpoint, quantization, kernels).items():
+    for name, count in quantize_experts(model, checkpoint, quantization, kernels,
+                                        int8_act).items():
         counts[name] = counts.get(name, 0) + count
     log.info("decode weights: %s%s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())),
              ", 8-bit activations" if int8_act else "")

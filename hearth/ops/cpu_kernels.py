@@ -132,13 +132,15 @@ class CpuKernels:
                     q13: PackedWeight | None = None, q2: PackedWeight | None = None
                     ) -> torch.Tensor:
         """A MoE layer's experts (csrc/moe.h): float32 [T, H]. With `q13`/`q2` (the experts'
-        rows stacked, [E * 2I, H] and [E * H, I] in a block format) through qlinear's tiles,
-        else one GEMM per active expert on `w13` [E, 2I, H] / `w2` [E, H, I]."""
+        rows stacked, [E * 2I, H] and [E * H, I] in a block format) through qlinear's tiles
+        (8-bit activations when `q13.int8_act`), else one GEMM per active expert on `w13`
+        [E, 2I, H] / `w2` [E, H, I]."""
         q, types = [], []
         if q13 is not None:
             q, types = [q13.qs, q13.d, q13.m, q2.qs, q2.d, q2.m], [q13.qtype, q2.qtype]
         return torch.ops.hearth.moe_experts(x, w13, w2, topk_weights, topk_ids, expert_start,
-                                            q, types, self.threads.count)
+                                            q, types, self.threads.count,
+                                            q13 is not None and q13.int8_act)
 
 
 def available_variants() -> list[str]:

@@ -72,7 +72,7 @@ def test_no_local_pairs_gives_zeros(kernels):
     assert got.shape == (4, H) and not got.any()
 
 
-def packed(fmt: str, w: torch.Tensor, gen):
+def packed(fmt: str, w: torch.Tensor, gen, int8_act: bool = False):
     """(PackedWeight, its dequantized float rows) of `w` [rows, K] in `fmt`."""
     rows, k = w.shape
     if fmt == "q8_0":
@@ -80,7 +80,8 @@ def packed(fmt: str, w: torch.Tensor, gen):
     else:
         blocks = make_q4_blocks(rows, k, fmt == "q4_1", gen)
     qtype = QTYPE_IDS[fmt]
-    return pack_ggml(qtype, blocks), dequantize(blocks.reshape(-1), qtype, (rows, k))
+    return (pack_ggml(qtype, blocks, int8_act),
+            dequantize(blocks.reshape(-1), qtype, (rows, k)))
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
@@ -159,3 +160,27 @@ def test_qk_norm_rope_write_kv_equals_norms_then_rope(kernels, cache_dtype):
                                           torch.zeros(8, kv_heads, dim),
                                           torch.zeros(8, kv_heads, dim), slots, heads, kv_heads,
                                           dim, q_norm[:5], k_norm, 1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_int8_activation_path_equals_reference_on_quantized_activations(kernels, fmt):
+    """With 8-bit activations (the -a8 formats) each expert's input rows, and again the SiLU-mul
+    rows, are quantized per 32-block before the integer dot products: the reference quantizes
+    the same rows the same way and multiplies by the dequantized weights."""
+    from tests.unit.test_cpu_kernels import quantize_activations
+
+    gen = torch.Generator().manual_seed(2)
+    x, w13, w2, weights, ids = make_case(5, 2)
+    q13, f13 = packed(fmt, w13.reshape(E * 2 * I, H), gen, int8_act=True)
+    q2, f2 = packed(fmt, w2.reshape(E * H, I), gen, int8_act=True)
+    f13, f2 = f13.reshape(E, 2 * I, H), f2.reshape(E, H, I)
+    want = torch.zeros(5, H)
+    for t in range(5):
+        for j in range(2):
+            e = int(ids[t, j])
+            gu = quantize_activations(x[t:t + 1]) @ f13[e].T
+            act = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+            want[t] += weights[t, j] * (quantize_activations(act) @ f2[e].T)[0]
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+

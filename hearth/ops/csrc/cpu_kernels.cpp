@@ -1880,7 +1880,7 @@ TORCH_LIBRARY(hearth, m) {
         "-> (Tensor, Tensor)",
         &hearth::decode_layers);
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-        "int expert_start, Tensor[] q, int[] qtypes, int threads=64) -> Tensor",
+        "int expert_start, Tensor[] q, int[] qtypes, int threads=64, bool int8_act=False) -> Tensor",
         &hearth::moe_experts);
   m.def("moe_topk(Tensor logits, int k, bool renormalize, Tensor(a!) counts) -> (Tensor, Tensor)",
         &hearth::moe_topk);

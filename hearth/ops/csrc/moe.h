@@ -8,7 +8,8 @@
 // weights are read:
 //
 //   pairs sorted by expert:  | e3: t0 t5 | e7: t0 t2 t5 | e9: t2 |      (P = T * k pairs)
-//   xs [P, H]   gathered token rows, in that order
+//   xs [P, H]   gathered token rows, in that order (with int8_act quantized to 8 bits per
+//               32-block, qlinear's VNNI path, for gu and again for act)
 //   gu [P, 2I]  xs against each expert's [gate | up] rows    (quantized: qlinear tiles; float:
 //   act [P, I]  silu(gate) * up                               one GEMM per expert, at::mm)
 //   ys [P, H]   act against each expert's down rows
@@ -72,10 +73,25 @@ QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
                  qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
 }
 
-// rows [P, N] of `in` (float) through each expert's rows of `w` into out [P, w_rows]: one task
-// per (active expert, 64 weight rows).
+// Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read
+// (qlinear's int8-activation path); `dxe_row` receives the per-row stride of a.dxe.
+QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
+                  std::vector<float>& sc, int64_t& dxe_row) {
+  const int layout = !has_vnni() ? kNatural : qtype == kQ8_0 ? kOffset : kQ4Quads;
+  const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
+  dxe_row = (nb + G - 1) / G * 16;
+  q.resize(M * stride);
+  sc.resize(M * nb * 2 + M * dxe_row);
+  float* dx = sc.data();
+  quantize_rows(x, M, K, layout, q.data(), dx, dx + M * nb, dx + 2 * M * nb);
+  return QAct{M, nb, stride, q.data(), dx, dx + M * nb, dx + 2 * M * nb};
+}
+
+// rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
+// into out [P, w_rows]: one task per (active expert, 64 weight rows).
 void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
-                     float* out, int64_t threads) {
+                     float* out, int64_t threads, const QAct* act = nullptr,
+                     int64_t dxe_row = 0) {
   constexpr int64_t NR = 4, kRowsPerTask = 256;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
   std::vector<int64_t> active;
@@ -87,9 +103,16 @@ void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, con
     const int64_t r1 = std::min(w_rows, r0 + kRowsPerTask);
     const QWeight we = expert_rows(w, e, w_rows);
     const int64_t p0 = s.offset[e], M = s.offset[e + 1] - p0;
-    const float* x = in + p0 * w.K;
     float* o = out + p0 * w_rows;
     int64_t n = r0;
+    if (act) {  // this expert's rows of the quantized activations
+      const QAct a{M, act->nb, act->stride, act->q + p0 * act->stride, act->dx + p0 * act->nb,
+                   act->xs + p0 * act->nb, act->dxe + p0 * dxe_row};
+      for (; n + NR <= r1; n += NR) qlinear_rows_i8<NR>(we, n, a, o);
+      for (; n < r1; ++n) qlinear_rows_i8<1>(we, n, a, o);
+      return;
+    }
+    const float* x = in + p0 * w.K;
     for (; n + NR <= r1; n += NR) qlinear_rows<NR>(we, n, x, M, o);
     for (; n < r1; ++n) qlinear_rows<1>(we, n, x, M, o);
   }, threads);
@@ -157,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits_in, int64_t
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        int64_t expert_start, std::vector<at::Tensor> q, std::vector<int64_t> qtypes,
-                       int64_t threads) {
+                       int64_t threads, bool int8_act) {
   TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, H]");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) &&
                   w13.size(2) == x_in.size(1) && w2.size(1) == x_in.size(1) &&
@@ -183,10 +206,18 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::
     const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "w2");
     at::Tensor xs = gather_rows(x_in.contiguous(), s.token, threads);  // [P, H]
     at::Tensor gu = at::empty({P, 2 * I}, xs.options());
-    experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads);
+    thread_local std::vector<int8_t> qx;
+    thread_local std::vector<float> sc;
+    int64_t dxe_row = 0;
+    QAct a13{}, a2{};
+    if (int8_act) a13 = quantize_act(xs.data_ptr<float>(), P, H, q13.qtype, qx, sc, dxe_row);
+    experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads,
+                    int8_act ? &a13 : nullptr, dxe_row);
     at::Tensor act = silu_mul(gu);  // [P, I]
     ys = at::empty({P, H}, xs.options());
-    experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads);
+    if (int8_act) a2 = quantize_act(act.data_ptr<float>(), P, I, q2.qtype, qx, sc, dxe_row);
+    experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads,
+                    int8_act ? &a2 : nullptr, dxe_row);
   } else {
     TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
     at::Tensor xs = gather_rows(x_in.to(w13.scalar_type()).contiguous(), s.token, threads);
