@@ -35,13 +35,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def active_parameters(shape: dict) -> dict:
+    """Parameters in all, read per token, and the bytes a batch-1 decode step reads with Q8_0
+    linears and experts (34 bytes per 32 weights), fp32 router and no KV (short context)."""
     h, d, layers = shape["hidden_size"], shape["head_dim"], shape["num_layers"]
     attn = h * d * (2 * shape["num_heads"] + 2 * shape["num_kv_heads"])
     expert = 3 * h * shape["expert_intermediate_size"]
     embed = shape["vocab_size"] * h
-    total = layers * (attn + shape["num_experts"] * expert + shape["num_experts"] * h) + 2 * embed
+    router = shape["num_experts"] * h
+    total = layers * (attn + shape["num_experts"] * expert + router) + 2 * embed
     active = layers * (attn + shape["num_experts_per_tok"] * expert) + embed
-    return {"total": total, "active_per_token": active}
+    q8 = 34 / 32
+    step_bytes = q8 * (layers * (attn + shape["num_experts_per_tok"] * expert) + embed)
+    step_bytes += 4 * layers * router
+    return {"total": total, "active_per_token": active, "decode_step_bytes_q8_0": int(step_bytes)}
 
 
 def main() -> None:

@@ -176,8 +176,8 @@ def make_executor(config: EngineConfig, checkpoint, prebuilt: BuiltModel | None 
     formats = resolve_formats(config, checkpoint)
     dtype, kv_dtype, quantization, kernels = formats
     resolve_prefill_dtype(config)  # a bad or unsupported choice fails before anything is built
-    check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                         pc.enable_expert_parallel)
+    check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size,
+                         pc.pipeline_parallel_size, pc.enable_expert_parallel)
     num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, kv_dtype)
     if pc.world_size == 1:
         if prebuilt is None:

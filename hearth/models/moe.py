@@ -125,9 +125,6 @@ class FusedMoE(nn.Module):
                                    q13, q2)
 
 
-_NO_COUNTS = torch.empty(0, dtype=torch.int64)  # moe_topk's "do not count" (never written)
-
-
 class SparseMoeBlock(nn.Module):
     """Router + experts in place of a dense MLP (Mixtral, Qwen3-MoE)."""
 
@@ -142,12 +139,13 @@ class SparseMoeBlock(nn.Module):
         # Tokens routed to each expert since the last read, [num_experts] int64 (or None: not
         # counted). The engine reads and resets it for the per-expert load metrics.
         self.expert_counts: torch.Tensor | None = None
+        self._no_counts = torch.empty(0, dtype=torch.int64)  # moe_topk's "do not count"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.to(x.dtype))
         kernels = self.experts.kernels
         if kernels is not None and x.device.type == "cpu":  # one op: softmax, top-k, counts
-            counts = self.expert_counts if self.expert_counts is not None else _NO_COUNTS
+            counts = self.expert_counts if self.expert_counts is not None else self._no_counts
             topk_weights, topk_ids = kernels.ops.moe_topk(logits, self.top_k, self.renormalize,
                                                           counts)
         else:

@@ -40,8 +40,8 @@ class ParallelExecutor:
     def __init__(self, config: EngineConfig, checkpoint, num_blocks: int) -> None:
         pc = config.parallel
         self.layout = RankLayout(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                         pc.enable_expert_parallel)
+        check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size,
+                             pc.pipeline_parallel_size, pc.enable_expert_parallel)
         self.num_blocks = num_blocks
         self.block_size = config.cache.block_size
         self.vocab_size = checkpoint.arch.vocab_size
