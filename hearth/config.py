@@ -175,7 +175,7 @@ SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (hearth/engine/spec; docs/speculative.md): drafts proposed from the
+    """Speculative decoding (hearth/engine/speculative; docs/speculative.md): drafts proposed from the
     request's own context are verified in the same step as everything else."""
 
     method: str = "off"  # off | ngram (prompt lookup) | suffix (request + recent outputs) | draft

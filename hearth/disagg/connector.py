@@ -36,7 +36,7 @@ from hearth.disagg.peers import PeerAllowlist, normalize_host
 from hearth.disagg.tcp_transport import TransferClient, TransferServer
 from hearth.disagg.wire import WireError
 from hearth.engine.connector import ConnectorEvents, ImportResult, KVCacheGeometry, KVTransfer
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 
 log = logging.getLogger("hearth.disagg")
 

@@ -14,7 +14,7 @@ import msgspec
 from hearth.engine.block_hash import ROOT_HASH, hash_block, hash_blocks
 from hearth.engine.connector import DESCRIPTOR_VERSION, KVCacheGeometry, KVDescriptor
 from hearth.engine.kv_cache import cdiv
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 
 MAX_TRANSFER_ID_BYTES = 64  # it fills a fixed field of the wire header
 

@@ -22,7 +22,7 @@ import msgspec
 from hearth.config import Role
 from hearth.disagg.descriptor import check_descriptor, check_transfer_id
 from hearth.engine.connector import KVDescriptor, KVTransfer
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 
 
 class PrefillHop(msgspec.Struct, tag=Role.PREFILL.value, tag_field="role",

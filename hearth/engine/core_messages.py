@@ -23,7 +23,7 @@ import msgspec
 
 from hearth.config import EngineConfig
 from hearth.engine.connector import KVTransfer
-from hearth.engine.rejection import Rejection
+from hearth.engine.refusals import Rejection
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.stats import EngineStats

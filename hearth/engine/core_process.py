@@ -37,7 +37,7 @@ from hearth.engine.core_messages import (
     StepOutputs,
     ToCore,
 )
-from hearth.engine.rejection import Rejection
+from hearth.engine.refusals import Rejection
 from hearth.engine.request import RequestOutput
 
 if TYPE_CHECKING:

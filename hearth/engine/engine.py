@@ -29,10 +29,10 @@ from hearth.engine.grammar_pool import GrammarPool, GrammarTicket
 from hearth.engine.kv_store import StoreFactory
 from hearth.engine.kv_tiers import KVTierDriver, store_namespace
 from hearth.engine.kv_transfer import KVTransferDriver
-from hearth.engine.rejection import Rejection, RequestRejected
+from hearth.engine.refusals import Rejection, RequestRejected
 from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
 from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
-from hearth.engine.spec import make_speculator
+from hearth.engine.speculative.speculator import make_speculator
 from hearth.engine.stats import EngineStats
 from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams

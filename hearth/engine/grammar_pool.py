@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from hearth.config import GuidedConfig
 from hearth.engine.guided_limits import param_of, spec_key
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 from hearth.engine.sampling_params import GuidedSpec
 
 if TYPE_CHECKING:  # xgrammar (via guided) costs ~0.7 s to import: only once a grammar is needed

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from hearth.config import GuidedConfig
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 from hearth.engine.sampling_params import GuidedSpec
 
 LENGTH_KEYS = ("minLength", "maxLength")

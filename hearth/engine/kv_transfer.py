@@ -17,7 +17,7 @@ import logging
 from hearth.config import Role
 from hearth.engine.connector import ImportResult, KVConnector, KVTransfer
 from hearth.engine.kv_cache import KVCacheManager, cdiv
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import Scheduler

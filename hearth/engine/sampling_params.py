@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 
 
 @dataclass(frozen=True)

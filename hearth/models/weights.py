@@ -98,8 +98,9 @@ def _check_all_read(model: LlamaForCausalLM, recorder: _ReadRecorder) -> None:
         if name == "lm_head.weight":  # a tied checkpoint may store a copy of the embeddings
             return model.is_last and not model.arch.tie_word_embeddings
         return model.is_last  # model.norm.* and anything unknown at the top level
+    elsewhere = _owned_elsewhere(model)
     unused = sorted(n for n in recorder.tensor_names()
-                    if belongs(n) and n not in recorder.read and not _owned_elsewhere(n, model))
+                    if belongs(n) and n not in recorder.read and not elsewhere(n))
     if unused:
         shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)" if len(unused) > 5 else "")
         raise ValueError(f"checkpoint tensors the {model.arch.architecture} model has no place "
@@ -263,16 +264,21 @@ def load_moe_block(block: SparseMoeBlock, checkpoint, p: str) -> None:
         checkpoint.read_into(w2[local], q + down, col_shard)
 
 
-def _owned_elsewhere(name: str, model) -> bool:
-    """Per-expert tensors of experts another expert-parallel rank holds (not read here)."""
-    parts = name.split(".")
-    if "experts" not in parts or not getattr(model, "expert_parallel", False):
-        return False
-    index = parts.index("experts") + 1
-    if index >= len(parts) or not parts[index].isdigit():
-        return False
-    experts = next(m.experts for m in model.modules() if isinstance(m, SparseMoeBlock))
-    return not experts.expert_start <= int(parts[index]) < experts.expert_start + experts.num_local
+def _owned_elsewhere(model):
+    """name -> whether it is a per-expert tensor of an expert another expert-parallel rank
+    holds (so not read here)."""
+    blocks = [m.experts for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks or not blocks[0].expert_parallel:
+        return lambda name: False
+    mine = range(blocks[0].expert_start, blocks[0].expert_start + blocks[0].num_local)
+
+    def elsewhere(name: str) -> bool:
+        parts = name.split(".")
+        if "experts" not in parts:
+            return False
+        index = parts.index("experts") + 1
+        return index < len(parts) and parts[index].isdigit() and int(parts[index]) not in mine
+    return elsewhere
 
 
 def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",

@@ -41,7 +41,7 @@ from hearth.engine.core_messages import (
     StartEngine,
     StepOutputs,
 )
-from hearth.engine.rejection import Rejection
+from hearth.engine.refusals import Rejection
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.stats import EngineStats

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.config import Role
 from hearth.engine.connector import KVDescriptor
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 from hearth.server.edge import CpuPool

@@ -25,7 +25,7 @@ from hearth.engine.core_messages import (
     ToCore,
 )
 from hearth.engine.core_process import EngineCore
-from hearth.engine.rejection import Rejection, RequestRejected
+from hearth.engine.refusals import Rejection, RequestRejected
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 

@@ -242,7 +242,7 @@ class EndsAt(OnlyTokens):
 
 
 def test_a_draft_that_ends_the_grammar_is_cut_after_its_stop_token():
-    from hearth.engine.spec import _grammar_prefix
+    from hearth.engine.speculative.speculator import _grammar_prefix
 
     req, _ = draft_row(SamplingParams(temperature=0.0), [])
     req.grammar = EndsAt([5, 9], stop=2)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hearth.engine.rejection import RequestRejected
+from hearth.engine.refusals import RequestRejected
 from hearth.engine.sampler import apply_filters, apply_penalties, make_sampling_batch, sample
 from hearth.engine.sampling_params import SamplingParams
 

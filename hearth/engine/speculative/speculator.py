@@ -1,7 +1,7 @@
 """Speculative decoding: propose draft tokens per request, let the step verify them.
 
 Each step, before scheduling, `Speculator.propose` gives every decoding request up to k draft
-tokens (`Request.spec_token_ids`) from its proposer (hearth/engine/spec/proposers.py); the
+tokens (`Request.spec_token_ids`) from its proposer (hearth/engine/speculative/proposers.py); the
 scheduler grants them with the request's own token, the executor computes all of them in the
 same forward pass as every other request, and the sampler keeps the drafts the model agrees with
 (hearth/engine/step.py has the rule and why the output distribution is unchanged).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from hearth.config import SpeculativeConfig
 from hearth.engine.request import Request
-from hearth.engine.spec.proposers import NgramProposer, SuffixProposer
+from hearth.engine.speculative.proposers import NgramProposer, SuffixProposer
 
 PROBE_EVERY = 4  # a request with low acceptance drafts one token every this many steps
 
@@ -56,7 +56,7 @@ class Speculator:
         elif config.method == "suffix":
             self.proposer = SuffixProposer(config)
         else:
-            from hearth.engine.spec.draft_model import DraftModelProposer
+            from hearth.engine.speculative.draft_model import DraftModelProposer
             self.proposer = DraftModelProposer(config, engine_config, vocab_size)
         self.method = self.proposer.name
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)

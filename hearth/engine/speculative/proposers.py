@@ -21,7 +21,7 @@ from collections import Counter
 
 from hearth.config import SpeculativeConfig
 from hearth.engine.request import Request
-from hearth.engine.spec.index import SEPARATOR, Candidate, TokenIndex
+from hearth.engine.speculative.index import SEPARATOR, Candidate, TokenIndex
 
 MAX_MATCH = 64  # longest match length measured (longer matches weigh the same)
 
