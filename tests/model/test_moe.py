@@ -221,28 +221,34 @@ def test_quantized_experts_agree_with_fp32(tiny_moe):
 
 
 def write_moe_gguf(path: Path, folder: str, qtype=None) -> Path:
-    """The HF folder `folder` (a tiny Qwen3-MoE from write_random_checkpoint) as a llama.cpp
-    `qwen3moe` GGUF: stacked ffn_{gate,up,down}_exps [E, I, H] / [E, H, I] and ffn_gate_inp;
-    the experts, attention projections and output head in `qtype` (a
+    """The HF folder `folder` (a tiny Qwen3-MoE or Mixtral from write_random_checkpoint) as
+    llama.cpp converts it: `qwen3moe`, or Mixtral as `llama` with experts and Q/K rows permuted
+    for interleaved RoPE; stacked ffn_{gate,up,down}_exps [E, I, H] / [E, H, I] and
+    ffn_gate_inp; the experts, attention projections and output head in `qtype` (a
     gguf.GGMLQuantizationType; None: F32)."""
     import gguf
     import numpy as np
     from gguf.quants import quantize as reference_quantize
 
+    from tests.model.test_loader import llama_cpp_permute
+
     config = json.loads((Path(folder) / "config.json").read_text())
     weights = load_file(str(Path(folder) / "model.safetensors"))
-    arch, num_layers = "qwen3moe", config["num_hidden_layers"]
+    mixtral = config["architectures"] == ["MixtralForCausalLM"]
+    arch, num_layers = "llama" if mixtral else "qwen3moe", config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    num_experts = config["num_local_experts" if mixtral else "num_experts"]
+    expert_width = config["intermediate_size" if mixtral else "moe_intermediate_size"]
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", num_layers), ("context_length", 1024),
                        ("embedding_length", config["hidden_size"]),
                        ("feed_forward_length", config["intermediate_size"]),
-                       ("expert_feed_forward_length", config["moe_intermediate_size"]),
-                       ("expert_count", config["num_experts"]),
+                       ("expert_feed_forward_length", expert_width),
+                       ("expert_count", num_experts),
                        ("expert_used_count", config["num_experts_per_tok"]),
-                       ("attention.head_count", config["num_attention_heads"]),
-                       ("attention.head_count_kv", config["num_key_value_heads"]),
-                       ("attention.key_length", config["head_dim"]),
-                       ("attention.value_length", config["head_dim"])):
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim)):
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
@@ -262,19 +268,24 @@ def write_moe_gguf(path: Path, folder: str, qtype=None) -> Path:
     add("token_embd.weight", weights["model.embed_tokens.weight"])
     add("output_norm.weight", weights["model.norm.weight"])
     add("output.weight", weights["lm_head.weight"], qtype)
-    num_experts = config["num_experts"]
+    moe = "block_sparse_moe." if mixtral else "mlp."
+    expert_names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for i in range(num_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for hf, gg in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
                        ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
                        ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
                        ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm"),
-                       ("mlp.gate", "ffn_gate_inp")):
-            linear = hf.endswith("_proj")
-            add(b + gg + ".weight", weights[p + hf + ".weight"], qtype if linear else None)
-        for hf, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
-                       ("down_proj", "ffn_down_exps")):
-            stacked = torch.stack([weights[p + f"mlp.experts.{j}.{hf}.weight"]
+                       (moe + "gate", "ffn_gate_inp")):
+            if p + hf + ".weight" not in weights:
+                continue  # Mixtral has no q/k norms
+            tensor = weights[p + hf + ".weight"]
+            if mixtral and gg in ("attn_q", "attn_k"):
+                tensor = torch.from_numpy(llama_cpp_permute(
+                    tensor.numpy(), heads if gg == "attn_q" else kv_heads))
+            add(b + gg + ".weight", tensor, qtype if hf.endswith("_proj") else None)
+        for hf, gg in zip(expert_names, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+            stacked = torch.stack([weights[p + f"{moe}experts.{j}.{hf}.weight"]
                                    for j in range(num_experts)])
             add(b + gg + ".weight", stacked, qtype)
     writer.write_header_to_file()
@@ -317,3 +328,25 @@ def test_gguf_qwen3moe_equals_the_hf_folder(tmp_path: Path, tiny_moe):
     assert experts.qw13.qtype == 8 and experts.qw13.out_features == 8 * 2 * 32
     torch.testing.assert_close(decode_logits(served, tokens), decode_logits(float_only, tokens),
                                atol=1e-3, rtol=0)
+
+
+def test_gguf_mixtral_is_llama_with_experts(tmp_path: Path):
+    """llama.cpp writes Mixtral as `llama` with stacked experts and permuted Q/K rows: hearth
+    reads it as Mixtral and computes the HF folder's logits."""
+    from hearth.engine.executor import build_model_for
+    from hearth.engine.llm import make_engine_config
+    from hearth.models.gguf_loader import GGUFCheckpoint
+
+    folder = str(write_random_checkpoint(tmp_path / "mixtral", num_layers=2, hidden_size=64,
+                                         num_heads=4, num_kv_heads=2, vocab_size=256,
+                                         num_experts=4, expert_intermediate_size=32,
+                                         architecture="mixtral"))
+    checkpoint = GGUFCheckpoint(write_moe_gguf(tmp_path / "mixtral.gguf", folder))
+    assert checkpoint.arch.architecture == "mixtral" and checkpoint.arch.moe.num_experts == 4
+    tokens = PROMPTS[4][:30]
+    models = [build_model_for(make_engine_config(source, quantization="none", **EXACT),
+                              ckpt).model
+              for source, ckpt in ((folder, HFCheckpoint(folder)),
+                                   (str(tmp_path / "mixtral.gguf"), checkpoint))]
+    torch.testing.assert_close(decode_logits(models[1], tokens), decode_logits(models[0], tokens),
+                               atol=1e-4, rtol=0)
