@@ -5,6 +5,8 @@ Measures, for hearth's offline engine (`hearth.engine.llm.LLM`) on one model:
     prefill      tokens/s of one long prompt, prefix cache emptied first
     decode b=N   output tokens/s of N streams, counted from the step after every stream has
                  its first token (so prompt processing does not pollute it)
+    MoE load     for a Mixture-of-Experts model, the busiest expert's share of its layer's
+                 routed tokens against an even split (max / mean, worst layer; 1.0 = balanced)
 and, when transformers is installed and asked for, the same figures for transformers'
 `generate` on the same weights in the same run, with the ratio. Returns rows; `format_table`
 prints them. Numbers differ by CPU and by what else runs: re-measure, never assert on them.
@@ -146,9 +148,23 @@ def run_engine_bench(model: str, dtype: str = "float32", prefill_len: int = 2048
             prompts = make_prompts(llm.tokenizer, batch, 32)
             rows.append(BenchRow(f"decode b={batch} tok/s", hearth_decode(llm, prompts, new_tokens),
                                  transformers_decode(theirs, prompts, new_tokens) if theirs else None))
+        load = getattr(llm.engine.executor, "expert_load", dict)()
+        if load:
+            rows.append(BenchRow("MoE load max/mean", expert_imbalance(load)))
     finally:
         llm.engine.close()
     return rows
+
+
+def expert_imbalance(load: dict[int, list[int]]) -> float:
+    """Worst layer's busiest expert over its mean tokens per expert (1.0: perfectly even; with
+    E experts at most E). `load`: layer -> tokens routed to each expert (runner.expert_load)."""
+    worst = 1.0
+    for counts in load.values():
+        mean = sum(counts) / len(counts)
+        if mean > 0:
+            worst = max(worst, max(counts) / mean)
+    return worst
 
 
 def format_table(rows: list[BenchRow]) -> str:

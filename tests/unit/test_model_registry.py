@@ -52,3 +52,11 @@ def test_parallel_shapes_of_moe_models():
         num_experts=8, num_experts_per_tok=2, expert_intermediate_size=32, dense_layers=(0,)))
     with pytest.raises(ValueError, match="intermediate_size=90"):
         check_parallel_shape(dense_layer, 4, 1)
+
+
+def test_expert_imbalance_is_the_worst_layers_busiest_expert_over_its_mean():
+    from hearth.bench.engine import expert_imbalance
+
+    assert expert_imbalance({0: [4, 4, 4, 4]}) == 1.0
+    assert expert_imbalance({0: [4, 4, 4, 4], 5: [10, 2, 2, 2]}) == 2.5
+    assert expert_imbalance({0: [0, 0]}) == 1.0  # nothing routed yet
