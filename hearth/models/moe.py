@@ -97,11 +97,21 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.kernels = None  # CpuKernels
         self.w13_lowp = self.w2_lowp = None  # bf16 copies for many-row steps (--prefill-dtype)
+        self.lowp_min_rows = LOWP_MIN_ROWS  # steps of more rows than this use the copies
         self.qw13 = self.qw2 = None  # PackedWeight copies for few-row steps (hearth.models.quant)
 
     def set_lowp_weight(self, dtype: torch.dtype) -> None:
         self.w13_lowp = self.w13.detach().to(dtype).contiguous()
         self.w2_lowp = self.w2.detach().to(dtype).contiguous()
+
+    def use_lowp_for_prompts(self, dtype: torch.dtype) -> None:
+        """Quantized experts only: steps of more than QLINEAR_MAX_ROWS rows run their GEMMs on
+        `dtype` copies, fewer rows stay on the packed experts, and the float32 weights are
+        dropped (the copies take their place: nothing reads float32 experts any more)."""
+        assert self.qw13 is not None, "prompt-only low precision needs the packed experts"
+        self.set_lowp_weight(dtype)
+        self.lowp_min_rows = QLINEAR_MAX_ROWS
+        self.w13.data, self.w2.data = self.w13_lowp, self.w2_lowp
 
     def set_quantized_experts(self, qw13, qw2, kernels) -> None:
         self.qw13, self.qw2, self.kernels = qw13, qw2, kernels
@@ -112,7 +122,7 @@ class FusedMoE(nn.Module):
         rows = x.shape[0]
         w13, w2 = self.w13, self.w2
         if self.w13_lowp is not None and (x.dtype == self.w13_lowp.dtype
-                                          or rows > LOWP_MIN_ROWS):
+                                          or rows > self.lowp_min_rows):
             w13, w2 = self.w13_lowp, self.w2_lowp
         kernels = self.kernels
         if kernels is None or x.device.type != "cpu":
@@ -123,6 +133,15 @@ class FusedMoE(nn.Module):
         q13, q2 = (self.qw13, self.qw2) if quantized else (None, None)
         return kernels.moe_experts(x, w13, w2, topk_weights, topk_ids, self.expert_start,
                                    q13, q2)
+
+
+def use_lowp_expert_prompts(model: nn.Module, dtype: torch.dtype) -> int:
+    """Every MoE layer with packed experts runs prompt-sized steps on `dtype` expert copies in
+    place of its float32 ones (`FusedMoE.use_lowp_for_prompts`); returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.qw13 is not None]
+    for experts in layers:
+        experts.use_lowp_for_prompts(dtype)
+    return len(layers)
 
 
 class SparseMoeBlock(nn.Module):

@@ -350,3 +350,40 @@ def test_gguf_mixtral_is_llama_with_experts(tmp_path: Path):
                                    (str(tmp_path / "mixtral.gguf"), checkpoint))]
     torch.testing.assert_close(decode_logits(models[1], tokens), decode_logits(models[0], tokens),
                                atol=1e-4, rtol=0)
+
+
+def test_bf16_prompt_experts_replace_fp32_and_leave_decode_steps_alone(tiny_moe):
+    """`--prefill-dtype auto` without AMX where bf16 GEMMs pay: packed experts keep the few-row
+    steps (identical logits), prompt chunks use bf16 expert copies (close to fp32), and the
+    float32 experts are gone."""
+    from hearth.engine.executor import build_model_for
+    from hearth.engine.llm import make_engine_config
+    from hearth.models.moe import use_lowp_expert_prompts
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("hearth's CPU kernels are not built here")
+    checkpoint = HFCheckpoint(tiny_moe)
+
+    def build(quantization: str):
+        return build_model_for(make_engine_config(tiny_moe, quantization=quantization, **EXACT),
+                               checkpoint).model
+
+    exact, quant, mixed = build("none"), build("q8_0"), build("q8_0")
+    assert use_lowp_expert_prompts(mixed, torch.bfloat16) == len(mixed.layers)
+    experts = mixed.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.bfloat16
+    tokens = PROMPTS[5][:48]
+    assert torch.equal(decode_logits(mixed, tokens), decode_logits(quant, tokens))
+
+    def prompt_logits(model):
+        cache = torch.zeros(len(model.layers), 2, 8, 16, 2, model.arch.head_dim)
+        meta = build_attention_metadata([len(tokens)], [len(tokens)], [list(range(8))], 16)
+        with torch.inference_mode():
+            hidden, _ = model(torch.tensor(tokens), torch.arange(len(tokens)), meta, cache)
+            return model.compute_logits(hidden)
+
+    want, got = prompt_logits(exact), prompt_logits(mixed)
+    top1 = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = (want.log_softmax(-1).exp() * (want.log_softmax(-1) - got.log_softmax(-1))).sum(-1)
+    assert top1 >= 0.95 and kl.mean().item() < 5e-3, (top1, kl.mean().item())
