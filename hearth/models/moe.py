@@ -155,8 +155,8 @@ class SparseMoeBlock(nn.Module):
                                  requires_grad=False)  # the router, replicated
         self.experts = FusedMoE(moe.num_experts, arch.hidden_size,
                                 moe.expert_intermediate_size, tp, expert_parallel)
-        # Tokens routed to each expert since the last read, [num_experts] int64 (or None: not
-        # counted). The engine reads and resets it for the per-expert load metrics.
+        # Tokens routed to each expert since the runner enabled counting, [num_experts] int64
+        # (None: not counted); the runner reports the totals (per-expert load metrics).
         self.expert_counts: torch.Tensor | None = None
         self._no_counts = torch.empty(0, dtype=torch.int64)  # moe_topk's "do not count"
 
