@@ -7,8 +7,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hearth.server.messages_api import MESSAGES_PATH, anthropic_error_body
 from hearth.server.protocol import APIError, bad_request
@@ -43,6 +44,12 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in first["loc"][1:]) or None
         return error_response(request, 400, bad_request(first["msg"], param=param).body())
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_: Request, exc: ClientDisconnect) -> Response:
+        # The client hung up while sending its body: nothing ran and nobody reads an answer;
+        # the access log records the 499, as for a client that leaves a running request.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, wait_for
 from tests.e2e.test_errors import CHAT, HELLO, assert_error, post
 
 DEEP = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "x": ' + b"[" * 3000 \
@@ -163,3 +163,26 @@ def test_disconnect_mid_non_streamed_request_is_a_quiet_499(server):
         log.seek(log_start)
         written = log.read()
     assert "Traceback" not in written and "unhandled error" not in written
+
+
+def test_client_that_leaves_while_sending_its_body_is_a_quiet_499(server, edge_router):
+    """A client that promises 4,000 bytes, sends 20 and hangs up: the request ends as a 499 in
+    the access log, with no traceback (it had been a 500 with two ERROR tracebacks)."""
+    for target in (server, edge_router):
+        log_start = target.log_path.stat().st_size
+        host, port = target.url.removeprefix("http://").split(":")
+        headers = "".join(f"{k}: {v}\r\n" for k, v in target.headers().items())
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall((f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\n{headers}"
+                          "Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n"
+                          '{"messages": [').encode())
+
+        def logged() -> str | None:
+            with open(target.log_path) as log:
+                log.seek(log_start)
+                written = log.read()
+            return written if f"POST {CHAT} 499" in written else None
+
+        written = wait_for(logged, "the access line of the abandoned upload", target.log_path,
+                           timeout=30)
+        assert "Traceback" not in written and "unhandled error" not in written
