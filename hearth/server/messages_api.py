@@ -176,9 +176,17 @@ def _tools_fields(request: _MessagesFields) -> dict[str, Any]:
     choice = request.tool_choice
     if choice is None:
         return body
+    # Checked here, where /v1/messages and /v1/messages/count_tokens both pass, in the words
+    # the Chat path uses (count_tokens had counted a choice that /v1/messages refuses).
+    if choice.type == "tool" and not choice.name:
+        raise bad_request("tool_choice.name is required for type tool", param="tool_choice.name")
+    names = {tool.name for tool in request.tools or ()}
+    if choice.type in ("tool", "any") and not names:
+        raise bad_request("tool_choice requires tools", param="tool_choice")
     if choice.type == "tool":
-        if not choice.name:
-            raise bad_request("tool_choice.name is required for type tool", param="tool_choice.name")
+        if choice.name not in names:
+            raise bad_request(f"tool_choice names function {choice.name!r}, which is not in "
+                              "tools", param="tool_choice")
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     else:
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]

@@ -220,6 +220,22 @@ def test_messages_tool_choice(choice, expected):
     assert messages_chat_body(request)["tool_choice"] == expected
 
 
+@pytest.mark.parametrize("choice, tools, message", [
+    ({"type": "tool", "name": "g"}, [{"name": "f", "input_schema": {"type": "object"}}],
+     "tool_choice names function 'g', which is not in tools"),
+    ({"type": "any"}, None, "tool_choice requires tools"),
+    ({"type": "tool", "name": "f"}, None, "tool_choice requires tools"),
+])
+def test_messages_and_count_tokens_refuse_the_same_tool_choices(choice, tools, message):
+    fields = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": choice,
+              **({"tools": tools} if tools else {})}
+    with pytest.raises(APIError, match=message) as refused:
+        messages_chat_body(messages_request(**{k: v for k, v in fields.items() if k != "model"}))
+    assert refused.value.status == 400
+    with pytest.raises(APIError, match=message):
+        to_tokenize_body(parse_request(CountTokensRequest, fields))
+
+
 def test_count_tokens_body_leaves_tools_out_under_tool_choice_none():
     fields = {"model": "m", "messages": [{"role": "user", "content": "x"}],
               "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
