@@ -170,15 +170,29 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in open(path).read().split()] if os.path.exists(path) else []
 
 
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail(f"process {pid} still running {timeout:.0f} s after its server exited")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_normal_shutdown_is_quiet(tmp_path, sig):
     srv = start_server(tmp_path, *SMALL)
     srv.client().chat.completions.create(model="smollm2-135m-instruct", messages=ASK, max_tokens=2)
-    targets = [srv.process.pid] + (_children(srv.process.pid) if sig == signal.SIGINT else [])
+    children = _children(srv.process.pid)  # the engine core: it writes to the same log
+    targets = [srv.process.pid] + (children if sig == signal.SIGINT else [])
     for pid in targets:  # Ctrl-C reaches the whole process group; SIGTERM only the server
         os.kill(pid, sig)
     assert srv.process.wait(timeout=30) in (0, -sig)  # uvicorn re-raises SIGTERM once done
-    time.sleep(0.2)
+    _wait_gone(children)  # every writer of the log has exited before it is read
     log = srv.log_path.read_text()
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
     assert "IncompleteReadError" not in log or " INFO hearth.server.engine: " in log

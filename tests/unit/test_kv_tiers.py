@@ -305,8 +305,10 @@ def test_a_load_that_hangs_is_cancelled_at_its_deadline(tmp_path):
     rig.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
     with open(path, "wb"):
         pass  # unblock the stuck reader: it reads nothing, and its late result is dropped
-    time.sleep(0.2)
-    rig.driver.poll()
+    deadline = time.monotonic() + 30  # until the late result has been taken and dropped
+    while not rig.pool.is_whole() and time.monotonic() < deadline:
+        rig.driver.poll()
+        time.sleep(0.01)
     assert rig.pool.is_whole() and req.num_cached_tokens == 0
     rig.close()
 
