@@ -520,44 +520,62 @@ bool has_vnni() {
 #endif
 }
 
+// Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read (the
+// int8-activation path of qlinear and moe_experts); `dxe_row` receives the per-row stride of
+// a.dxe (to address a block of rows).
+QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
+                  std::vector<float>& sc, int64_t& dxe_row) {
+  const int layout = !has_vnni() ? kNatural : qtype == kQ8_0 ? kOffset : kQ4Quads;
+  const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
+  dxe_row = (nb + G - 1) / G * 16;
+  q.resize(M * stride);
+  sc.resize(M * nb * 2 + M * dxe_row);
+  float* dx = sc.data();
+  quantize_rows(x, M, K, layout, q.data(), dx, dx + M * nb, dx + 2 * M * nb);
+  return QAct{M, nb, stride, q.data(), dx, dx + M * nb, dx + 2 * M * nb};
+}
+
+// The repacked ggml weight `[N, K]` (qs, d, m as hearth.ops.cpu_kernels.pack_ggml lays them
+// out), checked; errors start with `what` (the op, and which weight).
+QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                      int64_t qtype, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, what,
+              ": unsupported ggml type ", qtype);
+  TORCH_CHECK(K % kQK == 0, what, ": in_features must be a multiple of 32");
+  const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 ? K : K / 2;
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == N * qs_row,
+              what, ": qs does not match the repacked ggml layout");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb, what,
+              ": d must be float16 [N, K/32]");
+  TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.is_contiguous() &&
+                                 m.numel() == N * nb),
+              what, ": Q4_1 needs m float16 [N, K/32]");
+  return QWeight{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
+                 reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                 qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
+}
+
 at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                    const at::Tensor& m, int64_t qtype, int64_t out_features, int64_t in_features,
                    int64_t threads, bool int8_act) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "qlinear: activations must be float32");
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "qlinear: unsupported ggml type ", qtype);
-  TORCH_CHECK(in_features % kQK == 0, "qlinear: in_features must be a multiple of 32");
+  const QWeight w = packed_weight(qs, d, m, qtype, out_features, in_features, "qlinear");
   TORCH_CHECK(x_in.size(-1) == in_features, "qlinear: last dim of x must be in_features");
-  const int64_t nb = in_features / kQK, N = out_features;
-  const int64_t qs_row = qtype == kQ8_0 ? in_features : in_features / 2;
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 &&
-                  qs.size(0) == N && qs.size(1) == qs_row,
-              "qlinear: qs does not match the repacked ggml layout");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb,
-              "qlinear: d must be float16 [N, K/32]");
-  TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.is_contiguous() && m.numel() == N * nb),
-              "qlinear: Q4_1 needs m float16 [N, K/32]");
+  const int64_t nb = w.nb, N = out_features;
   at::Tensor x = x_in.reshape({-1, in_features}).contiguous();
   const int64_t M = x.size(0);
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
-  QWeight w{qtype, N, in_features, nb, qs.data_ptr<uint8_t>(),
-            reinterpret_cast<const uint16_t*>(d.data_ptr()),
-            qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   constexpr int64_t NR = 4, kGroupsPerTask = 16;  // a task: 64 weight rows
   const int64_t num_groups = N / NR;
   if (int8_act) {
-    const int layout = !has_vnni() ? kNatural : qtype == kQ8_0 ? kOffset : kQ4Quads;
-    const int64_t stride = act_stride(layout, nb), G = act_group(layout), ng = (nb + G - 1) / G;
     thread_local std::vector<int8_t> qx;
     thread_local std::vector<float> sc;
-    qx.resize(M * stride);
-    sc.resize(M * nb * 2 + M * ng * 16);
-    float* dxp = sc.data();
-    quantize_rows(xp, M, in_features, layout, qx.data(), dxp, dxp + M * nb, dxp + 2 * M * nb);
-    const QAct a{M, nb, stride, qx.data(), dxp, dxp + M * nb, dxp + 2 * M * nb};
+    int64_t dxe_row = 0;
+    const QAct a = quantize_act(xp, M, in_features, qtype, qx, sc, dxe_row);
     parallel_tasks((num_groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t task) {
       const int64_t g1 = std::min(num_groups, (task + 1) * kGroupsPerTask);
       for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows_i8<NR>(w, g * NR, a, op);

@@ -56,37 +56,6 @@ QWeight expert_rows(const QWeight& w, int64_t e, int64_t rows) {
   return v;
 }
 
-QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
-                      int64_t qtype, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "moe_experts: ", what,
-              ": unsupported ggml type ", qtype);
-  TORCH_CHECK(K % kQK == 0, "moe_experts: ", what, ": in_features must be a multiple of 32");
-  const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 ? K : K / 2;
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == N * qs_row,
-              "moe_experts: ", what, ": qs does not match the repacked ggml layout");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb,
-              "moe_experts: ", what, ": d must be float16 [N, K/32]");
-  TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.numel() == N * nb),
-              "moe_experts: ", what, ": Q4_1 needs m float16 [N, K/32]");
-  return QWeight{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
-                 reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                 qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
-}
-
-// Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read
-// (qlinear's int8-activation path); `dxe_row` receives the per-row stride of a.dxe.
-QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
-                  std::vector<float>& sc, int64_t& dxe_row) {
-  const int layout = !has_vnni() ? kNatural : qtype == kQ8_0 ? kOffset : kQ4Quads;
-  const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
-  dxe_row = (nb + G - 1) / G * 16;
-  q.resize(M * stride);
-  sc.resize(M * nb * 2 + M * dxe_row);
-  float* dx = sc.data();
-  quantize_rows(x, M, K, layout, q.data(), dx, dx + M * nb, dx + 2 * M * nb);
-  return QAct{M, nb, stride, q.data(), dx, dx + M * nb, dx + 2 * M * nb};
-}
-
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
 // into out [P, w_rows]: one task per (active expert, 64 weight rows).
 void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
@@ -202,8 +171,9 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::
   at::Tensor ys;
   if (!q.empty()) {
     TORCH_CHECK(x_in.scalar_type() == at::kFloat, "moe_experts: quantized experts take float32 x");
-    const QWeight q13 = packed_weight(q[0], q[1], q[2], qtypes[0], E * 2 * I, H, "w13");
-    const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "w2");
+    const QWeight q13 =
+        packed_weight(q[0], q[1], q[2], qtypes[0], E * 2 * I, H, "moe_experts: w13");
+    const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "moe_experts: w2");
     at::Tensor xs = gather_rows(x_in.contiguous(), s.token, threads);  // [P, H]
     at::Tensor gu = at::empty({P, 2 * I}, xs.options());
     thread_local std::vector<int8_t> qx;
