@@ -203,7 +203,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                     "$HEARTH_API_KEY or --api-key-file)",
                     "read the API key from this file")
     g.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
-                   help="auto (by model family) | hermes | llama3_json")
+                   help="auto (by the chat template: its tool-call markers, Llama 3 headers) | "
+                        "hermes | llama3_json | kimi_k2 | deepseek_v3 | deepseek_v31")
     g.add_argument("--no-guided-auto-tools", action="store_true",
                    help="do not constrain tool-call arguments under tool_choice=auto")
     g.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20,

@@ -1,9 +1,10 @@
 """Chat messages -> prompt text, through the model's own template.
 
-Tools: when the template reads `tools` (Qwen 2.5/3, Llama 3.1+, Hermes...), tools, assistant
-tool calls and tool results go to the template as transformers would pass them. When it does
-not (SmolLM2, the ChatML fallback), hearth renders them itself in the Hermes format, which the
-`hermes` parser reads back:
+Tools: when the template reads `tools` (Qwen 2.5/3, Llama 3.1+, Hermes, Kimi K2, DeepSeek
+V3.1...), tools, assistant tool calls and tool results go to the template as transformers would
+pass them (a call's arguments as an object that also reads as its JSON text: ArgumentsObject).
+When it does not (SmolLM2, the ChatML fallback), hearth renders them itself in the Hermes format,
+which the `hermes` parser reads back:
 
   * a system section listing the tools, appended to the first system message (or a new one):
 
@@ -63,12 +64,35 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
+class ArgumentsObject(dict):
+    """A call's arguments object that reads as its JSON text where a template treats it as text.
+
+    Most templates write `arguments | tojson` (Qwen, Llama 3.1, Kimi K2) and need the object;
+    DeepSeek V3 / V3.1 write `'<｜tool▁sep｜>' + arguments` and need the text. This is both: a
+    dict to `tojson`, `items()` and `is mapping`; the client's own JSON text to `+`, `~` and
+    `{{ }}`, so the call renders back exactly as the model wrote it."""
+
+    def __init__(self, value: dict, text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: Any) -> Any:
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        return other + self.text if isinstance(other, str) else NotImplemented
+
+
 def _arguments_value(arguments: str) -> Any:
-    """Templates write `arguments | tojson`: give them the object, not its JSON text."""
+    """Templates write `arguments | tojson` or concatenate the text: see ArgumentsObject."""
     try:
-        return json.loads(arguments)
+        value = json.loads(arguments)
     except json.JSONDecodeError:
         return arguments
+    return ArgumentsObject(value, arguments) if isinstance(value, dict) else value
 
 
 def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

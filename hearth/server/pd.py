@@ -55,9 +55,10 @@ def parse_hop(role: Role, raw: object | None, n: int) -> Hop | None:
     return Hop(hop, to_engine(hop))
 
 
-def first_token_text(tokenizer, hop: Hop) -> str:
-    """The decode hop's first token as text, for seeding its tool-call parser."""
-    return tokenizer.decode([hop.hop.first_token_id])
+def first_token_text(tokenizer, hop: Hop, skip_special_tokens: bool = True) -> str:
+    """The decode hop's first token as text (decoded as the request's output is), for seeding
+    its tool-call parser."""
+    return tokenizer.decode([hop.hop.first_token_id], skip_special_tokens=skip_special_tokens)
 
 
 def hop_result(hop: Hop, choice: ChoiceProgress, prompt_ids: list[int]) -> dict | None:

@@ -14,7 +14,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, every /v1 and admin route needs "Authorization: Bearer KEY"
     max_waiting: int = 256  # requests queued beyond the engine's running set; past it: 429
     max_body_bytes: int = 32 * 2**20  # request bodies larger than this: 413
-    tool_call_parser: str = "auto"  # auto (by model family) | hermes | llama3_json
+    tool_call_parser: str = "auto"  # auto (by model family) | one of tool_parsers.TOOL_PARSERS
     guided_auto_tools: bool = True  # constrain tool-call arguments also under tool_choice "auto"
     cpu_threads: int = 2  # threads for rendering/tokenizing off the event loop (edge.CpuPool)
     log_level: str = "info"

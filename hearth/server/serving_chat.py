@@ -7,7 +7,7 @@ modes report the same content and the same tool calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob, RequestOutput
@@ -38,7 +38,13 @@ from hearth.server.serving import (
     stop_string,
 )
 from hearth.server.tool_grammar import tool_choice_guidance
-from hearth.server.tool_parsers import Event, ToolParser, assemble, make_tool_parser
+from hearth.server.tool_parsers import (
+    SPECIAL_TOKEN_PARSERS,
+    Event,
+    ToolParser,
+    assemble,
+    make_tool_parser,
+)
 
 
 @dataclass
@@ -109,6 +115,8 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
                         top if request.logprobs else None, guided, seed_offset=i)
         for i in range(request.n)
     ]
+    if parser in SPECIAL_TOKEN_PARSERS:  # the parser reads the markup tokens and drops them
+        params = [replace(p, skip_special_tokens=False) for p in params]
     return prompt_ids, params, parser
 
 
@@ -126,7 +134,8 @@ async def _start(state: ServerState, request: ChatCompletionRequest, hop: Hop | 
                for _ in range(request.n)]
     if hop and hop.is_decode and choices[0].parser is not None:
         # the prefill hop sent what the first token produced: read it, drop the events
-        choices[0].parser.feed(first_token_text(state.tokenizer, hop))
+        choices[0].parser.feed(first_token_text(state.tokenizer, hop,
+                                                params[0].skip_special_tokens))
     return run, choices, prompt_ids
 
 

@@ -103,6 +103,16 @@ class CallScanner:
         if self.string_start == self.args_start:
             self.args_end = pos + 1
 
+    @classmethod
+    def for_arguments(cls, name: str | None) -> CallScanner:
+        """A scanner for a bare arguments value whose name came from markup around it (Kimi K2,
+        DeepSeek): it reads what it is fed as the "arguments" value of a call object, so the
+        arguments stream exactly as a Hermes call's do. `name` None: a call without a usable name."""
+        scanner = cls()
+        prefix = "{" + ("" if name is None else '"name": ' + json.dumps(name) + ", ")
+        scanner.feed(prefix + '"arguments": ')
+        return scanner
+
     @property
     def args_started(self) -> bool:
         return self.args_start >= 0

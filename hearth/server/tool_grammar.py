@@ -11,6 +11,14 @@ The call text the grammar allows is exactly what `tool_parsers` parses:
 
     hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
     llama3_json  {"name": "f", "parameters": {...}}
+    kimi_k2, deepseek_v3, deepseek_v31
+                 section_begin call... section_end, each call as its `SectionMarkup` writes it
+                 (tool_sections.py); a Kimi K2 call's index (`functions.f:N`) is the model's
+                 own numbering, up to 4 digits
+
+Under "auto", a section format triggers on the section's begin marker: the section then holds
+one call (any number with parallel_tool_calls) and its end marker; a call marker outside a
+section (which the parser reads as a call) triggers one call.
 """
 
 from __future__ import annotations
@@ -20,19 +28,26 @@ import json
 from hearth.engine.json_schemas import bounded_strings_as_patterns
 from hearth.engine.sampling_params import GuidedSpec
 from hearth.server.protocol import NamedToolChoice, Tool, bad_request
+from hearth.server.tool_sections import SECTION_MARKUPS, SectionMarkup
 
 ANY_OBJECT = {"type": "object"}
+CALL_INDEX_PATTERN = "(0|[1-9][0-9]{0,3})"
 
 
-def _call_tag(tool: Tool, parser: str) -> dict:
+def _arguments(tool: Tool) -> dict:
+    """The arguments' format: the function's schema, as compact JSON."""
     try:
         schema = bounded_strings_as_patterns(tool.function.parameters or ANY_OBJECT)
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. "minLength": "two"
         raise bad_request(f"tools: function {tool.function.name!r} has an invalid parameters "
                           f"schema: {exc}", param="tools") from None
-    name = json.dumps(tool.function.name, ensure_ascii=False)
     # Compact arguments (no free whitespace): fewer tokens, and every key and `":` is forced.
-    content = {"type": "json_schema", "json_schema": schema, "separators": [",", ":"]}
+    return {"type": "json_schema", "json_schema": schema, "separators": [",", ":"]}
+
+
+def _call_tag(tool: Tool, parser: str) -> dict:
+    name = json.dumps(tool.function.name, ensure_ascii=False)
+    content = _arguments(tool)
     if parser == "llama3_json":
         return {"type": "tag", "begin": '{"name": ' + name + ', "parameters": ', "content": content,
                 "end": "}"}
@@ -42,6 +57,38 @@ def _call_tag(tool: Tool, parser: str) -> dict:
 
 def _trigger(parser: str) -> str:
     return '{"name": ' if parser == "llama3_json" else "<tool_call>"
+
+
+def _section_call(tool: Tool, markup: SectionMarkup) -> dict:
+    """One call inside a section: the header up to the arguments is forced (but Kimi's index)."""
+    begin = markup.call_begin + markup.name_prefix + tool.function.name + markup.name_suffix
+    content = _arguments(tool)
+    if markup.numbered:
+        content = {"type": "sequence", "elements": [
+            {"type": "regex", "pattern": CALL_INDEX_PATTERN},
+            {"type": "const_string", "value": markup.header_end + markup.args_prefix}, content]}
+    else:
+        begin += markup.header_end + markup.args_prefix
+    return {"type": "tag", "begin": begin, "content": content,
+            "end": markup.args_suffix + markup.call_end}
+
+
+def _section_format(tools: list[Tool], tool_choice: str | NamedToolChoice,
+                    parallel_tool_calls: bool, markup: SectionMarkup) -> dict:
+    if isinstance(tool_choice, NamedToolChoice):
+        calls = _section_call(find_tool(tools, tool_choice.function.name), markup)
+    else:
+        calls = {"type": "or", "elements": [_section_call(t, markup) for t in tools]}
+        if tool_choice == "auto" and parallel_tool_calls:
+            calls = {"type": "plus", "content": calls}
+    section = {"type": "tag", "begin": markup.section_begin, "content": calls,
+               "end": markup.section_end}
+    if tool_choice != "auto":  # exactly one call (see tool_choice_guidance)
+        return section
+    # A call opened without its section is read as a call too, so it is held to the schema too.
+    bare_calls = [_section_call(t, markup) for t in tools]
+    return {"type": "triggered_tags", "triggers": [markup.section_begin, markup.call_begin],
+            "tags": [section, *bare_calls], "stop_after_first": not parallel_tool_calls}
 
 
 def find_tool(tools: list[Tool], name: str) -> Tool:
@@ -62,7 +109,9 @@ def tool_choice_guidance(
         if isinstance(tool_choice, NamedToolChoice) or tool_choice == "required":
             raise bad_request("tool_choice requires tools", param="tool_choice")
         return None
-    if isinstance(tool_choice, NamedToolChoice):
+    if parser in SECTION_MARKUPS:
+        fmt = _section_format(tools, tool_choice, parallel_tool_calls, SECTION_MARKUPS[parser])
+    elif isinstance(tool_choice, NamedToolChoice):
         fmt = _call_tag(find_tool(tools, tool_choice.function.name), parser)
     elif tool_choice == "required":
         # Exactly one call: a small model asked for "one or more" keeps calling until

@@ -9,12 +9,14 @@ concatenated text, never on how it was split into deltas. Every decision is made
 seen: a suffix that could still become a tag is held back until it is decided, and a call's
 header (id + name) goes out once its name is complete and its arguments have begun.
 
-Two formats:
+Formats:
 
     hermes       text <tool_call>{"name": "f", "arguments": {...}}</tool_call> ...
                  (Hermes, Qwen 2/2.5/3, and hearth's own prompt section for templates without tools)
     llama3_json  {"name": "f", "parameters": {...}}; {"name": "g", "parameters": {...}}
                  (Llama 3.x; an output that does not start with "{" is plain content)
+    kimi_k2, deepseek_v3, deepseek_v31
+                 calls in a section of marker tokens (tool_sections.py)
 
 Streaming shape (as OpenAI sends it): per call, first ToolCallDelta(index, id, name, arguments="")
 then ToolCallDelta(index, arguments=fragment)... Whitespace right before or after a call is
@@ -34,7 +36,10 @@ from typing import Callable, Union
 
 from hearth.server.tool_call_scanner import CallScanner
 
-TOOL_PARSERS = ("hermes", "llama3_json")
+TOOL_PARSERS = ("hermes", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31")
+# Formats whose markup is special tokens in their models' vocabularies: the output text must keep
+# special tokens (the parser reads the markup and keeps it out of content).
+SPECIAL_TOKEN_PARSERS = ("kimi_k2", "deepseek_v3", "deepseek_v31")
 
 
 def random_call_id() -> str:
@@ -63,12 +68,13 @@ class _CallEmitter:
     """Turns one scanner's progress into ToolCallDeltas for call number `index`."""
 
     def __init__(
-        self, index: int, make_call_id: Callable[[], str], require_arguments: bool
+        self, index: int, make_call_id: Callable[[], str], require_arguments: bool,
+        scanner: CallScanner | None = None,
     ) -> None:
         self.index = index
         # Llama 3 calls are bare JSON: an object without an arguments key is content, not a call.
         self.require_arguments = require_arguments
-        self.scanner = CallScanner()
+        self.scanner = scanner or CallScanner()
         self.call_id = make_call_id()
         self.header_sent = False
         self.num_args_sent = 0
@@ -138,9 +144,12 @@ class ToolParser:
 
     requires_arguments = False
 
-    def _start_call(self) -> _CallEmitter:
+    def _start_call(self, scanner: CallScanner | None = None,
+                    call_id: str | None = None) -> _CallEmitter:
+        """`call_id`: the id the markup gives the call (Kimi K2), else a new one."""
         self._held_space = ""  # whitespace right before a call is dropped
-        return _CallEmitter(self._num_calls, self._make_call_id, self.requires_arguments)
+        make_call_id = self._make_call_id if call_id is None else (lambda: call_id)
+        return _CallEmitter(self._num_calls, make_call_id, self.requires_arguments, scanner)
 
     def _end_call(self) -> None:
         self._num_calls += 1
@@ -328,16 +337,29 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def make_tool_parser(name: str, make_call_id: Callable[[], str] = random_call_id) -> ToolParser:
+    # (imported here: tool_sections builds on this module's ToolParser)
+    from hearth.server.tool_sections import SECTION_MARKUPS, SectionToolParser
+
     if name == "hermes":
         return HermesToolParser(make_call_id)
     if name == "llama3_json":
         return Llama3JsonToolParser(make_call_id)
+    if name in SECTION_MARKUPS:
+        return SectionToolParser(SECTION_MARKUPS[name], make_call_id)
     raise ValueError(f"unknown tool-call parser {name!r}; one of {', '.join(TOOL_PARSERS)}")
 
 
 def tool_parser_for_template(chat_template: str | None) -> str:
-    """Pick the parser a model family's template implies (Llama 3 headers -> llama3_json)."""
-    if chat_template and "<|start_header_id|>" in chat_template:
+    """Pick the parser a model family's template implies: the markers a template writes (Kimi K2,
+    DeepSeek V3 / V3.1), Llama 3 headers -> llama3_json, else hermes."""
+    from hearth.server.tool_sections import section_format_of_template
+
+    if not chat_template:
+        return "hermes"
+    section_format = section_format_of_template(chat_template)
+    if section_format is not None:
+        return section_format
+    if "<|start_header_id|>" in chat_template:
         return "llama3_json"
     return "hermes"
 
