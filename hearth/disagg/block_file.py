@@ -10,7 +10,7 @@
     48      8     dtype name, NUL-padded ("float32", "bfloat16", ...)
     56      8     payload bytes
     64      4     crc32 of the payload
-    68      ...   payload: the block as `[num_layers, 2, block_size, num_kv_heads, head_dim]`
+    68      ...   payload: the block as `[num_layers, planes, block_size, num_kv_heads, head_dim]`
 
 A record is accepted only if every field matches what the reader expects (its hash, namespace,
 layout) and the payload's length and checksum match: a torn write, a file of another model or

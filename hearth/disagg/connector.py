@@ -100,7 +100,7 @@ class DisaggConnector:
             block_hashes=list(block_hashes),
             tokens_hash=tokens_hash(prompt_token_ids, block_hashes, g.block_size),
             num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-            dtype=g.dtype, bytes_per_block=g.bytes_per_block,
+            dtype=g.dtype, bytes_per_block=g.bytes_per_block, num_planes=g.num_planes,
             expires_at=self.wall_clock() + c.lease_seconds,
             mooncake_session=self.mooncake.session if self.mooncake else "",
             mooncake_base_address=self.memory.base_address if self.mooncake else 0,

@@ -20,8 +20,8 @@ MAX_TRANSFER_ID_BYTES = 64  # it fills a fixed field of the wire header
 
 
 def geometry_key(geometry: KVCacheGeometry) -> tuple:
-    return (geometry.block_size, geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-            geometry.dtype, geometry.bytes_per_block)
+    return (geometry.block_size, geometry.num_layers, geometry.num_planes, geometry.num_kv_heads,
+            geometry.head_dim, geometry.dtype, geometry.bytes_per_block)
 
 
 def descriptor_to_json(descriptor: KVDescriptor) -> dict:

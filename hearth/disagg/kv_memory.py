@@ -1,14 +1,14 @@
 """Byte-level access to a KV tensor's blocks, for the transports.
 
-The KV tensor is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, contiguous,
-so one block is `2 * num_layers` separate chunks ("planes"), and consecutive block ids are
-adjacent within a plane:
+The KV tensor is `[num_layers, planes, num_blocks, block_size, heads, dim]` (planes: K and V, or
+MLA's one latent plane), contiguous, so one block is `planes * num_layers` separate chunks, and
+consecutive block ids are adjacent within a plane:
 
     plane p = (layer, K|V):  | blk 0 | blk 1 | blk 2 | ... |    chunk = block_size*heads*dim*itemsize
     byte offset of (p, b) = (p * num_blocks + b) * chunk
 
 A list of blocks is moved plane by plane, each plane's blocks in list order; runs of consecutive
-ids become one buffer, so a transfer of n blocks is at most 2 * num_layers * n buffers.
+ids become one buffer, so a transfer of n blocks is at most planes * num_layers * n buffers.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ class KVMemory:
     def __init__(self, kv_cache: torch.Tensor) -> None:
         if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
             raise ValueError("the KV transfer needs a contiguous CPU KV tensor")
-        num_layers, two, num_blocks = kv_cache.shape[:3]
+        num_layers, planes, num_blocks = kv_cache.shape[:3]
         self.tensor = kv_cache  # keeps the memory alive while views of it exist
-        self.num_planes = num_layers * two
+        self.num_planes = num_layers * planes
         self.num_blocks = num_blocks
         self.chunk_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
         self.bytes_per_block = self.num_planes * self.chunk_bytes

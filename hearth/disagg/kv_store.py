@@ -82,7 +82,7 @@ class TieredStore:
         # Staging: max_pending_blocks buffers kept; a burst of evictions (one big allocation
         # evicts a whole freed request, head last) may borrow up to OVERFLOW_FACTOR times more,
         # freed once written, so a burst costs memory for a moment rather than prefix heads.
-        self._block_shape = (kv_cache.shape[0], 2, *kv_cache.shape[3:])
+        self._block_shape = (*kv_cache.shape[:2], *kv_cache.shape[3:])
         self._pin = kv_cache.device.type == "cuda"
         self._num_kept = max(1, config.max_pending_blocks)
         self._max_staged = self._num_kept * OVERFLOW_FACTOR
@@ -170,7 +170,7 @@ class TieredStore:
               block_ids: list[int]) -> None:
         t0 = time.monotonic()
         result = LoadResult(load_id, 0)
-        shape = (self.kv_cache.shape[0], 2, *self.kv_cache.shape[3:])
+        shape = (*self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
         blocks = iter(zip(hashes, block_ids))
         reads: deque = deque()  # (block id, future of _read): the next READ_AHEAD blocks
 

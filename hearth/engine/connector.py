@@ -52,19 +52,21 @@ class KVDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: list[int]  # prefill-side block ids in token order: cdiv(num_tokens, block_size)
     block_hashes: list[int]  # chained hashes of the full blocks: num_tokens // block_size
     tokens_hash: int  # the chain continued over the partial last block: covers every token
-    num_layers: int  # KV geometry: [num_layers, 2, *, block_size, num_kv_heads, head_dim]
+    num_layers: int  # KV geometry: [num_layers, planes, *, block_size, num_kv_heads, head_dim]
     num_kv_heads: int
     head_dim: int
     dtype: str  # "float32" | "bfloat16" | "float16"
-    bytes_per_block: int  # 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+    bytes_per_block: int  # planes * num_layers * block_size * num_kv_heads * head_dim * itemsize
     expires_at: float  # unix time at which the lease ends (prefill clock; a hint for the reader)
     mooncake_session: str = ""  # mooncake: "host:port" of the prefill's transfer engine
     mooncake_base_address: int = 0  # mooncake: address of the prefill KV tensor
     mooncake_num_blocks: int = 0  # mooncake: blocks in the prefill KV tensor (plane stride)
+    # 2: K and V planes of num_kv_heads heads; 1: MLA's latent rows (ModelArch.kv_cache_layout)
+    num_planes: int = 2
 
     def geometry_key(self) -> tuple:
-        return (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                self.bytes_per_block)
+        return (self.block_size, self.num_layers, self.num_planes, self.num_kv_heads,
+                self.head_dim, self.dtype, self.bytes_per_block)
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,9 @@ class KVTransfer:
 
 @dataclass(frozen=True)
 class KVCacheGeometry:
-    """The local KV tensor's shape, `[num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]`; two workers can exchange blocks only if all but num_blocks agree."""
+    """The local KV tensor's shape, `[num_layers, num_planes, num_blocks, block_size,
+    num_kv_heads, head_dim]` (planes: K and V, or MLA's one latent plane of one "head"); two
+    workers can exchange blocks only if all but num_blocks agree."""
 
     num_layers: int
     num_blocks: int
@@ -94,15 +97,23 @@ class KVCacheGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", ...
+    num_planes: int = 2
+
+    @classmethod
+    def of(cls, kv_cache, block_size: int) -> "KVCacheGeometry":
+        """The geometry of a KV tensor `[layers, planes, blocks, block_size, heads, dim]`."""
+        num_layers, planes, num_blocks, _, heads, dim = kv_cache.shape
+        return cls(num_layers, num_blocks, block_size, heads, dim,
+                   str(kv_cache.dtype).removeprefix("torch."), planes)
 
     @property
     def bytes_per_chunk(self) -> int:
-        """Bytes of one block in one (layer, K|V) plane: the unit that is contiguous in memory."""
+        """Bytes of one block in one (layer, plane): the unit that is contiguous in memory."""
         return self.block_size * self.num_kv_heads * self.head_dim * ITEMSIZE[self.dtype]
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.bytes_per_chunk
+        return self.num_planes * self.num_layers * self.bytes_per_chunk
 
 
 @dataclass

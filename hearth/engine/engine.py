@@ -103,18 +103,14 @@ class LLMEngine:
                              forced=0)
         self.pd: KVTransferDriver | None = None
         if connector_factory is not None:
-            kv_cache = self.executor.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
-            num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
-            geometry = KVCacheGeometry(num_layers, num_blocks, cc.block_size, num_kv_heads,
-                                       head_dim, str(kv_cache.dtype).removeprefix("torch."))
+            kv_cache = self.executor.kv_cache  # [layers, planes, num_blocks, block_size, heads, dim]
+            geometry = KVCacheGeometry.of(kv_cache, cc.block_size)
             connector = connector_factory(config.kv_transfer, kv_cache, geometry)
             self.pd = KVTransferDriver(connector, self.scheduler, self.kv, self.arch.vocab_size)
         self.tiers: KVTierDriver | None = None
         if store_factory is not None and config.kv_offload.enabled:
-            kv_cache = self.executor.kv_cache  # [num_layers, 2, num_blocks, block_size, heads, dim]
-            num_layers, _, _, _, num_kv_heads, head_dim = kv_cache.shape
-            geometry = KVCacheGeometry(num_layers, num_blocks, cc.block_size, num_kv_heads,
-                                       head_dim, str(kv_cache.dtype).removeprefix("torch."))
+            kv_cache = self.executor.kv_cache  # [layers, planes, num_blocks, block_size, heads, dim]
+            geometry = KVCacheGeometry.of(kv_cache, cc.block_size)
             store = store_factory(config.kv_offload, kv_cache, geometry,
                                   store_namespace(mc, geometry))
             self.tiers = KVTierDriver(store, self.scheduler, self.kv,

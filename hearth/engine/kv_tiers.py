@@ -32,7 +32,7 @@ def store_namespace(model_config, geometry) -> str:
     workers whose KV bytes for the same tokens are the same (same weights, formats and layout)."""
     g, m = geometry, model_config
     text = (f"{m.model}|{m.dtype}|{m.quantization}|{g.num_layers}|{g.block_size}|"
-            f"{g.num_kv_heads}|{g.head_dim}|{g.dtype}")
+            f"{g.num_kv_heads}|{g.head_dim}|{g.dtype}" + ("" if g.num_planes == 2 else f"|{g.num_planes}"))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

@@ -1,7 +1,8 @@
 """The model runner: owns the model and the KV tensors, runs a StepCommand (hearth/engine/step.py).
 
-The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
-(layers of this pipeline stage only), so a block's bytes for every layer are reachable by index
+The KV cache is one tensor `[num_layers, planes, num_blocks, block_size, heads, dim]` (layers of
+this pipeline stage only; planes/heads/dim from `ModelArch.kv_cache_layout`: K and V of the
+rank's KV heads, or MLA's one latent row), so a block's bytes for every layer are reachable by index
 (the KV transfer code reads and writes whole blocks through `block_view`).
 """
 
@@ -20,11 +21,6 @@ from hearth.ops.attention import build_attention_metadata
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str = "cpu", seed: int = 0, kernels=None) -> None:
@@ -34,13 +30,13 @@ class ModelRunner:
         self.device = torch.device(device)
         arch = model.arch
         self.vocab_size = arch.vocab_size
-        num_kv_heads = model.layers[0].self_attn.num_kv_heads if len(model.layers) else 1
+        planes, heads, dim = arch.kv_cache_layout(model.tp.size)
         # The CPU kernels read only slots that were written; the torch path attends over whole
         # gathered blocks (masked), where garbage could be NaN, so it gets zeros. Skipping the
         # fill saves ~0.3 s of a cold start per GB (fresh pages come zeroed from the OS anyway).
         alloc = torch.empty if kernels is not None else torch.zeros
-        self.kv_cache = alloc(len(model.layers), 2, num_blocks, block_size, num_kv_heads,
-                              arch.head_dim, dtype=dtype, device=self.device)
+        self.kv_cache = alloc(len(model.layers), planes, num_blocks, block_size, heads, dim,
+                              dtype=dtype, device=self.device)
         prefault = None
         if self.device.type == "cpu":  # first touch off the request path (host_memory.py)
             prefault = host_memory.prefault(self.kv_cache)
@@ -68,7 +64,7 @@ class ModelRunner:
         return {layer: block.expert_counts.tolist() for layer, block in self._moe_layers.items()}
 
     def block_view(self, block_id: int) -> torch.Tensor:
-        """[num_layers, 2, block_size, num_kv_heads, head_dim] view of one block."""
+        """[num_layers, planes, block_size, heads, dim] view of one block."""
         return self.kv_cache[:, :, block_id]
 
     def prepare_inputs(self, cmd: StepCommand):

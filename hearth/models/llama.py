@@ -77,13 +77,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: ParallelGroup):
+    """SiLU-gated MLP, cut along its width under tensor parallelism (`intermediate_size`:
+    another width than the arch's, e.g. DeepSeek's shared experts)."""
+
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, intermediate_size: int | None = None):
         super().__init__()
-        self.inter = arch.intermediate_size // tp.size
-        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * arch.intermediate_size,
-                                                 arch.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp,
-                                           arch.mlp_bias)
+        width = intermediate_size or arch.intermediate_size
+        self.inter = width // tp.size
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, 2 * width, arch.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(width, arch.hidden_size, tp, arch.mlp_bias)
         self.kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,9 +98,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
-                 mlp: nn.Module):
+                 mlp: nn.Module, attn: nn.Module | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, tp, rotary)
+        # LlamaAttention, or a family's own (hearth.models.deepseek.MLAAttention)
+        self.self_attn = attn if attn is not None else LlamaAttention(arch, tp, rotary)
         self.mlp = mlp  # LlamaMLP, or a family's own (hearth.models.moe.SparseMoeBlock)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -109,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
         one the kernel does: a dense MLP, quantized weights, no biases or q/k norms, one
         rank. Returns whether it is enabled."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, LlamaMLP):
+        if not isinstance(mlp, LlamaMLP) or not isinstance(attn, LlamaAttention):
             self._fused = None
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -160,12 +163,13 @@ class LlamaForCausalLM(nn.Module):
         self.layer_start, self.layer_end = layer_range or (0, arch.num_layers)
         self.is_first = self.layer_start == 0
         self.is_last = self.layer_end == arch.num_layers
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+        rotary = RotaryEmbedding(arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta,
                                  arch.rope_scaling)
         self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
                              if self.is_first else None)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, self.make_mlp(i))
-                                    for i in range(self.layer_start, self.layer_end))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, tp, rotary, self.make_mlp(i), self.make_attention(i, rotary))
+            for i in range(self.layer_start, self.layer_end))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
         self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
                         if self.is_last else None)
@@ -176,6 +180,11 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer: int) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (a family with other MLPs overrides)."""
         return LlamaMLP(self.arch, self.tp)
+
+    def make_attention(self, layer: int, rotary: RotaryEmbedding) -> nn.Module | None:
+        """The attention block of decoder layer `layer` (None: LlamaAttention; a family with
+        another attention overrides)."""
+        return None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):

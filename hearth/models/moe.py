@@ -43,6 +43,34 @@ def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
+def route_grouped(logits: torch.Tensor, top_k: int, scoring_func: str, topk_method: str,
+                  n_group: int, topk_group: int, renormalize: bool, scaling: float,
+                  correction_bias: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router (V2: softmax, greedy or group-limited; V3 / Kimi K2: sigmoid,
+    "noaux_tc"), in fp32. Scores by `scoring_func`; with a group method, only experts in the
+    `topk_group` best of `n_group` equal groups compete (a group's worth: its best score for
+    group_limited_greedy, the sum of its two best biased scores for noaux_tc); noaux_tc picks by
+    score + correction bias but weights by the unbiased score. Weights are renormalised to sum to
+    1 with `renormalize`, then times `scaling`. Returns (weights [T, k] float32, ids [T, k])."""
+    logits = logits.float()
+    scores = torch.sigmoid(logits) if scoring_func == "sigmoid" else torch.softmax(logits, -1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if topk_method != "greedy" and n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        group_scores = (grouped.topk(2, dim=-1)[0].sum(-1) if topk_method == "noaux_tc"
+                        else grouped.amax(-1))
+        best = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[2], dim=1),
+                                    float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         expert_start: int = 0) -> torch.Tensor:
@@ -160,18 +188,24 @@ class SparseMoeBlock(nn.Module):
         self.expert_counts: torch.Tensor | None = None
         self._no_counts = torch.empty(0, dtype=torch.int64)  # moe_topk's "do not count"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k] int64) of each token; counts the picks."""
         logits = F.linear(x, self.gate.to(x.dtype))
         kernels = self.experts.kernels
         if kernels is not None and x.device.type == "cpu":  # one op: softmax, top-k, counts
             counts = self.expert_counts if self.expert_counts is not None else self._no_counts
-            topk_weights, topk_ids = kernels.ops.moe_topk(logits, self.top_k, self.renormalize,
-                                                          counts)
-        else:
-            topk_weights, topk_ids = route_softmax(logits, self.top_k, self.renormalize)
-            if self.expert_counts is not None:
-                self.expert_counts += torch.bincount(topk_ids.flatten(),
-                                                     minlength=self.expert_counts.numel())
+            return kernels.ops.moe_topk(logits, self.top_k, self.renormalize, counts)
+        topk_weights, topk_ids = route_softmax(logits, self.top_k, self.renormalize)
+        self.count(topk_ids)
+        return topk_weights, topk_ids
+
+    def count(self, topk_ids: torch.Tensor) -> None:
+        if self.expert_counts is not None:
+            self.expert_counts += torch.bincount(topk_ids.flatten(),
+                                                 minlength=self.expert_counts.numel())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)
         out = self.experts(x, topk_weights, topk_ids)
         out = self.experts.group.all_reduce(out) if self.experts.group.size > 1 else out
         return out.to(x.dtype)

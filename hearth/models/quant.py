@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from hearth.models.deepseek import MLAAttention
 from hearth.models.moe import SparseMoeBlock
 from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
 
@@ -60,12 +61,23 @@ def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[
     out = []
     for local, layer in enumerate(model.layers):
         p = f"model.layers.{model.layer_start + local}."
-        out.append((layer.self_attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]))
-        out.append((layer.self_attn.o_proj, [p + "self_attn.o_proj.weight"]))
-        if isinstance(layer.mlp, SparseMoeBlock):
-            continue  # experts: quantize_experts
-        out.append((layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
-        out.append((layer.mlp.down_proj, [p + "mlp.down_proj.weight"]))
+        attn = layer.self_attn
+        if isinstance(attn, MLAAttention):
+            # No stored blocks (sources []): rotary rows are permuted at load, so the float
+            # weights are what the kernels must see. kv_b_proj stays float: decode absorbs
+            # it into the query and output, only prompts multiply by it (float GEMMs).
+            out += [(m, []) for m in (attn.qkv_a_proj, attn.q_b_proj, attn.q_proj, attn.o_proj)
+                    if m is not None]
+        else:
+            out.append((attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]))
+            out.append((attn.o_proj, [p + "self_attn.o_proj.weight"]))
+        mlps = [(layer.mlp, p + "mlp.")]
+        if isinstance(layer.mlp, SparseMoeBlock):  # routed experts: quantize_experts
+            shared = getattr(layer.mlp, "shared_experts", None)
+            mlps = [] if shared is None else [(shared, p + "mlp.shared_experts.")]
+        for mlp, m in mlps:
+            out.append((mlp.gate_up_proj, [m + "gate_proj.weight", m + "up_proj.weight"]))
+            out.append((mlp.down_proj, [m + "down_proj.weight"]))
     if model.lm_head is not None:
         tied = model.arch.tie_word_embeddings or "lm_head.weight" not in names
         out.append((model.lm_head, ["model.embed_tokens.weight" if tied else "lm_head.weight"]))
@@ -136,7 +148,7 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
             counts["none"] = counts.get("none", 0) + 1
             continue
         packed = None
-        if quantization == "gguf" and single_rank:
+        if quantization == "gguf" and single_rank and sources:
             packed = _merged_raw(checkpoint, sources)
             if packed is not None and sum(p.shape[0] for p in packed[1]) != weight.shape[0]:
                 packed = None  # e.g. a vocabulary padded for TP

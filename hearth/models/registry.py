@@ -21,6 +21,8 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 # GGUF general.architecture -> (ModelArch.architecture, Q/K rows permuted by the converter).
@@ -42,6 +44,8 @@ MODEL_CLASSES = {
     "qwen3": "hearth.models.llama:LlamaForCausalLM",
     "mixtral": "hearth.models.moe_llama:MoeLlamaForCausalLM",
     "qwen3_moe": "hearth.models.moe_llama:MoeLlamaForCausalLM",
+    "deepseek_v2": "hearth.models.deepseek:DeepseekV3ForCausalLM",
+    "deepseek_v3": "hearth.models.deepseek:DeepseekV3ForCausalLM",
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES), "every family needs a model class"
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hearth.models.deepseek import DeepseekMoE, MLAAttention, interleaved_to_half
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
 from hearth.models.moe import SparseMoeBlock
@@ -151,9 +152,65 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
         if model.norm is not None:
             fill(model.norm.weight, "model.norm.weight")
 
+    def load_mla(attn: MLAAttention, p: str) -> None:
+        """MLA's projections; the rotary rows of q and k_pe from interleaved to rotate-half."""
+        a = p + "self_attn."
+        parts = [(a + "kv_a_proj_with_mqa.{}", None, attn.latent_dim)]
+        if attn.q_lora_rank:
+            parts.insert(0, (a + "q_a_proj.{}", None, attn.q_lora_rank))
+            fill(attn.q_a_layernorm.weight, a + "q_a_layernorm.weight")
+            fill(attn.q_b_proj.weight, a + "q_b_proj.weight", 0)
+            q_weight = attn.q_b_proj.weight.data
+        else:
+            fill(attn.q_proj.weight, a + "q_proj.weight", 0)
+            q_weight = attn.q_proj.weight.data
+        for kind, param in (("weight", attn.qkv_a_proj.weight), ("bias", attn.qkv_a_proj.bias)):
+            if param is not None:
+                _fill_rows(param, [(n.format(kind), s, r) for n, s, r in parts], checkpoint)
+        fill(attn.kv_a_layernorm.weight, a + "kv_a_layernorm.weight")
+        fill(attn.kv_b_proj.weight, a + "kv_b_proj.weight", 0)
+        fill(attn.o_proj.weight, a + "o_proj.weight", 1)
+        if attn.o_proj.bias is not None:
+            fill(attn.o_proj.bias, a + "o_proj.bias")
+        if arch.mla.rope_interleave:
+            perm = interleaved_to_half(attn.rope)
+            heads = q_weight.view(attn.num_heads, attn.qk_dim, -1)
+            heads[:, attn.nope:] = heads[:, attn.nope:][:, perm].clone()
+            for param in (attn.qkv_a_proj.weight, attn.qkv_a_proj.bias):
+                if param is not None:
+                    param.data[-attn.rope:] = param.data[-attn.rope:][perm].clone()
+
     def load_layer(local: int, layer) -> None:
         p = f"model.layers.{model.layer_start + local}."
         attn, mlp = layer.self_attn, layer.mlp
+        fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
+        fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        if isinstance(attn, MLAAttention):
+            load_mla(attn, p)
+        else:
+            load_attention(attn, p)
+        if isinstance(mlp, SparseMoeBlock):
+            load_moe_block(mlp, checkpoint, p)
+            if isinstance(mlp, DeepseekMoE):
+                if mlp.e_score_correction_bias is not None:
+                    fill(mlp.e_score_correction_bias, p + "mlp.gate.e_score_correction_bias")
+                if mlp.shared_experts is not None:
+                    load_mlp(mlp.shared_experts, p + "mlp.shared_experts.")
+            return
+        load_mlp(mlp, p + "mlp.")
+
+    def load_mlp(mlp, m: str) -> None:
+        inter = mlp.gate_up_proj.weight.shape[0] // 2
+        for kind, param in (("weight", mlp.gate_up_proj.weight),
+                            ("bias", mlp.gate_up_proj.bias if arch.mlp_bias else None)):
+            if param is not None:
+                _fill_rows(param, [(*part(m + f"gate_proj.{kind}", 0), inter),
+                                   (*part(m + f"up_proj.{kind}", 0), inter)], checkpoint)
+        fill(mlp.down_proj.weight, m + "down_proj.weight", 1)
+        if arch.mlp_bias:
+            fill(mlp.down_proj.bias, m + "down_proj.bias")
+
+    def load_attention(attn, p: str) -> None:
         q_rows, kv_rows = attn.q_size, attn.kv_size
         for kind, param in (("weight", attn.qkv_proj.weight),
                             ("bias", attn.qkv_proj.bias if arch.attention_bias else None)):
@@ -167,20 +224,6 @@ def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
         if arch.qk_norm:
             fill(attn.q_norm.weight, p + "self_attn.q_norm.weight")
             fill(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-        fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
-        fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-        if isinstance(mlp, SparseMoeBlock):
-            load_moe_block(mlp, checkpoint, p)
-            return
-        inter = mlp.gate_up_proj.weight.shape[0] // 2
-        for kind, param in (("weight", mlp.gate_up_proj.weight),
-                            ("bias", mlp.gate_up_proj.bias if arch.mlp_bias else None)):
-            if param is not None:
-                _fill_rows(param, [(*part(p + f"mlp.gate_proj.{kind}", 0), inter),
-                                   (*part(p + f"mlp.up_proj.{kind}", 0), inter)], checkpoint)
-        fill(mlp.down_proj.weight, p + "mlp.down_proj.weight", 1)
-        if arch.mlp_bias:
-            fill(mlp.down_proj.bias, p + "mlp.down_proj.bias")
 
     # Independent tasks (the embeddings, head and final norm; each decoder layer) on up to two
     # Python threads, each running torch on one thread (single_threaded in build_model): a
@@ -295,7 +338,7 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
     with torch.device(device):
         model = model_class(arch.architecture)(arch, tp, layer_range, **extra)
     # The RoPE tables are computed on the CPU (see RotaryEmbedding): put them on the device.
-    rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+    rope = RotaryEmbedding(arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta,
                            arch.rope_scaling)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

@@ -30,6 +30,10 @@ ATOL = 2e-4  # float32 rounding over 3 layers; logits are O(1..10)
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                n_group=4, topk_group=2, routed_scaling_factor=2.5)
 CASES = {
     "llama": ("LlamaConfig", dict(rope_theta=10000.0)),
     "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
@@ -55,6 +59,14 @@ CASES = {
     "qwen3-moe-dense-layer": ("Qwen3MoeConfig", dict(
         num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
         mlp_only_layers=[1])),
+    # DeepSeek-V3 / Kimi K2 (MLA + sigmoid noaux_tc router with a correction bias, grouped
+    # top-k, shared experts, a dense first layer) and V2 (softmax, group-limited, no q bottleneck)
+    "deepseek-v3": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=24)),
+    "deepseek-v3-yarn": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=24, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 0.8, "mscale_all_dim": 1.0})),
+    "deepseek-v2": ("DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None,
+                                             topk_method="group_limited_greedy")),
 }
 
 
@@ -72,6 +84,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(noise / param.shape[-1] ** 0.5)
             else:
                 param.copy_(noise)
+        for name, buf in model.named_buffers():  # DeepSeek-V3's router bias: steer some picks
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
 
 
 def make_hf_model(tmp_path: Path, case: str):
@@ -101,9 +116,9 @@ class PagedRun:
         self.model = build_model(HFCheckpoint(folder), torch.float32)
         if kernels is not None:
             self.model.use_kernels(kernels)
-        layer = self.model.layers[0].self_attn
-        self.kv_cache = torch.zeros(len(self.model.layers), 2, NUM_BLOCKS, BLOCK_SIZE,
-                                    layer.num_kv_heads, layer.head_dim)
+        planes, heads, dim = self.model.arch.kv_cache_layout()
+        self.kv_cache = torch.zeros(len(self.model.layers), planes, NUM_BLOCKS, BLOCK_SIZE,
+                                    heads, dim)
         self.block_table = list(range(NUM_BLOCKS - 1, -1, -1))  # not the identity on purpose
         self.num_computed = 0
 
@@ -134,7 +149,7 @@ def test_logits_equal_transformers(tmp_path: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["llama-bias", "llama-mlp-bias", "qwen2", "qwen3", "mistral",
-                                  "mixtral", "qwen3-moe"])
+                                  "mixtral", "qwen3-moe", "deepseek-v3", "deepseek-v2"])
 def test_logits_equal_transformers_through_the_cpu_kernels(tmp_path: Path, case: str,
                                                            cpu_kernels) -> None:
     check_parity(tmp_path, case, kernels=cpu_kernels)
@@ -220,3 +235,19 @@ def test_a_tensor_the_model_has_no_place_for_is_an_error(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="checkpoint tensors the qwen2 model has no place for: "
                                          "model.layers.1.self_attn.o_proj.bias"):
         build_model(HFCheckpoint(folder), torch.float32)
+
+
+def test_deepseek_arch_and_yarn_softmax_scale_match_transformers(tmp_path: Path) -> None:
+    """MLA's shape is read from the config, and YaRN's mscale_all_dim scales the softmax as
+    transformers does (the parity case above would catch it too; this names the cause)."""
+    from hearth.models.deepseek import mla_softmax_scale
+
+    hf_model, folder = make_hf_model(tmp_path, "deepseek-v3-yarn")
+    arch = HFCheckpoint(folder).arch
+    assert (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim, arch.mla.q_lora_rank) == (32, 8, 24)
+    assert arch.kv_cache_layout(tp_size=2) == (1, 1, 40)  # one latent row, replicated
+    assert (arch.moe.scoring_func, arch.moe.topk_method, arch.moe.dense_layers) == (
+        "sigmoid", "noaux_tc", (0,))
+    want = hf_model.model.layers[0].self_attn.scaling
+    assert want != pytest.approx(arch.mla.qk_head_dim ** -0.5)
+    assert mla_softmax_scale(arch) == pytest.approx(want, rel=1e-6)

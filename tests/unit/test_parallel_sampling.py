@@ -67,7 +67,9 @@ def make_requests() -> list[Request]:
 
 
 def reference_runner() -> ModelRunner:
-    model = SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB, head_dim=4), layers=[],
+    model = SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB,
+                                                 kv_cache_layout=lambda tp_size: (2, 1, 4)),
+                            layers=[], tp=SimpleNamespace(size=1),
                             compute_logits=lambda hidden: hidden)
     return ModelRunner(model, num_blocks=8, block_size=16, dtype=torch.float32, seed=0)
 

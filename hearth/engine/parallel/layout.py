@@ -32,6 +32,10 @@ def check_parallel_shape(arch: ModelArch, tp_size: int, pp_size: int,
     if (arch.moe is not None and not expert_parallel
             and arch.moe.expert_intermediate_size % tp_size):
         problems.append(f"the experts' intermediate size={arch.moe.expert_intermediate_size}")
+    if arch.moe is not None and arch.moe.num_shared_experts:
+        shared = arch.moe.num_shared_experts * arch.moe.expert_intermediate_size
+        if shared % tp_size:
+            problems.append(f"the shared experts' intermediate size={shared}")
     if problems:
         valid = [t for t in range(1, arch.num_heads + 1) if _tp_fits(arch, t)]
         raise ValueError(f"tensor parallel size {tp_size} does not divide the model's "
@@ -61,15 +65,12 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def local_kv_heads(arch: ModelArch, tp_size: int) -> int:
-    return max(1, arch.num_kv_heads // tp_size)
-
-
 def kv_bytes_per_block_per_rank(arch: ModelArch, tp_size: int, pp_size: int, block_size: int,
                                 itemsize: int) -> int:
     """KV bytes one block takes on the busiest rank (the stage with the most layers)."""
     max_layers = max(end - start for start, end in split_layers(arch.num_layers, pp_size))
-    return 2 * max_layers * block_size * local_kv_heads(arch, tp_size) * arch.head_dim * itemsize
+    planes, heads, dim = arch.kv_cache_layout(tp_size)
+    return planes * max_layers * block_size * heads * dim * itemsize
 
 
 def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[int]:

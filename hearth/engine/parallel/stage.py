@@ -72,9 +72,9 @@ class StageShard:
                                  expert_parallel)
         arch = self.model.arch
         self.hidden_size = arch.hidden_size
-        num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_blocks, block_size,
-                                    num_kv_heads, arch.head_dim, dtype=dtype, device=self.device)
+        planes, heads, dim = arch.kv_cache_layout(groups.tp.size)
+        self.kv_cache = torch.zeros(len(self.model.layers), planes, num_blocks, block_size,
+                                    heads, dim, dtype=dtype, device=self.device)
         is_sampler = groups.rank == layout.sampler_rank
         self.sampler = RowSampler(seed, arch.vocab_size) if is_sampler else None
         self.compute_s = 0.0

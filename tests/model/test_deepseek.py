@@ -1,0 +1,144 @@
+"""DeepSeek-V3 / Kimi K2 (and V2) in the engine: multi-head latent attention over a latent paged
+cache and DeepSeek's MoE, against transformers and against itself across parallel layouts.
+
+The logits of the model alone are compared in tests/model/test_hf_parity.py (the deepseek
+cases); here the whole engine runs: chunked prefill, prefix hits, preemption, speculative
+drafts, tensor / expert / pipeline parallelism, and the fast default formats.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth.config import SpeculativeConfig
+from hearth.engine.llm import LLM
+from hearth.models.hf_loader import HFCheckpoint
+from hearth.models.random_checkpoint import _write_word_tokenizer, write_random_deepseek
+from tests.model.test_hf_parity import make_hf_model
+from tests.model.test_moe import EXACT, GREEDY, PROMPTS, hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 from transformers (MLA 32 + 8, 8 experts in 4 groups, top 2 of the
+    best 2 groups, a shared expert, a dense first layer), with a word-level tokenizer."""
+    model, folder = make_hf_model(tmp_path_factory.mktemp("ds"), "deepseek-v3")
+    _write_word_tokenizer(folder / "tokenizer.json", 256)
+    return model, folder
+
+
+def test_engine_greedy_equals_transformers_through_chunks_hits_preemption_and_drafts(hf_deepseek):
+    model, folder = hf_deepseek
+    prompts = PROMPTS[:5]  # the checkpoint's 64 positions hold the longest with its output
+    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    for settings in (dict(num_blocks=10, max_num_batched_tokens=32),  # chunks + preemption
+                     dict(speculative=SpeculativeConfig(method="suffix"))):  # drafts
+        llm = LLM(str(folder), **EXACT, **settings)
+        try:
+            first = llm.generate(prompts, GREEDY)
+            second = llm.generate(prompts, GREEDY)  # prompts now hit the prefix cache
+            assert llm.engine.kv_pool_is_whole()
+            if "num_blocks" in settings:
+                assert llm.engine.counters["preemptions"] > 0
+            else:
+                assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        finally:
+            llm.engine.close()
+        assert [c.token_ids for c in first] == want
+        assert [c.token_ids for c in second] == want
+        assert sum(c.cached_tokens for c in second) > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory) -> str:
+    # 4 heads and 8 experts on 2 ranks: TP splits the heads (the latent is replicated) and
+    # cuts the experts along their width; EP puts 4 whole experts on each rank.
+    return str(write_random_deepseek(tmp_path_factory.mktemp("tiny-ds") / "m", num_layers=4))
+
+
+def run_twice(llm: LLM):
+    try:
+        outs = llm.generate(PROMPTS, GREEDY) + llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.kv_pool_is_whole()
+        return outs, llm.engine.counters["preemptions"]
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("parallel", [
+    dict(tensor_parallel_size=2),
+    dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
+], ids=["tp2", "ep2", "ep2-pp2"])
+def test_tensor_and_expert_parallel_equal_one_process(tiny_deepseek, parallel):
+    settings = dict(num_blocks=16, max_num_batched_tokens=32)
+    want, want_preemptions = run_twice(LLM(tiny_deepseek, **settings))
+    got, preemptions = run_twice(LLM(tiny_deepseek, **settings, **parallel))
+    assert want_preemptions > 0 and preemptions == want_preemptions
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert (g.prompt_tokens, g.cached_tokens) == (w.prompt_tokens, w.cached_tokens)
+        for a, b in zip(w.logprobs, g.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_the_cache_holds_one_latent_row_per_token(tiny_deepseek):
+    """KV bytes per token: (kv_lora_rank + qk_rope_head_dim) values per layer, not K and V of
+    every head: here 40 against 4 heads x (24 (k) + 16 (v)) = 160 of the expanded cache."""
+    llm = LLM(tiny_deepseek, **EXACT, num_blocks=16)
+    try:
+        kv = llm.engine.executor.kv_cache
+        arch = llm.engine.arch
+        assert tuple(kv.shape[:2]) == (arch.num_layers, 1) and tuple(kv.shape[4:]) == (1, 40)
+        per_token = kv[:, :, 0, 0].numel()
+        expanded = arch.num_layers * arch.num_heads * (arch.mla.qk_head_dim + arch.mla.v_head_dim)
+        assert per_token == arch.num_layers * 40 and expanded / per_token == 4.0
+    finally:
+        llm.engine.close()
+
+
+def test_default_formats_agree_with_float32(tiny_deepseek):
+    """The fast defaults (quantized projections and experts, bf16 KV and prompts where the
+    machine has them) pick the float32 model's top token almost always."""
+    exact = LLM(tiny_deepseek, **EXACT)
+    fast = LLM(tiny_deepseek)
+    try:
+        params = GREEDY
+        want = exact.generate(PROMPTS, params)
+        got = fast.generate(PROMPTS, params)
+        agree = total = 0
+        for w, g in zip(want, got):
+            # compare the first token only where the prompts are identical contexts
+            agree += int(w.token_ids[0] == g.token_ids[0])
+            total += 1
+        assert agree >= total - 1
+        assert fast.engine.kv_pool_is_whole()
+    finally:
+        exact.engine.close()
+        fast.engine.close()
+
+
+def test_broken_deepseek_checkpoints_fail_at_load_naming_the_problem(tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_random_deepseek(tmp_path / "m")
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.1.self_attn.kv_a_layernorm.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(Exception, match="kv_a_layernorm"):
+        LLM(str(folder), **EXACT)
+    config = json.loads((folder / "config.json").read_text())
+    config["n_group"] = 3  # does not divide 8 experts
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="n_group"):
+        HFCheckpoint(folder)
+    config.update(n_group=4, scoring_func="relu")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="scoring_func"):
+        HFCheckpoint(folder)
