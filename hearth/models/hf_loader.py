@@ -19,6 +19,10 @@ from hearth.models.arch import MLA_ARCHITECTURES, MlaSpec, ModelArch, MoeSpec
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds
 from hearth.models.registry import HF_ARCHITECTURES
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed by the model; old checkpoints saved it
+# DeepSeek-V3 / Kimi K2 release FP8 (e4m3) weights with one fp32 scale per 128 x 128 block in
+# `<name>_scale_inv`; they are dequantized as read (value * scale) and the scales hidden.
+FP8_SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK = 128
 
 
 class HFCheckpoint(Checkpoint):
@@ -32,15 +36,29 @@ class HFCheckpoint(Checkpoint):
         self.tokenizer_source = TokenizerSource(folder=self.folder)
 
     def tensor_names(self) -> list[str]:
-        return [n for n in self._name_to_file if not n.endswith(_IGNORED_SUFFIXES)]
+        return [n for n in self._name_to_file if not n.endswith(_IGNORED_SUFFIXES)
+                and not (n.endswith(FP8_SCALE_SUFFIX)
+                         and n.removesuffix(FP8_SCALE_SUFFIX) in self._name_to_file)]
+
+    def _handle(self, name: str):
+        path = self._name_to_file[name]
+        if path not in self._files:
+            self._files[path] = safe_open(path, framework="pt")
+        return self._files[path]
 
     def get(self, name: str, shard: Shard | None = None) -> torch.Tensor:
         if name not in self._name_to_file:
             raise KeyError(f"{self.folder} has no tensor {name!r}")
-        path = self._name_to_file[name]
-        if path not in self._files:
-            self._files[path] = safe_open(path, framework="pt")
-        handle = self._files[path]
+        handle = self._handle(name)
+        if name + FP8_SCALE_SUFFIX in self._name_to_file:
+            value = _dequantize_fp8(handle.get_tensor(name),
+                                    self._handle(name + FP8_SCALE_SUFFIX).get_tensor(
+                                        name + FP8_SCALE_SUFFIX), name)
+            if shard is None:
+                return value
+            dim = shard[0] % value.dim()
+            start, stop = shard_bounds(value.shape[dim], shard, name)
+            return value.narrow(dim, start, stop - start)
         if shard is None:
             return handle.get_tensor(name)
         view = handle.get_slice(name)
@@ -49,6 +67,21 @@ class HFCheckpoint(Checkpoint):
         start, stop = shard_bounds(shape[dim], shard, name)
         index = (slice(None),) * dim + (slice(start, stop),)
         return view[index]
+
+
+def _dequantize_fp8(value: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+    """[N, K] float8 weights times their [ceil(N/128), ceil(K/128)] block scales -> float32."""
+    if value.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"{name}: FP8 block scales need a 2-D weight and scale, got "
+                         f"{tuple(value.shape)} and {tuple(scale_inv.shape)}")
+    rows, cols = value.shape
+    want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{name}{FP8_SCALE_SUFFIX}: shape {tuple(scale_inv.shape)}, expected "
+                         f"{want} (one scale per {FP8_BLOCK} x {FP8_BLOCK} block)")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(
+        FP8_BLOCK, 1)[:, :cols]
+    return value.float() * scale
 
 
 def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool = True) -> ModelArch:

@@ -104,10 +104,10 @@ def test_the_cache_holds_one_latent_row_per_token(tiny_deepseek):
 
 
 def test_default_formats_agree_with_float32(tiny_deepseek):
-    """The fast defaults (quantized projections and experts, bf16 KV and prompts where the
-    machine has them) pick the float32 model's top token almost always."""
+    """The fast formats (Q8_0 projections and experts for decode steps, bf16 KV read by the
+    kernels in place) pick the float32 model's top token almost always."""
     exact = LLM(tiny_deepseek, **EXACT)
-    fast = LLM(tiny_deepseek)
+    fast = LLM(tiny_deepseek, quantization="q8_0", kv_cache_dtype="bfloat16")
     try:
         params = GREEDY
         want = exact.generate(PROMPTS, params)
@@ -119,6 +119,9 @@ def test_default_formats_agree_with_float32(tiny_deepseek):
             total += 1
         assert agree >= total - 1
         assert fast.engine.kv_pool_is_whole()
+        assert fast.engine.executor.kv_cache.dtype == torch.bfloat16
+        attn = fast.engine.executor.model.layers[0].self_attn
+        assert attn.qkv_a_proj.qweight is not None and attn.o_proj.qweight is not None
     finally:
         exact.engine.close()
         fast.engine.close()
@@ -142,3 +145,36 @@ def test_broken_deepseek_checkpoints_fail_at_load_naming_the_problem(tmp_path: P
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="scoring_func"):
         HFCheckpoint(folder)
+
+
+def test_fp8_block_scaled_weights_load_as_their_dequantized_values(tmp_path: Path):
+    """DeepSeek's released FP8 layout: e4m3 weights with one fp32 `weight_scale_inv` per
+    128 x 128 block. hearth reads them as value * scale: the same logits as a bf16/fp32 folder
+    holding those dequantized values, and the scales count as read."""
+    from safetensors.torch import load_file, save_file
+
+    from hearth.models.weights import build_model
+    from tests.model.test_hf_parity import PROMPT, PagedRun
+
+    fp8 = write_random_deepseek(tmp_path / "fp8", num_layers=2, hidden_size=160,
+                                intermediate_size=288)
+    weights = load_file(str(fp8 / "model.safetensors"))
+    dequantized = dict(weights)
+    for name in [n for n in weights if n.endswith("proj.weight") and "experts" not in n]:
+        w = weights[name]
+        blocks = (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+        scale = torch.rand(blocks) * 0.01 + 0.005
+        full = scale.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        q = (w / full).to(torch.float8_e4m3fn)
+        weights[name], weights[name + "_scale_inv"] = q, scale
+        dequantized[name] = q.float() * full
+    save_file(weights, str(fp8 / "model.safetensors"))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (plain / f).write_text((fp8 / f).read_text())
+    save_file(dequantized, str(plain / "model.safetensors"))
+    assert any(n.endswith("_scale_inv") for n in load_file(str(fp8 / "model.safetensors")))
+    build_model(HFCheckpoint(fp8), torch.float32)  # every tensor, scales included, is read
+    torch.testing.assert_close(PagedRun(fp8).step(PROMPT), PagedRun(plain).step(PROMPT),
+                               atol=1e-5, rtol=0)
