@@ -602,3 +602,36 @@ def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cac
     torch.testing.assert_close(got_res, want_res, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kc, ref_kc, rtol=0, atol=0)
     torch.testing.assert_close(vc, ref_vc, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("width,cache_dtype", [(320, torch.float32), (576, torch.bfloat16),
+                                               (48, torch.float32)])
+def test_short_queries_over_one_wide_latent_head_equal_torch(kernels, width, cache_dtype):
+    """MLA's absorbed decode: every query head attends to one shared row per token (KV head
+    count 1, rows of 320 / 576 values: the AVX-512 wide path; 48: the generic one), value = the
+    same row; decodes and multi-token verify steps, contexts across splits, bf16 cache."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, heads = 16, 16
+    query_lens, context_lens = [1, 3, 1, 16], [1, 37, 700, 300]
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
+    cache = torch.randn(num_blocks, block_size, 1, width, generator=gen).to(cache_dtype)
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+    q = torch.randn(sum(query_lens), heads, width, generator=gen)
+    width_table = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), width_table, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    scale = width ** -0.5
+    got = kernels.ops.decode_attention(q, cache, cache, table,
+                                       torch.tensor(context_lens, dtype=torch.int32), scale, 128,
+                                       2, torch.tensor(query_lens, dtype=torch.int32))
+    start, want = 0, []
+    for q_len, ctx, t in zip(query_lens, context_lens, tables):
+        rows = cache[torch.tensor(t)].reshape(-1, width)[:ctx].float()
+        qi = q[start:start + q_len]
+        scores = torch.einsum("qhd,kd->hqk", qi, rows) * scale
+        seen = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + ctx - q_len
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)
+        want.append(torch.einsum("hqk,kd->qhd", probs, rows))
+        start += q_len
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-4, rtol=1e-4)

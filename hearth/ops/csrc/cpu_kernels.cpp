@@ -1031,6 +1031,75 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
     }
   }
 }
+
+// One work item over a single wide KV head (MLA's latent row: every query head attends to the
+// same row, D = 16 * dv of any width, e.g. 320 or 576): R query rows against tokens [t0, t1).
+// Scores: for 8 tokens x HB rows the d-chunks run innermost with the 8 x HB dot products in
+// registers (the row's chunks stream from L1; no register file holds a 576-wide row), reduced
+// together by hsum8. Outputs: 64 values of D at a time for up to VB rows, over every token.
+template <typename KV>
+void attend_wide_avx512(const float* qg, const KV* kc, const KV* vc, const int64_t* off,
+                        int64_t t0, int64_t t1, int64_t R, int64_t D, float scale,
+                        const int64_t* lim, float* part, float* scores) {
+  constexpr int HB = 3;  // 3 * 8 accumulators + 3 query + 1 key registers fit in 32
+  const int64_t n = t1 - t0, pstride = D + 2, dv = D / 16;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    const KV* krow[8];
+    for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0];
+    for (int64_t h0 = 0; h0 < R; h0 += HB) {
+      const int64_t hn = std::min<int64_t>(HB, R - h0);
+      __m512 acc[HB][8];
+      for (int hh = 0; hh < HB; ++hh)
+        for (int i = 0; i < 8; ++i) acc[hh][i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < dv; ++c) {
+        __m512 qv[HB];
+        for (int hh = 0; hh < HB; ++hh)
+          qv[hh] = hh < hn ? _mm512_loadu_ps(qg + (h0 + hh) * D + 16 * c) : _mm512_setzero_ps();
+        for (int i = 0; i < 8; ++i) {
+          const __m512 k = load16(krow[i] + 16 * c);
+          for (int hh = 0; hh < HB; ++hh) acc[hh][i] = _mm512_fmadd_ps(qv[hh], k, acc[hh][i]);
+        }
+      }
+      for (int hh = 0; hh < hn; ++hh)
+        _mm256_storeu_ps(scores + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), vscale));
+    }
+  }
+  for (; t < t1; ++t) {
+    const KV* k = kc + off[t - t0];
+    for (int64_t h = 0; h < R; ++h) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < dv; ++c)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + h * D + 16 * c), load16(k + 16 * c), a);
+      scores[h * n + (t - t0)] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  softmax_scores(scores, n, R, lim, part, pstride);
+  constexpr int VB = 6, VC = 4;  // 6 rows x 4 vectors of output + 4 value registers
+  for (int64_t c0 = 0; c0 < dv; c0 += VC) {
+    const int64_t cn = std::min<int64_t>(VC, dv - c0);
+    for (int64_t h0 = 0; h0 < R; h0 += VB) {
+      const int64_t hn = std::min<int64_t>(VB, R - h0);
+      __m512 o[VB][VC];
+      for (int h = 0; h < VB; ++h)
+        for (int c = 0; c < VC; ++c) o[h][c] = _mm512_setzero_ps();
+      for (int64_t tt = t0; tt < t1; ++tt) {
+        const KV* v = vc + off[tt - t0] + 16 * c0;
+        __m512 vv[VC];
+        for (int c = 0; c < VC; ++c) vv[c] = c < cn ? load16(v + 16 * c) : _mm512_setzero_ps();
+        for (int h = 0; h < VB; ++h) {
+          if (h >= hn) break;
+          const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + (tt - t0)]);
+          for (int c = 0; c < VC; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+        }
+      }
+      for (int h = 0; h < hn; ++h)
+        for (int c = 0; c < cn; ++c)
+          _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * (c0 + c), o[h][c]);
+    }
+  }
+}
 #endif
 
 // Merge the splits of query head h of request b into out[b, h].
@@ -1105,6 +1174,13 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
       else
         attend_heads_avx512<KV, 8>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, scale, lim.data(),
                                    parts.data(), scores.data());
+      return;
+    }
+    if (KVH == 1 && D % 16 == 0 && t0 < t1) {  // MLA's latent row (absorbed decode)
+      const float* qg = q + qstart[b] * H * D;  // rows j * G + h: already in that order
+      scores.resize(R * (t1 - t0));
+      attend_wide_avx512<KV>(qg, kc, vc, offs.data(), t0, t1, R, D, scale, lim.data(),
+                             part_at(b, 0, s), scores.data());
       return;
     }
 #endif
