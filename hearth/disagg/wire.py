@@ -18,8 +18,8 @@ proves the secret in AUTH, the server checks it and proves the secret in OK, and
 checks that before it sends a request. The connection then serves that transfer id only.
 
 Payloads: PULL carries num_blocks u32 block positions (indices into the descriptor's block list);
-DATA carries the blocks as `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`,
-i.e. for each (layer, K|V) plane the requested blocks in request order; ERROR carries a UTF-8
+DATA carries the blocks as `[num_layers, planes, num_blocks, block_size, heads, dim]` (planes: K
+and V, or MLA's one latent plane), i.e. for each (layer, plane) the requested blocks in request order; ERROR carries a UTF-8
 message. Bytes go out with scatter/gather `sendmsg` from the KV tensor and come in with
 `recvmsg_into` straight into the destination blocks: no staging copy on either side.
 """
