@@ -15,7 +15,10 @@ AVX512-BF16), and reports:
   * prefill of a 2k-token prompt (tokens/s);
   * the single-stream decode step at each context: measured ms, the bytes it must read
     (active weights in their decode format + the context's latent rows), the step time those
-    bytes take at the machine's measured read bandwidth (the roofline), and their ratio.
+    bytes take at the machine's measured read bandwidth (the memory roofline) and the ratio, and
+    the time the absorbed attention's FLOPs take at the machine's fp32 GEMM rate (with 16 heads
+    sharing one latent row, 2 x 16 multiply-adds per value read: long contexts are bound by
+    compute on a 2-core CPU, not by memory).
 
 Each figure is repeated (--repeats) and reported min / median. Random weights are fine for
 speed; the shape is what counts:
@@ -86,6 +89,25 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def gemm_rate() -> float:
+    """GFLOP/s of an fp32 GEMM (1024^3, best of 5) with torch's threads: the compute ceiling."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 1024 ** 3 / best / 1e9
+
+
+def attention_flops(s: dict, ctx: int) -> int:
+    """FLOPs of one token's absorbed latent attention over `ctx` tokens, all layers: every
+    head's scores over the whole row and its weighted sum of the row (the kernel's V is the
+    row), 2 FLOPs per multiply-add."""
+    row = s["kv_lora_rank"] + s["qk_rope_head_dim"]
+    return s["num_layers"] * 2 * 2 * s["num_heads"] * row * ctx
+
+
 def timed_steps(llm: LLM, prompt: list[int], decode_tokens: int) -> tuple[float, list[float]]:
     """(prefill seconds, each later step's seconds) of one request run alone."""
     engine = llm.engine
@@ -116,7 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.model_dir / "model.safetensors").exists():
         write_random_deepseek(args.model_dir, **SHAPE, dtype=torch.bfloat16)
-    bandwidth = read_bandwidth()
+    bandwidth, flops = read_bandwidth(), gemm_rate()
     llm = LLM(str(args.model_dir), max_model_len=max(args.contexts + [2048]) + 64,
               enable_prefix_caching=False, quantization="q8_0", kv_cache_dtype="auto")
     kv_dtype = llm.engine.executor.kv_cache.dtype
@@ -128,6 +150,7 @@ def main() -> None:
         return torch.randint(3, SHAPE["vocab_size"], (n,), generator=gen).tolist()
 
     results = {"shape": SHAPE, "kv_dtype": str(kv_dtype), "read_bandwidth_gbs": bandwidth,
+               "gemm_gflops": flops,
                "kv_bytes_per_token": kv, "decode_weight_bytes": weights, "contexts": {}}
     prefills = [2048 / timed_steps(llm, prompt(2048), 0)[0] for _ in range(args.repeats)]
     results["prefill_2k_tok_s"] = prefills
@@ -137,23 +160,27 @@ def main() -> None:
             _, steps = timed_steps(llm, prompt(ctx), args.decode_tokens)
             runs.append(statistics.median(steps[2:]) * 1000)  # first steps warm the threads
         read = weights + ctx * kv["latent"]
-        roofline_ms = read / (bandwidth * 1e9) * 1000
+        memory_ms = read / (bandwidth * 1e9) * 1000
+        compute_ms = attention_flops(SHAPE, ctx) / (flops * 1e9) * 1000
         results["contexts"][ctx] = {"step_ms": runs, "bytes_read": read,
-                                    "kv_bytes": ctx * kv["latent"], "roofline_ms": roofline_ms}
+                                    "kv_bytes": ctx * kv["latent"], "memory_roofline_ms": memory_ms,
+                                    "attention_compute_ms": compute_ms}
     assert llm.engine.kv_pool_is_whole()
     llm.engine.close()
 
-    print(f"KV dtype {kv_dtype}; read bandwidth {bandwidth:.1f} GB/s; decode weights "
-          f"{weights / 1e6:.0f} MB")
+    print(f"KV dtype {kv_dtype}; read bandwidth {bandwidth:.1f} GB/s; fp32 GEMM {flops:.0f} "
+          f"GFLOP/s; decode weights {weights / 1e6:.0f} MB")
     print(f"KV bytes/token: latent {kv['latent']:,}  expanded K/V {kv['expanded']:,} "
           f"({kv['expanded'] / kv['latent']:.1f}x)  GQA 4x64 {kv['gqa_4x64']:,} "
           f"({kv['gqa_4x64'] / kv['latent']:.1f}x)")
     print(f"prefill 2k: min {min(prefills):.0f} / median {statistics.median(prefills):.0f} tok/s")
-    print(f"{'context':>8} {'step ms min/med':>16} {'KV MB':>7} {'roofline ms':>12} {'x roofline':>11}")
+    print(f"{'context':>8} {'step ms min/med':>16} {'read MB':>8} {'KV MB':>7} {'memory ms':>10} "
+          f"{'x memory':>9} {'attn compute ms':>16}")
     for ctx, r in results["contexts"].items():
         best, med = min(r["step_ms"]), statistics.median(r["step_ms"])
-        print(f"{ctx:>8} {best:>7.1f} / {med:<7.1f} {r['kv_bytes'] / 1e6:>7.1f} "
-              f"{r['roofline_ms']:>12.1f} {best / r['roofline_ms']:>11.2f}")
+        print(f"{ctx:>8} {best:>7.1f} / {med:<7.1f} {r['bytes_read'] / 1e6:>8.0f} "
+              f"{r['kv_bytes'] / 1e6:>7.1f} {r['memory_roofline_ms']:>10.1f} "
+              f"{best / r['memory_roofline_ms']:>9.2f} {r['attention_compute_ms']:>16.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
