@@ -8,6 +8,17 @@ That last point needs care. For the llama architecture, llama.cpp's converter pe
 each attention head of Q and K so its interleaved RoPE (pairs (0,1), (2,3), ...) rotates the same
 pairs as HF's rotate-half RoPE (pairs (j, j + head_dim/2)). Per head, GGUF row `2j + i` holds HF
 row `i * head_dim/2 + j`; we undo that. Qwen2/Qwen3 files use NEOX-style RoPE and are not permuted.
+
+DeepSeek-V2/V3 and Kimi K2 (`deepseek2`): llama.cpp runs them with interleaved-pair RoPE, as
+DeepSeek's own weights are laid out, so the converter leaves the rotary rows alone: the
+checkpoint presents them interleaved and says so (`MlaSpec.rope_interleave`), and the weight
+loader permutes them as it does for the HF folder. Newer converters store `kv_b_proj` as two
+tensors for llama.cpp's absorbed attention, per head h:
+
+    attn_k_b [H, kv_lora_rank, nope] = W_UK_h^T      attn_v_b [H, v, kv_lora_rank] = W_UV_h
+    kv_b_proj [H * (nope + v), kv_lora_rank] = per head [ attn_k_b[h]^T ; attn_v_b[h] ]
+
+and `kv_b_proj` is rebuilt from them on read.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hearth.models.arch import MOE_ARCHITECTURES, ModelArch, MoeSpec
+from hearth.models.arch import MLA_ARCHITECTURES, MOE_ARCHITECTURES, MlaSpec, ModelArch, MoeSpec
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
 from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
 from hearth.models.gguf_file import GGUFFile
@@ -44,7 +55,21 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router [E, H]
+    # DeepSeek (deepseek2): MLA's projections, the shared experts
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# DeepSeek-V3's router correction bias (noaux_tc), stored as a bias
+_CORRECTION_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
+# kv_b_proj split by newer converters (module docstring): (W_UK^T per head, W_UV per head)
+_SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 # A MoE layer's experts, stacked ([E, I, H] / [E, H, I]): hearth's "stacked" expert layout
 # (hearth.models.weights), named without a .weight suffix.
 _EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
@@ -60,6 +85,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match is not None and match[2] in _EXPERT_NAMES and match[3] == "weight":
         return f"model.layers.{match[1]}.{_EXPERT_NAMES[match[2]]}"
+    if match is not None and (match[2], match[3]) == (_CORRECTION_BIAS[0], "bias"):
+        return f"model.layers.{match[1]}.{_CORRECTION_BIAS[1]}"
     if match is None or match[2] not in _BLOCK_NAMES:
         return None
     return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
@@ -77,11 +104,15 @@ class GGUFCheckpoint(Checkpoint):
             )
         self._permuted_qk = _ARCHITECTURES[architecture][1]
         self._hf_to_gguf: dict[str, str] = {}
+        # HF kv_b_proj name -> (attn_k_b, attn_v_b) GGUF names it is rebuilt from
+        self._split_kv_b: dict[str, tuple[str, str]] = {}
         for gguf_name, info in self.file.tensors.items():
             if gguf_name == _ROPE_FREQS:
                 continue
             hf_name = hf_tensor_name(gguf_name)
-            if hf_name is None:
+            is_split_half = (hf_name is None and architecture == "deepseek2"
+                             and self._note_split_kv_b(gguf_name))
+            if hf_name is None and not is_split_half:
                 raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {architecture} model")
             if not is_supported(info.ggml_type):
                 raise ValueError(
@@ -89,15 +120,48 @@ class GGUFCheckpoint(Checkpoint):
                     f"{_type_name(info.ggml_type)}, which hearth cannot dequantize "
                     f"(supported: {', '.join(SUPPORTED_TYPES)})"
                 )
-            self._hf_to_gguf[hf_name] = gguf_name
+            if hf_name is not None:
+                self._hf_to_gguf[hf_name] = gguf_name
+        # a file holding both forms: kv_b_proj as stored, the split copies unread
+        for hf_name in set(self._split_kv_b) & set(self._hf_to_gguf):
+            del self._split_kv_b[hf_name]
         self.arch = arch_from_gguf(meta, self.file)
         self.name = name or self.file.path.stem
         self.tokenizer_source = TokenizerSource(gguf_metadata=meta)
 
+    def _note_split_kv_b(self, gguf_name: str) -> bool:
+        """Whether `gguf_name` is one half of a split kv_b_proj (recorded under its HF name).
+        Both halves must be in the file."""
+        match = _BLOCK_TENSOR.fullmatch(gguf_name)
+        if match is None or match[2] not in _SPLIT_KV_B or match[3] != "weight":
+            return False
+        names = tuple(f"blk.{match[1]}.{part}.weight" for part in _SPLIT_KV_B)
+        missing = [n for n in names if n not in self.file.tensors]
+        if missing:
+            raise ValueError(f"{self.file.path}: {gguf_name!r} without {missing[0]!r} "
+                             f"(kv_b_proj of layer {match[1]} is stored as both)")
+        self._split_kv_b[f"model.layers.{match[1]}.self_attn.kv_b_proj.weight"] = names
+        return True
+
     def tensor_names(self) -> list[str]:
-        return list(self._hf_to_gguf)
+        return list(self._hf_to_gguf) + list(self._split_kv_b)
+
+    def _joined_kv_b(self, name: str) -> torch.Tensor:
+        """kv_b_proj [H * (nope + v), L] from attn_k_b [H, L, nope] and attn_v_b [H, v, L]."""
+        k_b, v_b = (self.file.tensors[n] for n in self._split_kv_b[name])
+        w_uk = dequantize(self.file.raw(k_b.name), k_b.ggml_type, k_b.shape)
+        w_uv = dequantize(self.file.raw(v_b.name), v_b.ggml_type, v_b.shape)
+        if (w_uk.dim() != 3 or w_uv.dim() != 3 or w_uk.shape[0] != w_uv.shape[0]
+                or w_uk.shape[1] != w_uv.shape[2]):
+            raise ValueError(f"{self.file.path}: {k_b.name} {tuple(k_b.shape)} and {v_b.name} "
+                             f"{tuple(v_b.shape)} are not [heads, kv_lora_rank, nope] and "
+                             f"[heads, v, kv_lora_rank]")
+        joined = torch.cat([w_uk.transpose(1, 2), w_uv], dim=1)  # [H, nope + v, L]
+        return joined.reshape(-1, joined.shape[2])
 
     def get(self, name: str, shard: Shard | None = None) -> torch.Tensor:
+        if name in self._split_kv_b:
+            return take_shard(self._joined_kv_b(name), shard, name)
         if name not in self._hf_to_gguf:
             raise KeyError(f"{self.file.path} has no tensor {name!r}")
         info = self.file.tensors[self._hf_to_gguf[name]]
@@ -190,9 +254,15 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
     head_dim = int(key("attention.key_length", hidden_size // num_heads))
     rope_theta = float(key("rope.freq_base", 10000.0))
     eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    architecture, moe = _ARCHITECTURES[prefix][0], None
+    architecture, moe, mla = _ARCHITECTURES[prefix][0], None, None
     num_experts = int(meta.get(f"{prefix}.expert_count") or 0)
-    if num_experts:
+    if architecture in MLA_ARCHITECTURES:
+        mla = _deepseek_mla_spec(file, key)
+        moe = _deepseek_moe_spec(meta, file, key)
+        head_dim = mla.qk_head_dim
+        if moe.scoring_func == "sigmoid":
+            architecture = "deepseek_v3"  # V3 and Kimi K2; V2's router is a softmax
+    elif num_experts:
         if architecture == "llama":
             architecture = "mixtral"  # llama.cpp writes Mixtral as llama with experts
         if architecture not in MOE_ARCHITECTURES:
@@ -210,13 +280,16 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
     return ModelArch(
         architecture=architecture,
         moe=moe,
+        mla=mla,
         vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
         intermediate_size=int(meta.get(f"{prefix}.feed_forward_length")
                               or (moe.expert_intermediate_size if moe else key("feed_forward_length"))),
         num_layers=int(key("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        # MLA: every head has its own K and V, up-projected from the latent (llama.cpp's
+        # head_count_kv says 1 in newer files: its absorbed attention is MQA over the latent)
+        num_kv_heads=num_heads if mla else int(key("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
@@ -230,6 +303,65 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
     )
+
+
+def _deepseek_mla_spec(file: GGUFFile, key) -> MlaSpec:
+    """deepseek2's attention keys -> MlaSpec (hf_loader's _mla_spec, from the GGUF side).
+
+    Newer converters describe the absorbed form llama.cpp runs (key_length = kv_lora_rank +
+    rope, value_length = kv_lora_rank) and put the per-head widths in key_length_mla /
+    value_length_mla; older files have only key_length / value_length, the per-head widths.
+    The rotary rows stay interleaved (module docstring)."""
+    meta = file.metadata
+    prefix = meta["general.architecture"]
+    mla_widths = (meta.get(f"{prefix}.attention.key_length_mla"),
+                  meta.get(f"{prefix}.attention.value_length_mla"))
+    qk_head_dim, v_head_dim = (
+        (int(mla_widths[0]), int(mla_widths[1])) if None not in mla_widths
+        else (int(key("attention.key_length")), int(key("attention.value_length"))))
+    rope = int(key("rope.dimension_count"))
+    has_q_lora = "blk.0.attn_q_a.weight" in file.tensors
+    return MlaSpec(kv_lora_rank=int(key("attention.kv_lora_rank")),
+                   qk_nope_head_dim=qk_head_dim - rope,
+                   qk_rope_head_dim=rope,
+                   v_head_dim=v_head_dim,
+                   q_lora_rank=int(key("attention.q_lora_rank")) if has_q_lora else None,
+                   rope_interleave=True)
+
+
+# expert_gating_func (llama.cpp's llama_expert_gating_func_type) -> MoeSpec.scoring_func;
+# files without it are DeepSeek V2 / V2.5, softmax
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+
+
+def _deepseek_moe_spec(meta: dict[str, Any], file: GGUFFile, key) -> MoeSpec:
+    """deepseek2's expert keys -> MoeSpec (hf_loader's _deepseek_moe_spec, from the GGUF side).
+
+    The file has no topk_method: V3's noaux_tc is told by the router's correction bias
+    (exp_probs_b), V2's group-limited greedy by expert groups without one. Dense layers are the
+    leading_dense_block_count first, as llama.cpp runs them."""
+    prefix = meta["general.architecture"]
+    gating = int(meta.get(f"{prefix}.expert_gating_func") or 1)
+    if gating not in _GATING_FUNCS:
+        raise ValueError(f"{file.path}: {prefix}.expert_gating_func={gating} is not supported "
+                         f"(1 softmax, 2 sigmoid)")
+    num_layers, first_dense = int(key("block_count")), int(key("leading_dense_block_count"))
+    n_group = int(meta.get(f"{prefix}.expert_group_count") or 1)
+    has_bias = any(f"blk.{i}.{_CORRECTION_BIAS[0]}.bias" in file.tensors
+                   for i in range(first_dense, num_layers))
+    return MoeSpec(
+        num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        expert_intermediate_size=int(key("expert_feed_forward_length")),
+        norm_topk_prob=bool(meta.get(f"{prefix}.expert_weights_norm", False)),
+        dense_layers=tuple(range(min(first_dense, num_layers))),
+        scoring_func=_GATING_FUNCS[gating],
+        topk_method="noaux_tc" if has_bias else ("group_limited_greedy" if n_group > 1
+                                                 else "greedy"),
+        n_group=n_group,
+        topk_group=int(meta.get(f"{prefix}.expert_group_used_count") or 1),
+        routed_scaling_factor=float(meta.get(f"{prefix}.expert_weights_scale") or 1.0),
+        num_shared_experts=int(key("expert_shared_count")))
 
 
 def _rope_scaling(
@@ -256,6 +388,13 @@ def _rope_scaling(
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if f"{prefix}.rope.scaling.{gguf_key}" in meta:
                 scaling[hf_key] = float(meta[f"{prefix}.rope.scaling.{gguf_key}"])
+        log_multiplier = float(meta.get(f"{prefix}.rope.scaling.yarn_log_multiplier") or 0.0)
+        if log_multiplier:
+            # DeepSeek: the converter writes 0.1 * mscale_all_dim, and llama.cpp runs deepseek2
+            # with mscale = mscale_all_dim (the released DeepSeek and Kimi configs set both
+            # alike): the rotary tables unscaled, the softmax scaled by mscale_all_dim-derived
+            # mscale^2 (hearth's mla_softmax_scale).
+            scaling["mscale"] = scaling["mscale_all_dim"] = log_multiplier / 0.1
         return scaling
     raise ValueError(f"{file.path}: RoPE scaling type {kind!r} is not supported")
 

@@ -27,13 +27,16 @@ HF_ARCHITECTURES = {
 
 # GGUF general.architecture -> (ModelArch.architecture, Q/K rows permuted by the converter).
 # llama.cpp writes Mixtral as "llama" with stacked expert tensors (ffn_*_exps): the GGUF loader
-# turns a "llama" file with experts into "mixtral".
+# turns a "llama" file with experts into "mixtral". "deepseek2" holds DeepSeek-V2, V3 and Kimi
+# K2: the loader makes a file with a sigmoid router "deepseek_v3" (its rotary rows are not
+# permuted but left interleaved, as DeepSeek stores them; see gguf_loader).
 GGUF_ARCHITECTURES = {
     "llama": ("llama", True),
     "mistral": ("mistral", True),
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),
     "qwen3moe": ("qwen3_moe", False),
+    "deepseek2": ("deepseek_v2", False),
 }
 
 # ModelArch.architecture -> "module:class" (imported when a model is built)
