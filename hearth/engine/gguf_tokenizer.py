@@ -39,9 +39,21 @@ _TEKKEN_SPLIT = (
 )
 
 
-def _split_then_bytes(regex: str) -> dict:
-    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-    return {"type": "Sequence", "pretokenizers": [split, _BYTE_LEVEL_NO_REGEX]}
+def _split_then_bytes(*regexes: str) -> dict:
+    """Each regex splits (isolating its matches) the pieces the one before left, then bytes."""
+    splits = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+              for r in regexes]
+    return {"type": "Sequence", "pretokenizers": [*splits, _BYTE_LEVEL_NO_REGEX]}
+
+
+# DeepSeek-V3 / R1 (llama.cpp's "deepseek-v3"): digits in threes, then CJK runs, then words and
+# punctuation (as llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEEPSEEK3_LLM splits them).
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 
 
 _DIGITS_THEN_BYTES = {
@@ -64,6 +76,7 @@ _PRE_TOKENIZERS: dict[str, tuple[dict | None, dict, bool]] = {
     },
     **{name: (_NFC, _split_then_bytes(_QWEN2_SPLIT), False) for name in ("qwen2", "deepseek-r1-qwen")},
     "tekken": (None, _split_then_bytes(_TEKKEN_SPLIT), False),
+    "deepseek-v3": (None, _split_then_bytes(*_DEEPSEEK_V3_SPLITS), False),
 }
 
 
