@@ -135,7 +135,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path, help="plot the decode step against its rooflines")
+    ap.add_argument("--from-json", type=Path, help="only plot/print a saved run")
     args = ap.parse_args()
+    if args.from_json:
+        plot(json.loads(args.from_json.read_text()), args.png)
+        return
     if not (args.model_dir / "model.safetensors").exists():
         write_random_deepseek(args.model_dir, **SHAPE, dtype=torch.bfloat16)
     bandwidth, flops = read_bandwidth(), gemm_rate()
@@ -183,6 +188,35 @@ def main() -> None:
               f"{best / r['memory_roofline_ms']:>9.2f} {r['attention_compute_ms']:>16.1f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if args.png:
+        plot(json.loads(json.dumps(results)), args.png)
+
+
+def plot(results: dict, png: Path | None) -> None:
+    """Measured decode step (min) per context beside the memory roofline and the attention's
+    compute time at the GEMM rate."""
+    if png is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = list(results["contexts"])
+    rows = [results["contexts"][c] for c in ctxs]
+    x = range(len(ctxs))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([i - 0.27 for i in x], [min(r["step_ms"]) for r in rows], 0.27, label="measured step")
+    ax.bar(list(x), [r["memory_roofline_ms"] for r in rows], 0.27,
+           label="memory roofline (weights + latent KV)")
+    ax.bar([i + 0.27 for i in x], [r["attention_compute_ms"] for r in rows], 0.27,
+           label="attention FLOPs at fp32 GEMM rate")
+    ax.set_xticks(list(x), [f"{c} ctx" for c in ctxs])
+    ax.set_ylabel("ms per decode step (batch 1)")
+    ax.set_title("DeepSeek-V3-shaped MLA model (random, 12 layers), hearth, 2-core CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":
