@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from hearth.models.arch import MLA_ARCHITECTURES, MOE_ARCHITECTURES, MlaSpec, ModelArch, MoeSpec
+from hearth.models.arch import MLA_ARCHITECTURES, MOE_ARCHITECTURES, ModelArch, MoeSpec
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
 from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
+from hearth.models.gguf_deepseek import CORRECTION_BIAS, deepseek_mla_spec, deepseek_moe_spec
 from hearth.models.gguf_file import GGUFFile
 from hearth.models.registry import GGUF_ARCHITECTURES
 
@@ -67,7 +68,6 @@ _BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 # DeepSeek-V3's router correction bias (noaux_tc), stored as a bias
-_CORRECTION_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
 # kv_b_proj split by newer converters (module docstring): (W_UK^T per head, W_UV per head)
 _SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 # A MoE layer's experts, stacked ([E, I, H] / [E, H, I]): hearth's "stacked" expert layout
@@ -85,8 +85,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match is not None and match[2] in _EXPERT_NAMES and match[3] == "weight":
         return f"model.layers.{match[1]}.{_EXPERT_NAMES[match[2]]}"
-    if match is not None and (match[2], match[3]) == (_CORRECTION_BIAS[0], "bias"):
-        return f"model.layers.{match[1]}.{_CORRECTION_BIAS[1]}"
+    if match is not None and (match[2], match[3]) == (CORRECTION_BIAS[0], "bias"):
+        return f"model.layers.{match[1]}.{CORRECTION_BIAS[1]}"
     if match is None or match[2] not in _BLOCK_NAMES:
         return None
     return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
@@ -257,8 +257,8 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
     architecture, moe, mla = _ARCHITECTURES[prefix][0], None, None
     num_experts = int(meta.get(f"{prefix}.expert_count") or 0)
     if architecture in MLA_ARCHITECTURES:
-        mla = _deepseek_mla_spec(file, key)
-        moe = _deepseek_moe_spec(meta, file, key)
+        mla = deepseek_mla_spec(file, key)
+        moe = deepseek_moe_spec(meta, file, key)
         head_dim = mla.qk_head_dim
         if moe.scoring_func == "sigmoid":
             architecture = "deepseek_v3"  # V3 and Kimi K2; V2's router is a softmax
@@ -303,65 +303,6 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
     )
-
-
-def _deepseek_mla_spec(file: GGUFFile, key) -> MlaSpec:
-    """deepseek2's attention keys -> MlaSpec (hf_loader's _mla_spec, from the GGUF side).
-
-    Newer converters describe the absorbed form llama.cpp runs (key_length = kv_lora_rank +
-    rope, value_length = kv_lora_rank) and put the per-head widths in key_length_mla /
-    value_length_mla; older files have only key_length / value_length, the per-head widths.
-    The rotary rows stay interleaved (module docstring)."""
-    meta = file.metadata
-    prefix = meta["general.architecture"]
-    mla_widths = (meta.get(f"{prefix}.attention.key_length_mla"),
-                  meta.get(f"{prefix}.attention.value_length_mla"))
-    qk_head_dim, v_head_dim = (
-        (int(mla_widths[0]), int(mla_widths[1])) if None not in mla_widths
-        else (int(key("attention.key_length")), int(key("attention.value_length"))))
-    rope = int(key("rope.dimension_count"))
-    has_q_lora = "blk.0.attn_q_a.weight" in file.tensors
-    return MlaSpec(kv_lora_rank=int(key("attention.kv_lora_rank")),
-                   qk_nope_head_dim=qk_head_dim - rope,
-                   qk_rope_head_dim=rope,
-                   v_head_dim=v_head_dim,
-                   q_lora_rank=int(key("attention.q_lora_rank")) if has_q_lora else None,
-                   rope_interleave=True)
-
-
-# expert_gating_func (llama.cpp's llama_expert_gating_func_type) -> MoeSpec.scoring_func;
-# files without it are DeepSeek V2 / V2.5, softmax
-_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
-
-
-def _deepseek_moe_spec(meta: dict[str, Any], file: GGUFFile, key) -> MoeSpec:
-    """deepseek2's expert keys -> MoeSpec (hf_loader's _deepseek_moe_spec, from the GGUF side).
-
-    The file has no topk_method: V3's noaux_tc is told by the router's correction bias
-    (exp_probs_b), V2's group-limited greedy by expert groups without one. Dense layers are the
-    leading_dense_block_count first, as llama.cpp runs them."""
-    prefix = meta["general.architecture"]
-    gating = int(meta.get(f"{prefix}.expert_gating_func") or 1)
-    if gating not in _GATING_FUNCS:
-        raise ValueError(f"{file.path}: {prefix}.expert_gating_func={gating} is not supported "
-                         f"(1 softmax, 2 sigmoid)")
-    num_layers, first_dense = int(key("block_count")), int(key("leading_dense_block_count"))
-    n_group = int(meta.get(f"{prefix}.expert_group_count") or 1)
-    has_bias = any(f"blk.{i}.{_CORRECTION_BIAS[0]}.bias" in file.tensors
-                   for i in range(first_dense, num_layers))
-    return MoeSpec(
-        num_experts=int(key("expert_count")),
-        num_experts_per_tok=int(key("expert_used_count")),
-        expert_intermediate_size=int(key("expert_feed_forward_length")),
-        norm_topk_prob=bool(meta.get(f"{prefix}.expert_weights_norm", False)),
-        dense_layers=tuple(range(min(first_dense, num_layers))),
-        scoring_func=_GATING_FUNCS[gating],
-        topk_method="noaux_tc" if has_bias else ("group_limited_greedy" if n_group > 1
-                                                 else "greedy"),
-        n_group=n_group,
-        topk_group=int(meta.get(f"{prefix}.expert_group_used_count") or 1),
-        routed_scaling_factor=float(meta.get(f"{prefix}.expert_weights_scale") or 1.0),
-        num_shared_experts=int(key("expert_shared_count")))
 
 
 def _rope_scaling(
