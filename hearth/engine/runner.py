@@ -40,6 +40,7 @@ class ModelRunner:
         prefault = None
         if self.device.type == "cpu":  # first touch off the request path (host_memory.py)
             prefault = host_memory.prefault(self.kv_cache)
+        self._prefault = prefault
         self.sampler = RowSampler(seed, self.vocab_size)
         # MoE layers count the tokens routed to each expert (the per-expert load metrics); a
         # model shared by several engines (`prebuilt`) keeps one count.
@@ -56,7 +57,9 @@ class ModelRunner:
                              if kernels is not None and torch.get_num_threads() > 1 else None)
 
     def close(self) -> None:
-        """Nothing to release in one process (the parallel executor stops its ranks here)."""
+        """Stop the KV pool's prefault thread (the parallel executor stops its ranks here)."""
+        if self._prefault is not None:
+            self._prefault.stop()
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start, per MoE layer (layer index -> counts; a

@@ -60,8 +60,38 @@ def tune_malloc() -> bool:
     return ok
 
 
-def prefault(tensor: torch.Tensor) -> threading.Thread | None:
-    """Populate a CPU tensor's pages in the background, contents untouched. Returns the thread."""
+class Prefault(threading.Thread):
+    """The background thread `prefault` starts; `stop()` ends it at its next chunk and joins."""
+
+    def __init__(self, madvise, start: int, end: int) -> None:
+        super().__init__(name="hearth-prefault", daemon=True)
+        self._madvise, self._start, self._end = madvise, start, end
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        for at in range(self._start, self._end, _CHUNK):
+            if self._stopping.is_set():
+                return
+            if self._madvise(at, min(_CHUNK, self._end - at), _MADV_POPULATE_WRITE) != 0:
+                log.debug("MADV_POPULATE_WRITE unavailable (errno %d)", ctypes.get_errno())
+                return
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join()
+
+
+def prefault(tensor: torch.Tensor) -> Prefault | None:
+    """Populate a CPU tensor's pages in the background, contents untouched. Returns the thread.
+
+    The thread holds the address range, never the tensor: the caller keeps the tensor alive
+    (and calls `stop()` before it frees it early). Holding a reference here once made the thread
+    free the KV pool at interpreter exit, which released the GIL inside torch's tensor
+    destructor; taking it back during finalization ends the thread with a forced unwind through
+    a noexcept C++ frame, i.e. std::terminate (SIGABRT after a successful `hearth generate`).
+    Should the range be unmapped (or even reused) before the thread ends, MADV_POPULATE_WRITE
+    fails or only faults pages in: it never reads or writes their contents.
+    """
     libc = _libc()
     if libc is None or tensor.device.type != "cpu" or tensor.nbytes == 0:
         return None
@@ -72,16 +102,6 @@ def prefault(tensor: torch.Tensor) -> threading.Thread | None:
     end = (addr + tensor.nbytes) // _PAGE * _PAGE
     if end <= start:
         return None
-    keep = tensor  # the thread holds the storage alive while it works
-
-    def run() -> None:
-        for at in range(start, end, _CHUNK):
-            if madvise(at, min(_CHUNK, end - at), _MADV_POPULATE_WRITE) != 0:
-                log.debug("MADV_POPULATE_WRITE unavailable (errno %d)", ctypes.get_errno())
-                return
-        del keep_ref[:]
-
-    keep_ref = [keep]
-    thread = threading.Thread(target=run, name="hearth-prefault", daemon=True)
+    thread = Prefault(madvise, start, end)
     thread.start()
     return thread
