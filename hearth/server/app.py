@@ -119,7 +119,9 @@ class Worker:
         name = names[0]
         self.state = ServerState(
             engine=self.engine, tokenizer=tokenizer, config=self.config,
-            metrics=ServerMetrics(name), model_name=name, max_model_len=info.max_model_len,
+            metrics=ServerMetrics(name, block_size=info.block_size,
+                                  num_blocks=info.stats.num_total_blocks),
+            model_name=name, max_model_len=info.max_model_len,
             tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
             token_texts=TokenTexts(tokenizer), cpu=self.cpu,
             max_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),

@@ -26,10 +26,35 @@
         stored), offloaded_blocks, loads, load_failures, load_timeouts, loaded_tokens,
         load_seconds (sum: load latency = load_seconds / loads)
 
-Every series carries `model_name`. The registry belongs to the app (no process-global state).
+The same engine gauges also go out under the vLLM names of the Gateway API Inference Extension's
+model server protocol, the names its endpoint picker (and llm-d's, KServe's) scrapes by default
+(`--total-queued-requests-metric`, `--total-running-requests-metric`,
+`--kv-cache-usage-percentage-metric`, `--lora-info-metric`, `--cache-info-metric`), so a picker
+routes to hearth workers with no flags set (docs/deploy.md, "Kubernetes"):
+
+    vllm:num_requests_waiting               gauge       = hearth:num_requests_waiting
+    vllm:num_requests_running               gauge       = hearth:num_requests_running
+    vllm:kv_cache_usage_perc                gauge       = hearth:kv_cache_usage_perc
+    vllm:gpu_cache_usage_perc               gauge       the same, under vLLM's name before the
+                                                        rename (older pickers read only that)
+    vllm:cache_config_info                  gauge = 1   labels block_size, num_gpu_blocks (tokens per
+                                                        KV block, blocks in the pool)
+    vllm:lora_requests_info                 gauge       labels max_lora="0", running_lora_adapters="",
+                                                        waiting_lora_adapters=""; value: when last set
+                                                        (unix seconds). hearth serves no LoRA: the
+                                                        protocol asks this only of LoRA servers, but
+                                                        the picker's default config reads it and logs
+                                                        "extract failed" on every scrape without it;
+                                                        with max_lora 0 its LoRA scorer gives every
+                                                        hearth worker the same score.
+
+Every series carries `model_name`, except the two `_info` series, whose labels are vLLM's. The
+registry belongs to the app (no process-global state).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -64,10 +89,20 @@ OFFLOAD_COUNTERS = {
     "load_tokens": ("loaded_tokens", "Prompt tokens loaded instead of computed."),
     "load_seconds": ("load_seconds", "Seconds spent in loads (sum)."),
 }
+# the model server protocol's gauges: vLLM name -> (EngineStats field, help)
+MSP_GAUGES = {
+    "vllm:num_requests_waiting": ("num_waiting", "Requests waiting in the engine."),
+    "vllm:num_requests_running": ("num_running", "Requests running in the engine."),
+    "vllm:kv_cache_usage_perc": ("kv_usage", "Fraction of KV-cache blocks in use (0..1)."),
+    "vllm:gpu_cache_usage_perc": ("kv_usage", "Fraction of KV-cache blocks in use (0..1); "
+                                  "vLLM's older name of vllm:kv_cache_usage_perc."),
+}
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, block_size: int, num_blocks: int) -> None:
+        """`block_size` (tokens per KV block) and `num_blocks` (the pool) are the engine's, for
+        vllm:cache_config_info."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -122,6 +157,15 @@ class ServerMetrics:
         self._expert_seen: dict[tuple[int, int], int] = {}
         self.offload_gauges = {
             key: gauge("kv_offload_" + name, doc) for key, (name, doc) in OFFLOAD_COUNTERS.items()}
+        self.msp_gauges = {name: Gauge(name, doc, labels, registry=self.registry)
+                           for name, (_, doc) in MSP_GAUGES.items()}
+        Gauge("vllm:cache_config_info", "KV-cache configuration (labels).",
+              ["block_size", "num_gpu_blocks"], registry=self.registry,
+              ).labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "LoRA adapters running and waiting (hearth serves none).",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry,
+        ).labels(max_lora="0", running_lora_adapters="", waiting_lora_adapters="")
 
     def _m(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
@@ -158,6 +202,9 @@ class ServerMetrics:
         self._m(self.prefill_inflight).set(stats.num_prefill_tokens_inflight)
         self._m(self.decode_active).set(stats.num_decode_tokens_active)
         self._m(self.free_blocks).set(stats.num_free_blocks)
+        for name, (field, _) in MSP_GAUGES.items():
+            self._m(self.msp_gauges[name]).set(getattr(stats, field))
+        self.lora_info.set(time.time())
         totals = {k: getattr(stats, k) for k in self.spec}
         totals.update({f"pos{i}": n for i, n in enumerate(stats.spec_accepted_per_position)})
         for key, total in totals.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import MODEL
 
@@ -65,6 +66,34 @@ def test_health_and_metrics(server, client):
                  "hearth:num_requests_waiting", "hearth:kv_cache_usage_perc"):
         assert name in text, name
     assert f'model_name="{MODEL}"' in text
+
+
+def test_metrics_gateway_inference_extension_names(server, client):
+    """The model server protocol's vLLM names carry the same values as hearth's gauges."""
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # a first token: the request runs and holds KV blocks
+    text = httpx.get(server.url + "/metrics").text
+    stream.close()
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    for vllm_name, hearth_name in (("vllm:num_requests_waiting", "hearth:num_requests_waiting"),
+                                   ("vllm:num_requests_running", "hearth:num_requests_running"),
+                                   ("vllm:kv_cache_usage_perc", "hearth:kv_cache_usage_perc"),
+                                   ("vllm:gpu_cache_usage_perc", "hearth:kv_cache_usage_perc")):
+        assert samples[vllm_name].labels == {"model_name": MODEL}
+        assert samples[vllm_name].value == samples[hearth_name].value, vllm_name
+    assert samples["vllm:num_requests_running"].value == 1
+    assert samples["vllm:num_requests_waiting"].value == 0
+    assert 0 < samples["vllm:kv_cache_usage_perc"].value < 1
+    report = server.load()
+    cache_info = samples["vllm:cache_config_info"]
+    assert cache_info.value == 1
+    assert cache_info.labels == {"block_size": str(report["block_size"]),
+                                 "num_gpu_blocks": str(report["num_total_blocks"])}
+    lora_info = samples["vllm:lora_requests_info"]
+    assert lora_info.labels == {"max_lora": "0", "running_lora_adapters": "",
+                                "waiting_lora_adapters": ""}
+    assert lora_info.value > 1.6e9  # a unix time: the picker keeps the newest series
 
 
 def test_load_report_fields(server):
