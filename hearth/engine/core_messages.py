@@ -57,6 +57,8 @@ class AddRequest(msgspec.Struct, tag=int(Kind.ADD_REQUEST)):
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer: KVTransfer | None = None  # prefill/decode hop of a disaggregated request
+    # a resumed stream's output so far (generated elsewhere): LLMEngine.add_request
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag=int(Kind.ABORT_REQUESTS)):

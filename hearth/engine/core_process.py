@@ -80,6 +80,8 @@ class EngineCore:
 
     def _add(self, message: AddRequest) -> None:
         extra = {} if message.kv_transfer is None else {"kv_transfer": message.kv_transfer}
+        if message.output_token_ids:
+            extra["output_token_ids"] = message.output_token_ids
         try:
             self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, **extra)
         except ValueError as exc:

@@ -34,6 +34,7 @@ from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
 from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
 from hearth.engine.speculative.speculator import make_speculator
 from hearth.engine.stats import EngineStats
+from hearth.engine.stops import check_resume, check_resumed, check_tokens
 from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.tokenizer import Tokenizer
@@ -56,6 +57,7 @@ class GrammarWait:
     ticket: GrammarTicket
     kv_transfer: KVTransfer | None
     kv_handle: Any
+    output_token_ids: list[int]
 
 
 class LLMEngine:
@@ -93,6 +95,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Request] = []
+        self._resumed: list[RequestOutput] = []  # resumed requests' first outputs, next step
         self._grammars: GrammarPool | None = None  # built on the first guided request
         self._grammar_waits: dict[str, GrammarWait] = {}
         # (request_id, rejection or None) of each grammar wait the last step ended; a rejected
@@ -140,10 +143,22 @@ class LLMEngine:
                                   f"[0, {self.arch.vocab_size})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, kv_transfer: KVTransfer | None = None) -> Request:
+                    params: SamplingParams, kv_transfer: KVTransfer | None = None,
+                    output_token_ids: list[int] = ()) -> Request:
+        """Queue a request. `output_token_ids`: a resumed stream's output so far, generated
+        elsewhere with the same params; they are checked and reported as this request's first
+        output (see `_resume`), then computed with the prompt and sampling goes on after them."""
         if request_id in self.scheduler.requests or request_id in self._grammar_waits:
             raise RequestRejected("request_id", f"request_id: {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
+        output_token_ids = list(output_token_ids)
+        if output_token_ids:
+            if kv_transfer is not None:
+                raise RequestRejected("kv_transfer", "kv_transfer: a resumed output has no "
+                                      "prefill/decode hop")
+            check_resume(output_token_ids, len(prompt_token_ids), params.max_tokens,
+                         self.arch.vocab_size, self.max_model_len,
+                         self.pool.num_blocks * self.block_size)
         kv_handle = self._check_kv_transfer(kv_transfer, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         ticket = self.grammar_pool().submit(params.guided) if params.guided is not None else None
@@ -154,15 +169,49 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output)
         if ticket is not None and req.grammar is None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self._grammar_waits[request_id] = GrammarWait(req, ticket, kv_transfer, kv_handle)
+            self._grammar_waits[request_id] = GrammarWait(req, ticket, kv_transfer, kv_handle,
+                                                          output_token_ids)
             return req
-        self._enqueue(req, kv_transfer, kv_handle)
+        resumed = self._enqueue(req, kv_transfer, kv_handle, output_token_ids)
+        if resumed is not None:
+            self._resumed.append(resumed)
         return req
 
-    def _enqueue(self, req: Request, kv_transfer: KVTransfer | None, kv_handle) -> None:
+    def _enqueue(self, req: Request, kv_transfer: KVTransfer | None, kv_handle,
+                 output_token_ids: list[int]) -> RequestOutput | None:
+        """Into the scheduler; a resumed request's given tokens are its first output (returned;
+        a request they already end never enters the scheduler)."""
+        resumed = None
         if kv_transfer is not None:
             self._attach_kv_transfer(req, kv_transfer, kv_handle)
+        elif output_token_ids:
+            resumed = self._resume(req, output_token_ids)
+            if req.is_finished:
+                return resumed
         self.scheduler.add(req)
+        return resumed
+
+    def _resume(self, req: Request, token_ids: list[int]) -> RequestOutput:
+        """Take `token_ids` as generated: checked like sampled tokens (stops, grammar, length),
+        appended uncomputed (the first step computes prompt + them, prefix hits included) and
+        reported with their text. Their logprob entries, if asked, are placeholders: the
+        router that resumes drops them (the client had the real ones). RequestRejected (and
+        nothing kept) if the grammar refuses one or the output ends before the last."""
+        detok = self._detok[req.request_id]
+        try:
+            checked = check_resumed(req, token_ids, detok, self.eos_token_ids, self.max_model_len)
+        except RequestRejected:
+            self._detok.pop(req.request_id)
+            raise
+        tokens = checked.kept + checked.forced
+        for token in tokens:
+            req.append_token(token)
+        logprobs = [forced_logprob(t) for t in tokens] if req.params.logprobs is not None else []
+        req.output_logprobs.extend(logprobs)
+        if checked.status is not None:  # it never runs: finished here, no blocks held
+            req.status = checked.status
+            checked.text += detok.flush() if detok.stopped_by is None else ""
+        return self._make_output(req, tokens, checked.text, logprobs)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar is ready into the scheduler; fail those whose compile
@@ -177,7 +226,10 @@ class LLMEngine:
             try:
                 req.grammar = self._grammars.matcher(wait.ticket)
                 req.status = RequestStatus.WAITING
-                self._enqueue(req, wait.kv_transfer, wait.kv_handle)
+                resumed = self._enqueue(req, wait.kv_transfer, wait.kv_handle,
+                                        wait.output_token_ids)
+                if resumed is not None:
+                    outputs.append(resumed)
             except ValueError as exc:
                 rejection = Rejection.of(exc)
                 req.status, req.error = RequestStatus.FINISHED_ERROR, rejection.message
@@ -232,7 +284,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.num_unfinished > 0 or bool(self._aborted)
-                or bool(self._grammar_waits))
+                or bool(self._grammar_waits) or bool(self._resumed))
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -240,8 +292,9 @@ class LLMEngine:
             self.pd.poll()  # free released leases, resume requests whose KV arrived
         if self.tiers is not None:
             self.tiers.poll()  # resume requests whose blocks came back from a lower tier
-        outputs = [self._make_output(r, [], "") for r in self._aborted]
-        self._aborted = []
+        # a resumed request's first output before anything else of it (an abort included)
+        outputs = self._resumed + [self._make_output(r, [], "") for r in self._aborted]
+        self._resumed, self._aborted = [], []
         self.admissions = []
         if self._grammar_waits:
             outputs += self._admit_compiled()
@@ -334,32 +387,8 @@ class LLMEngine:
             self.counters["prompt"] += req.num_prompt_tokens
             self.counters["cached"] += max(0, req.num_cached_tokens)
         detok = self._detok[req.request_id]
-        kept: list[int] = []
-        forced: list[int] = []  # jump-forward: tokens the grammar forces after the step's last
-        text, status = "", None
-        tokens = list(s.token_ids)
-        for i, token in enumerate(tokens):  # `tokens` grows by the forced tokens (below)
-            (kept if i < len(s.token_ids) else forced).append(token)
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, (
-                    token if token in p.stop_token_ids else None)
-                break
-            text += detok.push([token])
-            if detok.stopped_by is not None:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
-                break
-            if req.grammar is not None:
-                if not req.grammar.accept(token):
-                    raise RuntimeError(f"grammar rejected token {token}")
-                if req.grammar.is_terminated():
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
-                if i == len(tokens) - 1:  # appended without a decode step (guided.py)
-                    tokens += req.grammar.forced_token_ids()
-            if (req.num_output_tokens + len(kept) + len(forced) >= p.max_tokens
-                    or req.num_tokens + len(kept) + len(forced) >= self.max_model_len):
-                status = RequestStatus.FINISHED_LENGTH
-                break
+        checked = check_tokens(req, s.token_ids, detok, self.eos_token_ids, self.max_model_len)
+        kept, forced, text, status = checked.kept, checked.forced, checked.text, checked.status
         self.scheduler.commit(req, num_new, kept, s.num_drafted)
         for token in forced:  # not computed yet: the next step runs them as one chunk
             req.append_token(token)

@@ -160,8 +160,8 @@ class Scheduler:
         """Move the head of the waiting queue on; its first admission fixes its cache-hit count
         and queue time (a preempted request keeps them)."""
         self.waiting.popleft()
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = len(hits) * self.kv.block_size
+        if req.num_cached_tokens < 0:  # prompt tokens only (a resumed output's may hit too)
+            req.num_cached_tokens = min(len(hits) * self.kv.block_size, req.num_prompt_tokens)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         req.status = status

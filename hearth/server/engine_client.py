@@ -179,14 +179,16 @@ class EngineClient:
     # ---- requests -------------------------------------------------------------------------
 
     def add_nowait(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   queue: asyncio.Queue, kv_transfer: KVTransfer | None = None) -> asyncio.Future:
+                   queue: asyncio.Queue, kv_transfer: KVTransfer | None = None,
+                   output_token_ids: list[int] = ()) -> asyncio.Future:
         """Register and send a request; the returned future resolves when the core accepted it
         (or raises EngineRejectedError / EngineDeadError). Outputs arrive on `queue` (the choices
-        of one HTTP request share one)."""
+        of one HTTP request share one). `output_token_ids`: a resumed stream's output so far."""
         if not self.is_ready:
             raise EngineDeadError(self.failure or "engine is not ready")
         # Encode first: a message that cannot be encoded is refused before anything is registered.
-        frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), params, kv_transfer))
+        frame = self._codec.encode(AddRequest(request_id, list(prompt_token_ids), params, kv_transfer,
+                                              list(output_token_ids)))
         accepted = asyncio.get_running_loop().create_future()
         self._requests[request_id] = _Pending(queue=queue, accepted=accepted)
         try:

@@ -194,9 +194,11 @@ class RequestRun:
                            "rate_limit_exceeded", code="queue_full")
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
-                     kv_transfer=None, num_output_tokens: int = 0) -> None:
+                     kv_transfer=None, num_output_tokens: int = 0,
+                     output_token_ids: list[int] = ()) -> None:
         """Add one engine request per (prompt, params), all in one burst so they can share an
-        engine step; all or nothing (on any refusal, or cancellation, the others are aborted)."""
+        engine step; all or nothing (on any refusal, or cancellation, the others are aborted).
+        `output_token_ids`: a resume hop's output so far (the engine reports it as output)."""
         self.admit(len(prompts))
         accepted = []  # registered and sent before any await: admission sees them at once
         try:
@@ -208,7 +210,8 @@ class RequestRun:
                                                    num_prompt_tokens=len(prompt_ids),
                                                    num_output_tokens=num_output_tokens))
                 accepted.append(self.state.engine.add_nowait(request_id, prompt_ids, choice_params,
-                                                             self._queue, kv_transfer))
+                                                             self._queue, kv_transfer,
+                                                             output_token_ids))
             results = await asyncio.gather(*accepted, return_exceptions=True)
         except BaseException as exc:  # no path leaves an engine request registered
             self.abort_unfinished()
@@ -274,6 +277,8 @@ class RequestRun:
         choice.num_output_tokens += num_new
         if output.finished:
             self._num_unfinished -= 1
+            # a resume's first output came before it was scheduled: the hits are known now
+            choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
             choice.finish_reason, choice.error = output.finish_reason, output.error
             choice.stop_string = stop_string(output)
             metrics.observe_finish(output.finish_reason or "stop", now - choice.arrival,
