@@ -59,7 +59,8 @@ class CacheConfig:
     num_blocks: int | None = None  # explicit override of the budget (tests)
     enable_prefix_caching: bool = True
     # model (the model dtype: exact) | auto (bfloat16 for a float32 model on hearth's CPU
-    # kernels, else the model dtype; the CLI's default) | float32 | bfloat16 | float16
+    # kernels, else the model dtype; the CLI's default) | float32 | bfloat16 | float16 | int8
+    # (int8 values with a float32 scale per token and head: hearth/ops/kv_quant.py)
     kv_cache_dtype: str = "model"
 
 

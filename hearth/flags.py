@@ -50,10 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
                         "kernels run here (docs/formats.md)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "model", "float32", "bfloat16", "float16"],
+                   choices=["auto", "model", "float32", "bfloat16", "float16", "int8"],
                    help="KV cache storage: auto (default) = bfloat16 for a float32 model on "
                         "hearth's CPU kernels (half the bytes, not exact), else the model "
-                        "dtype; model = the model dtype (exact)")
+                        "dtype; model = the model dtype (exact); int8 = 8-bit values with a "
+                        "scale per token and head (~1.9x bf16's tokens per GB, not exact)")
     g.add_argument("--prefill-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
                    help="compute dtype of prefill chunks and large batches (steps of more than "
                         "16 rows) of a float32 model: bfloat16 runs ~3x faster prefill where the "

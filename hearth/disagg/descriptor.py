@@ -79,6 +79,12 @@ def check_transfer_id(transfer_id: object) -> None:
 
 def check_against(d: KVDescriptor, geometry: KVCacheGeometry, prompt_token_ids: list[int]) -> None:
     """The descriptor must describe this prompt's KV in this worker's layout."""
+    if d.dtype != geometry.dtype:
+        raise RequestRejected(
+            "kv_transfer.descriptor.dtype",
+            f"kv_transfer.descriptor: KV layout differs from this worker's: the prefill "
+            f"worker's KV cache is {d.dtype}, this worker's {geometry.dtype} (start both "
+            f"with the same --kv-cache-dtype)")
     if d.geometry_key() != geometry_key(geometry):
         raise RequestRejected(
             "kv_transfer.descriptor",

@@ -30,7 +30,9 @@ from hearth.config import Role
 if TYPE_CHECKING:  # kept torch-free at import: the router imports the hop types built on this
     import torch
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# int8: a row is head_dim - 4 int8 values then their float32 scale (hearth/ops/kv_quant.py), so
+# head_dim below is the row's width in bytes and the scales travel inside the blocks.
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 DESCRIPTOR_VERSION = 1
 
 
@@ -55,7 +57,7 @@ class KVDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int  # KV geometry: [num_layers, planes, *, block_size, num_kv_heads, head_dim]
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int8" (head_dim then counts the scale)
     bytes_per_block: int  # planes * num_layers * block_size * num_kv_heads * head_dim * itemsize
     expires_at: float  # unix time at which the lease ends (prefill clock; a hint for the reader)
     mooncake_session: str = ""  # mooncake: "host:port" of the prefill's transfer engine

@@ -22,13 +22,13 @@ import torch
 
 from hearth.config import CacheConfig, EngineConfig, ParallelConfig
 from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank
-from hearth.engine.runner import DTYPES, ModelRunner
+from hearth.engine.runner import DTYPES, KV_DTYPES, ModelRunner
 from hearth.models.arch import ModelArch
 from hearth.models.layers import use_lowp_prefill
 from hearth.models.moe import use_lowp_expert_prompts
 from hearth.models.quant import QUANTIZATIONS, quantize_model
 from hearth.models.weights import build_model
-from hearth.ops import host_memory
+from hearth.ops import host_memory, kv_quant
 from hearth.ops.cpu_kernels import CpuKernels, load_cpu_kernels
 from hearth.ops.distributed import RankFailedError
 
@@ -46,7 +46,7 @@ def num_kv_blocks(cache: CacheConfig, arch: ModelArch, parallel: ParallelConfig,
         return cache.num_blocks
     per_block = kv_bytes_per_block_per_rank(arch, parallel.tensor_parallel_size,
                                             parallel.pipeline_parallel_size, cache.block_size,
-                                            dtype.itemsize)
+                                            dtype.itemsize, kv_quant.scale_bytes(dtype))
     return max(4, int(cache.kv_cache_memory_gb * 2**30) // per_block)
 
 
@@ -57,9 +57,12 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     if mc.dtype not in DTYPES:
         raise ValueError(f"dtype: unsupported {mc.dtype!r}; choose from {', '.join(DTYPES)}")
     dtype = DTYPES[mc.dtype]
-    if cc.kv_cache_dtype not in ("auto", "model") and cc.kv_cache_dtype not in DTYPES:
+    if cc.kv_cache_dtype not in ("auto", "model") and cc.kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype: unsupported {cc.kv_cache_dtype!r}; "
-                         f"choose from auto, model, {', '.join(DTYPES)}")
+                         f"choose from auto, model, {', '.join(KV_DTYPES)}")
+    if cc.kv_cache_dtype == "int8" and checkpoint is not None and checkpoint.arch.mla is not None:
+        raise ValueError("kv_cache_dtype int8: not supported for MLA models (DeepSeek's latent "
+                         "cache); use bfloat16 or model")
     kernels = None
     if (mc.cpu_kernels != "off" and pc.device == "cpu" and dtype == torch.float32
             and pc.world_size == 1):  # rank processes do not load the kernels yet
@@ -74,8 +77,8 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
         kv_dtype = dtype
     elif cc.kv_cache_dtype == "auto":
         kv_dtype = torch.bfloat16 if kernels is not None else dtype
-    else:
-        kv_dtype = DTYPES[cc.kv_cache_dtype]
+    else:  # int8: rows of int8 values with a float32 scale each (hearth/ops/kv_quant.py)
+        kv_dtype = KV_DTYPES[cc.kv_cache_dtype]
     quantization = mc.quantization
     if quantization == "auto":
         quantization = ("gguf" if kernels is not None and hasattr(checkpoint, "raw_blocks")

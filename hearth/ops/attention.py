@@ -21,6 +21,10 @@ causal among its new tokens; with an AVX-512 build, longer queries (prefill chun
 cached prefix or not) are one kernel call each over the cache in place too (flash-style tiles,
 ~1.35x torch's CPU flash kernel on a 2k-token prompt), and only the other builds take the
 SDPA loop.
+
+The cache may be narrower than the model: bfloat16, or int8 rows with a float32 scale each
+(`kv_quant.py`: the cache's last dimension is then head_dim + 4). The kernels read both in
+place; the torch paths widen what they gather.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hearth.ops import kv_quant
 
 # Requests with at most this many new tokens in a step go through the kernel's short-query path.
 SHORT_QUERY_MAX = 16
@@ -126,10 +132,12 @@ def build_attention_metadata(
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V rows ([num_tokens, num_kv_heads, head_dim]) into the cache."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Scatter this step's K/V rows ([num_tokens, num_kv_heads, head_dim]) into the cache,
+    rounded or quantized to its format."""
+    k, v = kv_quant.to_cache(k, k_cache.dtype), kv_quant.to_cache(v, v_cache.dtype)
+    num_kv_heads, width = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(
@@ -144,7 +152,7 @@ def paged_attention(
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
-    The cache may hold a narrower dtype than q (bfloat16 KV): it is widened where it is read, and
+    The cache may hold a narrower dtype than q (bfloat16 or int8 KV): it is widened where it is read, and
     a prompt attending to its own fresh keys rounds them the same way first, so a token's
     attention reads the same K/V whether it was computed now or earlier (prefix hit, recompute
     after preemption, PD import). q may be bfloat16 over a float32 cache (a many-row step of
@@ -153,7 +161,7 @@ def paged_attention(
     hearth's fp32 kernel on a 2k prompt), and the kernel's short queries in fp32, their rows
     widened and the output rounded back."""
     if not kv_written:
-        write_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     use_kernel = kernels is not None and q.device.type == "cpu"
     if use_kernel and meta.num_short_tokens == meta.num_tokens:
         # Only short queries in this step: the kernel's output is the whole result.
@@ -162,7 +170,7 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     prefill_kernel = (use_kernel and q.dtype == torch.float32
                       and kernels.fast_prefill_attention(q.shape[1], num_kv_heads, head_dim))
-    amx_kernel = (use_kernel and q.dtype == torch.bfloat16
+    amx_kernel = (use_kernel and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8
                   and kernels.amx_prefill_attention(head_dim))
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):
@@ -176,12 +184,12 @@ def paged_attention(
         qi = q[start : start + q_len].transpose(0, 1)  # [H, q, D]
         if ctx_len == q_len:  # nothing cached before: attend to this step's own keys
             ki, vi = k[start : start + q_len], v[start : start + q_len]
-            if k_cache.dtype not in (q.dtype, torch.float32):  # as the cache rounds them
-                ki, vi = ki.to(k_cache.dtype).to(q.dtype), vi.to(v_cache.dtype).to(q.dtype)
+            # as the cache rounds them
+            ki, vi = kv_quant.as_cached(ki, k_cache.dtype), kv_quant.as_cached(vi, v_cache.dtype)
             mask, causal = None, True
         else:
-            ki = k_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
-            vi = v_cache[table].view(-1, num_kv_heads, head_dim)[:ctx_len].to(q.dtype)
+            ki = kv_quant.widen(k_cache[table], q.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
+            vi = kv_quant.widen(v_cache[table], q.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
             if q.device.type == "cpu":
                 o = _prefix_chunk_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1),
                                             ctx_len - q_len, scale)
@@ -205,8 +213,10 @@ def paged_attention(
     elif meta.num_decodes:
         num_decodes = meta.num_decodes
         qd = q[meta.decode_token_index].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim).to(q.dtype)
-        vd = v_cache[meta.decode_block_table].view(num_decodes, -1, num_kv_heads, head_dim).to(q.dtype)
+        kd = kv_quant.widen(k_cache[meta.decode_block_table], q.dtype).view(
+            num_decodes, -1, num_kv_heads, head_dim)
+        vd = kv_quant.widen(v_cache[meta.decode_block_table], q.dtype).view(
+            num_decodes, -1, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask,
             scale=scale, enable_gqa=True,

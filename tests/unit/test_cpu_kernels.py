@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hearth.models.dequant import dequantize
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.quant import quantize_q8_0
+from hearth.ops import kv_quant
 from hearth.ops.attention import build_attention_metadata, paged_attention, write_kv
 from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels, pack_ggml
 
@@ -202,6 +203,32 @@ def test_norms_and_silu_in_bf16(kernels, x_dtype, out_dtype):
         kernels.ops.silu_mul(gu.half())
 
 
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_into_int8_rows_as_kv_quant_writes_them(kernels, qkv_dtype):
+    """An int8 cache gets, per token and KV head, exactly the bytes `kv_quant.quantize` makes of
+    k and v as qkv holds them after RoPE (values, then the float32 scale): the fused write and
+    the torch path store the same cache. An all-zero row stores scale 0."""
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, dim, tokens = 4, 2, 64, 7
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(qkv_dtype)
+    qkv[2, (heads + kv_heads) * dim :] = 0  # token 2's V rows
+    positions, slots = torch.tensor([0, 1, 2, 33, 60, 5, 6]), torch.tensor([3, 9, 0, 14, 7, 8, 1])
+    kc = torch.zeros(2, 8, kv_heads, dim + 4, dtype=torch.int8)
+    vc = torch.zeros_like(kc)
+    kernels.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads,
+                              kv_heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)
+    flat_k, flat_v = kc.view(-1, kv_heads, dim + 4), vc.view(-1, kv_heads, dim + 4)
+    assert torch.equal(flat_k[slots], kv_quant.quantize(k))
+    assert torch.equal(flat_v[slots], kv_quant.quantize(v))
+    assert kv_quant.dequantize(flat_v[slots[2]]).abs().max() == 0
+    with pytest.raises(RuntimeError, match="head_dim \\+ 4"):
+        kernels.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, kc[..., :dim].contiguous(),
+                                  vc[..., :dim].contiguous(), slots, heads, kv_heads, dim)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_kv_in_bf16(kernels, cache_dtype):
     """bf16 qkv: rotated in fp32 and stored back rounded; the cache gets k and v exactly as qkv
@@ -227,6 +254,12 @@ def test_rope_write_kv_in_bf16(kernels, cache_dtype):
     assert torch.equal(flat_v[slots].float(), v.reshape(tokens, kv_heads, dim))
 
 
+def random_cache(gen, shape, dtype) -> torch.Tensor:
+    """Random K or V of `shape` ([num_blocks, block_size, kv_heads, dim]) as a cache of `dtype`
+    holds it (int8: quantized rows with their scale, the last dimension dim + 4)."""
+    return kv_quant.to_cache(torch.randn(*shape, generator=gen), dtype)
+
+
 def scattered_block_tables(context_lens, block_size, num_blocks, gen) -> list[list[int]]:
     """One block table per request, over a random permutation of the pool (never adjacent)."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -238,7 +271,7 @@ def scattered_block_tables(context_lens, block_size, num_blocks, gen) -> list[li
     return tables
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("split", [16, 512])  # many context splits, and one
 # head_dim 16 takes the generic loops; 64 and 128 the AVX-512 ones (with 9 query heads per KV
 # head: more than the 8 whose outputs stay in registers).
@@ -247,8 +280,8 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
                                                         kv_heads, dim):
     gen = torch.Generator().manual_seed(3)
     block_size, num_blocks = 4, 64
-    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    kc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
     # A mixed step: a prefill chunk over a cached prefix, then three decodes of different lengths.
     query_lens, context_lens = [5, 1, 1, 1], [13, 1, 30, 57]
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
@@ -268,14 +301,14 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
     context_lens = [700, 1500, 33]  # over the serial threshold; uneven splits
     num_blocks = sum(-(-c // block_size) for c in context_lens)
-    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    kc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
     meta = build_attention_metadata([1, 1, 1], context_lens, tables, block_size)
     q = torch.randn(3, heads, dim, generator=gen)
@@ -287,7 +320,7 @@ def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (18, 2, 128)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads, kv_heads, dim,
@@ -301,15 +334,15 @@ def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads
     context_lens = [q + int(torch.randint(0, 900, (1,), generator=gen)) for q in query_lens]
     context_lens[1] = query_lens[1]  # nothing cached before the new tokens
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
-    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    kc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, dim, generator=gen)
     # K/V already representable in the cache dtype: the torch path attends to a request's own
     # unrounded keys when nothing is cached before them, the kernel always reads the cache.
-    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(cache_dtype).float()
-    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(cache_dtype).float()
+    k = kv_quant.as_cached(torch.randn(tokens, kv_heads, dim, generator=gen), cache_dtype)
+    v = kv_quant.as_cached(torch.randn(tokens, kv_heads, dim, generator=gen), cache_dtype)
     fast = type(kernels)(kernels.variant, decode_split=128)
     # mixed with a 40-token prefill; short queries only; and with the kernel taking only
     # decodes (the others down the SDPA loop, kernels present)
@@ -325,9 +358,9 @@ def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads
 def masked_attention_reference(q, kc, vc, table, context_len, scale):
     """Query i of a chunk of q_len sees tokens [0, context_len - q_len + i]: float64 softmax with
     the mask written out, K/V gathered from the cache through the block table."""
-    kv_heads, dim = kc.shape[2], kc.shape[3]
-    k = kc[table.long()].reshape(-1, kv_heads, dim)[:context_len].double()
-    v = vc[table.long()].reshape(-1, kv_heads, dim)[:context_len].double()
+    kv_heads, dim = kc.shape[2], q.shape[2]
+    k = kv_quant.widen(kc[table.long()], torch.float64).reshape(-1, kv_heads, dim)[:context_len]
+    v = kv_quant.widen(vc[table.long()], torch.float64).reshape(-1, kv_heads, dim)[:context_len]
     q_len, group = q.shape[0], q.shape[1] // kv_heads
     positions = torch.arange(q_len)[:, None] + context_len - q_len
     visible = torch.arange(context_len)[None, :] <= positions
@@ -337,7 +370,7 @@ def masked_attention_reference(q, kc, vc, table, context_len, scale):
     return torch.einsum("hqk,khd->qhd", p, v).float()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 # head_dim 16 takes the plain loops; 64 and 128 the AVX-512 tiles, with 1, 3, 4 and 5 query
 # heads per KV head (5: a query tile of 9 positions, not a power of two).
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (4, 4, 64), (9, 3, 64), (8, 2, 128),
@@ -352,8 +385,8 @@ def test_prefill_attention_equals_masked_softmax(kernels, cache_dtype, heads, kv
     gen = torch.Generator().manual_seed(prefix + q_len)
     context_len = prefix + q_len
     num_blocks = -(-context_len // block_size) + 4
-    kc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    kc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
     used = -(-context_len // block_size)
     table = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32)
     q = torch.randn(q_len, heads, dim, generator=gen)
@@ -401,8 +434,8 @@ def test_amx_prefill_attention_equals_masked_softmax(kernels, cache_dtype, heads
     gen = torch.Generator().manual_seed(prefix + q_len)
     context_len = prefix + q_len
     num_blocks = -(-context_len // block_size) + 4
-    kc = torch.randn(num_blocks, block_size, kv_heads, 64, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, block_size, kv_heads, 64, generator=gen).to(cache_dtype)
+    kc = random_cache(gen, (num_blocks, block_size, kv_heads, 64), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, kv_heads, 64), cache_dtype)
     table = torch.randperm(num_blocks, generator=gen)[:-(-context_len // block_size)].int()
     q = torch.randn(q_len, heads, 64, generator=gen).bfloat16()
     # references over the operands as the kernel rounds them: q and K/V in bf16
@@ -456,6 +489,18 @@ def test_amx_prefill_attention_through_paged_attention(kernels):
     torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
 
 
+def test_attention_kernels_refuse_int8_rows_without_their_scale(kernels):
+    q = torch.zeros(1, 2, 64)
+    narrow = torch.zeros(2, 16, 1, 64, dtype=torch.int8)  # head_dim wide: no room for a scale
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        kernels.ops.decode_attention(q, narrow, narrow, torch.zeros(1, 1, dtype=torch.int32), one,
+                                     1.0, 512, 1, one)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        kernels.ops.prefill_attention(q, narrow, narrow, torch.zeros(1, dtype=torch.int32), 1,
+                                      1.0, 1)
+
+
 def test_short_query_kernel_rejects_bad_metadata(kernels):
     kc = torch.zeros(4, 16, 1, 16)
     q = torch.zeros(5, 2, 16)
@@ -472,7 +517,8 @@ def test_short_query_kernel_rejects_bad_metadata(kernels):
            torch.tensor([3, 2], dtype=torch.int32))
 
 
-def test_fused_layer_takes_short_query_steps(kernels):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
     """A step of short queries (1 + k tokens per request, as a speculative verify step) through
     the fused decoder layers (all layers in one `decode_layers` call, and one `decode_layer`
     call per layer) equals the same step through the module path (the same kernels op by op,
@@ -504,7 +550,7 @@ def test_fused_layer_takes_short_query_steps(kernels):
     context_lens, query_lens = [40, 7, 100], [5, 7, 3]  # one request with nothing cached before
     gen = torch.Generator().manual_seed(6)
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
-    kv = torch.randn(arch.num_layers, 2, num_blocks, block_size, 2, 32, generator=gen)
+    kv = random_cache(gen, (arch.num_layers, 2, num_blocks, block_size, 2, 32), cache_dtype)
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     ids = torch.randint(0, 96, (sum(query_lens),), generator=gen)
     positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
@@ -558,7 +604,7 @@ def decode_layer_by_ops(ops, args, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("int8_act", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("has_residual", [False, True])
 @pytest.mark.parametrize("query_lens,context_lens", [([1], [7]), ([1, 1, 1], [3, 40, 700]),
                                                      ([3, 1, 5], [9, 1200, 20])])
@@ -579,8 +625,8 @@ def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cac
         w += [p.qs, p.d, p.m]
         types.append(p.qtype)
     rotary = RotaryEmbedding(D, 4096, 10000.0, None)
-    kc = torch.randn(num_blocks, block_size, KVH, D, generator=gen).to(cache_dtype)
-    vc = torch.randn(num_blocks, block_size, KVH, D, generator=gen).to(cache_dtype)
+    kc = random_cache(gen, (num_blocks, block_size, KVH, D), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, KVH, D), cache_dtype)
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)])
@@ -614,7 +660,7 @@ def test_short_queries_over_one_wide_latent_head_equal_torch(kernels, width, cac
     block_size, heads = 16, 16
     query_lens, context_lens = [1, 3, 1, 16], [1, 37, 700, 300]
     num_blocks = sum(-(-c // block_size) for c in context_lens) + 3
-    cache = torch.randn(num_blocks, block_size, 1, width, generator=gen).to(cache_dtype)
+    cache = random_cache(gen, (num_blocks, block_size, 1, width), cache_dtype)
     tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
     q = torch.randn(sum(query_lens), heads, width, generator=gen)
     width_table = max(len(t) for t in tables)

@@ -1,9 +1,12 @@
-"""--kv-cache-dtype: how `model`, `auto` and explicit choices resolve, and bad ones refused."""
+"""--kv-cache-dtype: how `model`, `auto` and explicit choices resolve (int8 included), what the
+pool holds, and bad ones refused."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hearth.config import CacheConfig, EngineConfig, ModelConfig
+from hearth.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from hearth.engine import executor
 from hearth.ops.cpu_kernels import available_variants
 
@@ -31,6 +34,25 @@ def test_auto_is_bf16_only_where_the_kernels_read_it():
 
 def test_the_engine_default_is_the_exact_model_dtype():
     assert CacheConfig().kv_cache_dtype == "model"
+
+
+def test_int8_resolves_on_any_path_and_mla_refuses_it():
+    assert kv_dtype("int8", cpu_kernels="off") == torch.int8  # torch path: correct, slower
+    if available_variants():
+        assert kv_dtype("int8") == torch.int8
+    mla = SimpleNamespace(arch=SimpleNamespace(mla=object()))
+    with pytest.raises(ValueError, match="int8: not supported for MLA"):
+        executor.resolve_formats(EngineConfig(model=ModelConfig(quantization="none",
+                                                                cpu_kernels="off"),
+                                              cache=CacheConfig(kv_cache_dtype="int8")), mla)
+
+
+def test_int8_pool_holds_32_17ths_of_the_bf16_tokens():
+    arch = SimpleNamespace(num_layers=30, kv_cache_layout=lambda tp: (2, 3, 64))
+    cache = CacheConfig(kv_cache_memory_gb=1.0)
+    bf16 = executor.num_kv_blocks(cache, arch, ParallelConfig(), torch.bfloat16)
+    int8 = executor.num_kv_blocks(cache, arch, ParallelConfig(), torch.int8)
+    assert int8 == 2**30 // (2 * 30 * 16 * 3 * 68) and int8 / bf16 == pytest.approx(32 / 17, 1e-3)
 
 
 def test_bad_choices_are_refused():

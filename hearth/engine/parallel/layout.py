@@ -66,11 +66,13 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 
 def kv_bytes_per_block_per_rank(arch: ModelArch, tp_size: int, pp_size: int, block_size: int,
-                                itemsize: int) -> int:
-    """KV bytes one block takes on the busiest rank (the stage with the most layers)."""
+                                itemsize: int, row_extra_bytes: int = 0) -> int:
+    """KV bytes one block takes on the busiest rank (the stage with the most layers).
+    `row_extra_bytes`: bytes each (token, head) row carries beside its values (the int8 KV
+    format's float32 scale, hearth/ops/kv_quant.py)."""
     max_layers = max(end - start for start, end in split_layers(arch.num_layers, pp_size))
     planes, heads, dim = arch.kv_cache_layout(tp_size)
-    return planes * max_layers * block_size * heads * dim * itemsize
+    return planes * max_layers * block_size * heads * (dim * itemsize + row_extra_bytes)
 
 
 def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[int]:

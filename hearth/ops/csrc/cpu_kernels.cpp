@@ -9,7 +9,7 @@
 //   decode_attention short queries (1..16 new tokens per request: decodes, verify steps),
 //                    causal among them, over the paged cache read in place through the block
 //                    table (no gather), split along the context for parallelism, cache in
-//                    float32 or bfloat16.
+//                    float32, bfloat16 or int8 rows with a float32 scale each (kv_quant.py).
 //   prefill_attention a prefill chunk (causal, after any cached prefix) over the paged cache in
 //                    place: flash-style tiles, the query heads of a kv head together.
 //   rms_norm, add_rms_norm, silu_mul, rope_write_kv, qk_norm_rope_write_kv: elementwise passes,
@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -704,9 +705,42 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
+// The int8 KV format (hearth/ops/kv_quant.py): a row of one token and KV head is D int8 values
+// followed by the 4 bytes of its float32 scale, so rows lie D + 4 elements apart and value j is
+// q[j] * scale. Readers widen q in registers and put the scale on the score (K) or on the
+// probability (V), never on the D values.
+constexpr int64_t kScaleBytes = 4;
+template <typename KV>
+constexpr bool is_q8 = std::is_same_v<KV, int8_t>;
+template <typename KV>
+constexpr int64_t row_stride(int64_t D) { return is_q8<KV> ? D + kScaleBytes : D; }
+template <typename KV>
+inline float row_scale(const KV* row, int64_t D) {
+  if constexpr (is_q8<KV>) {
+    float s;
+    std::memcpy(&s, row + D, sizeof(float));
+    return s;
+  } else {
+    return 1.0f;
+  }
+}
+
+// One K or V row of D values into the int8 KV format: scale = max|x| / 127, q = x / scale
+// rounded half to even -- float32 division, exactly as hearth/ops/kv_quant.py quantizes, so the
+// fused write and the torch path store the same bytes.
+template <typename AT>
+inline void quantize_kv_row(const AT* x, int64_t D, int8_t* dst) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < D; ++j) amax = std::max(amax, std::fabs(act_load(x, j)));
+  const float scale = amax / 127.0f, div = std::max(scale, FLT_MIN);
+  for (int64_t j = 0; j < D; ++j)
+    dst[j] = static_cast<int8_t>(std::clamp(std::nearbyint(act_load(x, j) / div), -127.0f, 127.0f));
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
 // In place on qkv [T, (H + 2 KVH) * D] (float32 or bfloat16): rotate-half RoPE on the q and k
 // heads (in fp32, stored back in qkv's dtype); then k and v of every token, as qkv now holds
-// them, are written to their cache slot (float32 or bfloat16 cache).
+// them, are written to their cache slot (float32, bfloat16 or int8 rows with their scale).
 template <typename AT, typename KV>
 void rope_write_kv_impl(AT* qp, const float* cp, const float* sp, const int64_t* pp,
                         const int64_t* slp, KV* kc, KV* vc, int64_t T, int64_t num_heads,
@@ -728,9 +762,16 @@ void rope_write_kv_impl(AT* qp, const float* cp, const float* sp, const int64_t*
       }
       const AT* k = r + num_heads * D;
       const AT* v = k + kv_row;
-      KV* kd = kc + slp[t] * kv_row;
-      KV* vd = vc + slp[t] * kv_row;
-      if constexpr (std::is_same_v<AT, KV>) {
+      const int64_t rs = row_stride<KV>(D);
+      KV* kd = kc + slp[t] * num_kv_heads * rs;
+      KV* vd = vc + slp[t] * num_kv_heads * rs;
+      if constexpr (is_q8<KV>) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          // (a cast only for the compiler: this branch exists only where KV is int8_t)
+          quantize_kv_row(k + h * D, D, reinterpret_cast<int8_t*>(kd + h * rs));
+          quantize_kv_row(v + h * D, D, reinterpret_cast<int8_t*>(vd + h * rs));
+        }
+      } else if constexpr (std::is_same_v<AT, KV>) {
         std::memcpy(kd, k, kv_row * sizeof(KV));
         std::memcpy(vd, v, kv_row * sizeof(KV));
       } else {
@@ -752,7 +793,10 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   check_act(qkv, "rope_write_kv: qkv");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_write_kv: cache layout");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-              (is_bf16(k_cache) || k_cache.scalar_type() == at::kFloat), "rope_write_kv: cache dtype");
+              (is_bf16(k_cache) || k_cache.scalar_type() == at::kFloat ||
+               k_cache.scalar_type() == at::kChar), "rope_write_kv: cache dtype");
+  TORCH_CHECK(k_cache.scalar_type() != at::kChar || k_cache.size(-1) == head_dim + kScaleBytes,
+              "rope_write_kv: an int8 cache's rows are head_dim + 4 wide (values, then the scale)");
   at::Tensor pos = positions.to(at::kLong).contiguous();
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const float* cp = cos.data_ptr<float>();
@@ -765,6 +809,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   };
   auto with_cache = [&](auto* qp) {
     if (is_bf16(k_cache)) run(qp, act_ptr<uint16_t>(k_cache), act_ptr<uint16_t>(v_cache));
+    else if (k_cache.scalar_type() == at::kChar) run(qp, act_ptr<int8_t>(k_cache), act_ptr<int8_t>(v_cache));
     else run(qp, act_ptr<float>(k_cache), act_ptr<float>(v_cache));
   };
   if (is_bf16(qkv)) with_cache(act_ptr<uint16_t>(qkv));
@@ -843,6 +888,8 @@ template <>
 inline float load_kv<float>(const float* p, int64_t j) { return p[j]; }
 template <>
 inline float load_kv<uint16_t>(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
+template <>
+inline float load_kv<int8_t>(const int8_t* p, int64_t j) { return p[j]; }
 
 // max(-inf, p[0..n)): vector lanes, not one dependent scalar max per element.
 inline float max_of(const float* p, int64_t n) {
@@ -890,24 +937,26 @@ template <typename KV>
 void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* off, int64_t t0,
                     int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D,
                     float scale, const int64_t* lim, float* part, float* scores) {
-  const int64_t n = t1 - t0, pstride = D + 2;
+  const int64_t n = t1 - t0, pstride = D + 2, rs = row_stride<KV>(D);
   for (int64_t t = t0; t < t1; ++t) {
-    const KV* k = kc + off[t - t0] + g * D;
+    const KV* k = kc + off[t - t0] + g * rs;
+    const float ks = scale * row_scale(k, D);
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = qg + h * D;
       float dot = 0;
 #pragma omp simd reduction(+ : dot)
       for (int64_t j = 0; j < D; ++j) dot += qh[j] * load_kv(k, j);
-      scores[h * n + (t - t0)] = dot * scale;
+      scores[h * n + (t - t0)] = dot * ks;
     }
   }
   softmax_scores(scores, n, G, lim, part, pstride);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t j = 0; j < D; ++j) part[h * pstride + 2 + j] = 0;
   for (int64_t t = t0; t < t1; ++t) {
-    const KV* v = vc + off[t - t0] + g * D;
+    const KV* v = vc + off[t - t0] + g * rs;
+    const float vs = row_scale(v, D);
     for (int64_t h = 0; h < G; ++h) {
-      const float p = scores[h * n + (t - t0)];
+      const float p = scores[h * n + (t - t0)] * vs;
       float* o = part + h * pstride + 2;
 #pragma omp simd
       for (int64_t j = 0; j < D; ++j) o[j] += p * load_kv(v, j);
@@ -920,6 +969,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const int8_t* p) {  // the int8 KV format's values, unscaled
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Lanes 0..7: the sums of the 16 lanes of v[0..7] (a transpose-and-add tree: ~3 instructions per
@@ -954,7 +1006,7 @@ template <typename KV, int DV>
 void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, const int64_t* off,
                          int64_t t0, int64_t t1, int64_t R, int64_t KVH, float scale,
                          const int64_t* lim, float* const* parts, float* scores) {
-  constexpr int64_t D = 16 * DV;
+  constexpr int64_t D = 16 * DV, RS = row_stride<KV>(D);
   constexpr int HB = DV <= 4 ? 3 : 2;  // HB * 8 accumulators + DV key registers fit in 32
   const int64_t n = t1 - t0, pstride = D + 2;
   const __m256 vscale = _mm256_set1_ps(scale);
@@ -962,7 +1014,12 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
   for (; t + 8 <= t1; t += 8) {
     for (int64_t g = 0; g < KVH; ++g) {
       const KV* krow[8];
-      for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0] + g * D;
+      for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0] + g * RS;
+      __m256 kscale = vscale;  // int8 rows: each token's own scale on its score
+      if constexpr (is_q8<KV>)
+        kscale = _mm256_mul_ps(vscale, _mm256_setr_ps(
+            row_scale(krow[0], D), row_scale(krow[1], D), row_scale(krow[2], D), row_scale(krow[3], D),
+            row_scale(krow[4], D), row_scale(krow[5], D), row_scale(krow[6], D), row_scale(krow[7], D)));
       const float* qg = qgs[g];
       float* sg = scores + g * R * n;
       for (int64_t h0 = 0; h0 < R; h0 += HB) {
@@ -980,20 +1037,21 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
           }
         }
         for (int hh = 0; hh < hn; ++hh)
-          _mm256_storeu_ps(sg + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), vscale));
+          _mm256_storeu_ps(sg + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), kscale));
       }
     }
   }
   for (; t < t1; ++t)
     for (int64_t g = 0; g < KVH; ++g) {
-      const KV* k = kc + off[t - t0] + g * D;
+      const KV* k = kc + off[t - t0] + g * RS;
+      const float ks = scale * row_scale(k, D);
       __m512 kv[DV];
       for (int c = 0; c < DV; ++c) kv[c] = load16(k + 16 * c);
       for (int64_t h = 0; h < R; ++h) {
         const float* qh = qgs[g] + h * D;
         __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
         for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), acc);
-        scores[(g * R + h) * n + (t - t0)] = _mm512_reduce_add_ps(acc) * scale;
+        scores[(g * R + h) * n + (t - t0)] = _mm512_reduce_add_ps(acc) * ks;
       }
     }
   for (int64_t g = 0; g < KVH; ++g) {
@@ -1016,12 +1074,13 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
           for (int c = 0; c < DV; ++c) o[h][c] = _mm512_loadu_ps(part + (h0 + h) * pstride + 2 + 16 * c);
         }
         for (int64_t tt = c0; tt < c1; ++tt) {
-          const KV* v = vc + off[tt - t0] + g * D;
+          const KV* v = vc + off[tt - t0] + g * RS;
+          const float vs = row_scale(v, D);
           __m512 vv[DV];
           for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
           for (int h = 0; h < VB; ++h) {
             if (h >= hn) break;
-            const __m512 p = _mm512_set1_ps(sg[(h0 + h) * n + (tt - t0)]);
+            const __m512 p = _mm512_set1_ps(sg[(h0 + h) * n + (tt - t0)] * vs);
             for (int c = 0; c < DV; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
           }
         }
@@ -1146,7 +1205,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
     const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split), R = ql * G;
     offs.resize(std::max<int64_t>(0, t1 - t0));  // each token's offset in the cache (all heads)
     for_each_slot(tables + b * max_blocks, block_size, t0, t1,
-                  [&](int64_t t, int64_t slot) { offs[t - t0] = slot * KVH * D; });
+                  [&](int64_t t, int64_t slot) { offs[t - t0] = slot * KVH * row_stride<KV>(D); });
     lim.resize(R);
     for (int64_t j = 0; j < ql; ++j)
       for (int64_t h = 0; h < G; ++h) lim[j * G + h] = ctx[b] - ql + j + 1 - t0;
@@ -1176,12 +1235,14 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
                                    parts.data(), scores.data());
       return;
     }
-    if (KVH == 1 && D % 16 == 0 && t0 < t1) {  // MLA's latent row (absorbed decode)
-      const float* qg = q + qstart[b] * H * D;  // rows j * G + h: already in that order
-      scores.resize(R * (t1 - t0));
-      attend_wide_avx512<KV>(qg, kc, vc, offs.data(), t0, t1, R, D, scale, lim.data(),
-                             part_at(b, 0, s), scores.data());
-      return;
+    if constexpr (!is_q8<KV>) {  // (MLA refuses the int8 format)
+      if (KVH == 1 && D % 16 == 0 && t0 < t1) {  // MLA's latent row (absorbed decode)
+        const float* qg = q + qstart[b] * H * D;  // rows j * G + h: already in that order
+        scores.resize(R * (t1 - t0));
+        attend_wide_avx512<KV>(qg, kc, vc, offs.data(), t0, t1, R, D, scale, lim.data(),
+                               part_at(b, 0, s), scores.data());
+        return;
+      }
     }
 #endif
     for (int64_t g = 0; g < KVH; ++g) {
@@ -1220,7 +1281,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
 }
 
 // q [T, H, D] float32: the new tokens of B requests, packed in request order; caches
-// [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32; context_lens [B] int32;
+// [num_blocks, block_size, KVH, D] (int8: D + 4, kv_quant.py); block_tables [B, max_blocks] int32; context_lens [B] int32;
 // query_lens [B] int32 (each 1 when absent: one decode token per request). Returns [T, H, D].
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables_in,
@@ -1234,7 +1295,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor ctx = context_lens_in.to(at::kInt).contiguous();
   const int64_t B = ctx.numel(), T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "decode_attention: head shapes");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == (q8 ? D + kScaleBytes : D),
+              "decode_attention: head shapes");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B, "decode_attention: one block table per request");
   at::Tensor qlens = query_lens_in.has_value() ? query_lens_in->to(at::kInt).contiguous()
                                                : at::ones({B}, ctx.options());
@@ -1258,14 +1321,20 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor partial = at::empty({B * KVH * num_splits * max_q * (H / KVH) * (D + 2)}, q.options());
   at::Tensor out = at::empty_like(q);
   const int64_t max_blocks = tables.size(1);
-  if (k_cache.scalar_type() == at::kBFloat16) {
+  if (q8) {
+    decode_attention_impl<int8_t>(
+        q.data_ptr<float>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+        tables.data_ptr<int32_t>(), cp, qp, qstart.data(), B, H, KVH, D, block_size, max_blocks,
+        static_cast<float>(scale), split, num_splits, max_q, partial.data_ptr<float>(),
+        out.data_ptr<float>(), threads);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode_attention_impl<uint16_t>(
         q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, qp,
         qstart.data(), B, H, KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
         num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "decode_attention: cache float32 or bfloat16");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "decode_attention: cache float32, bfloat16 or int8");
     decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                  v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, qp,
                                  qstart.data(), B, H, KVH, D, block_size, max_blocks,
@@ -1316,7 +1385,7 @@ inline __m512 exp2_ps(__m512 x) {
 template <typename KV, int DV>
 void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32_t* table,
                          const PrefillShape& s, int64_t g, int64_t tile, float scale, float* out) {
-  constexpr int64_t D = 16 * DV, RV = kRows / 16;
+  constexpr int64_t D = 16 * DV, RV = kRows / 16, RS = row_stride<KV>(D);
   constexpr int RB = DV <= 4 ? 6 : 3;  // output rows per pass: RB * DV accumulators + DV values
   const int64_t G = s.G, first = tile * s.QT;  // first query of the tile (chunk index)
   const int64_t npos = std::min(s.QT, s.q_len - first), rows = npos * G;
@@ -1346,10 +1415,18 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, key_end - j0), jpad = (jn + 7) / 8 * 8;
     for_each_slot(table, s.block_size, j0, j0 + jn, [&](int64_t t, int64_t slot) {
-      const int64_t j = t - j0, off = (slot * s.KVH + g) * D;
+      const int64_t j = t - j0, off = (slot * s.KVH + g) * RS;
       if constexpr (std::is_same_v<KV, float>) {
         krow[j] = kc + off;
         vrow[j] = vc + off;
+      } else if constexpr (is_q8<KV>) {  // widened and scaled as the tile is loaded
+        const __m512 ks = _mm512_set1_ps(row_scale(kc + off, D)), vs = _mm512_set1_ps(row_scale(vc + off, D));
+        for (int c = 0; c < DV; ++c) {
+          _mm512_store_ps(kbuf + j * D + 16 * c, _mm512_mul_ps(load16(kc + off + 16 * c), ks));
+          _mm512_store_ps(vbuf + j * D + 16 * c, _mm512_mul_ps(load16(vc + off + 16 * c), vs));
+        }
+        krow[j] = kbuf + j * D;
+        vrow[j] = vbuf + j * D;
       } else {
         for (int c = 0; c < DV; ++c) {
           _mm512_store_ps(kbuf + j * D + 16 * c, load16(kc + off + 16 * c));
@@ -1448,7 +1525,7 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
 template <typename KV>
 void prefill_item_generic(const float* q, const KV* kc, const KV* vc, const int32_t* table,
                           const PrefillShape& s, int64_t g, int64_t tile, float scale, float* out) {
-  const int64_t D = s.D, G = s.G, first = tile * s.QT;
+  const int64_t D = s.D, G = s.G, first = tile * s.QT, rs = row_stride<KV>(D);
   const int64_t npos = std::min(s.QT, s.q_len - first);
   thread_local std::vector<float> acc, sc;
   acc.resize(D);
@@ -1464,11 +1541,11 @@ void prefill_item_generic(const float* q, const KV* kc, const KV* vc, const int3
       for (int64_t j = 0; j < jn; ++j) {
         const int64_t t = j0 + j;
         const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
-        const KV* k = kc + (slot * s.KVH + g) * D;
+        const KV* k = kc + (slot * s.KVH + g) * rs;
         float dot = 0;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qr[d] * load_kv(k, d);
-        sc[j] = dot * scale;
+        sc[j] = dot * scale * row_scale(k, D);
         tmx = std::max(tmx, sc[j]);
       }
       const float alpha = fast_exp(mx - tmx);
@@ -1478,11 +1555,11 @@ void prefill_item_generic(const float* q, const KV* kc, const KV* vc, const int3
       for (int64_t j = 0; j < jn; ++j) {
         const int64_t t = j0 + j;
         const int64_t slot = static_cast<int64_t>(table[t / s.block_size]) * s.block_size + t % s.block_size;
-        const KV* v = vc + (slot * s.KVH + g) * D;
-        const float p = fast_exp(sc[j] - tmx);
+        const KV* v = vc + (slot * s.KVH + g) * rs;
+        const float p = fast_exp(sc[j] - tmx), pv = p * row_scale(v, D);
         sum += p;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * load_kv(v, d);
+        for (int64_t d = 0; d < D; ++d) acc[d] += pv * load_kv(v, d);
       }
       mx = tmx;
     }
@@ -1537,19 +1614,25 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor table =
       check_chunk_over_cache("prefill_attention", q.size(0), k_cache, v_cache, block_table_in, ctx_len);
   PrefillShape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), ctx_len, q.size(0), 0};
-  TORCH_CHECK(s.H % s.KVH == 0 && k_cache.size(3) == s.D, "prefill_attention: head shapes");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(s.H % s.KVH == 0 && k_cache.size(3) == (q8 ? s.D + kScaleBytes : s.D),
+              "prefill_attention: head shapes");
   s.G = s.H / s.KVH;
   TORCH_CHECK(s.G <= kRows, "prefill_attention: more than ", kRows, " query heads per kv head");
   s.QT = kRows / s.G;
   const int32_t* tp = table.data_ptr<int32_t>();
   at::Tensor out = at::empty_like(q);
-  if (k_cache.scalar_type() == at::kBFloat16) {
+  if (q8) {
+    prefill_attention_impl<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
+                                   v_cache.data_ptr<int8_t>(), tp, s, static_cast<float>(scale),
+                                   out.data_ptr<float>(), threads);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
     prefill_attention_impl<uint16_t>(q.data_ptr<float>(),
                                      reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
                                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tp, s,
                                      static_cast<float>(scale), out.data_ptr<float>(), threads);
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "prefill_attention: cache float32 or bfloat16");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "prefill_attention: cache float32, bfloat16 or int8");
     prefill_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                   tp, s, static_cast<float>(scale), out.data_ptr<float>(), threads);
   }
