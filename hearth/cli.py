@@ -1,10 +1,11 @@
-"""`hearth serve | route | up | generate | bench`: what each sub-command runs.
+"""`hearth serve | route | up | scale | generate | bench`: what each sub-command runs.
 
 The flags are declared and mapped onto configs in hearth/flags.py (the one module that reads
 flags and the environment they fall back to); this module is the console script's entry point
 (`hearth = "hearth.cli:main"`, also `python -m hearth.cli`): `main` parses, then hands the
 configs to the layer that runs them: `serve` (hearth/server/launch.py), `route`
-(hearth/router/launch.py), `up` (hearth/router/up.py), the offline `LLM` or the engine
+(hearth/router/launch.py), `up` (hearth/router/up.py, or with `--cluster` hearth/cluster/deploy.py),
+`scale` (hearth/cluster/deploy.py), the offline `LLM` or the engine
 benchmark. Under torchrun every rank but 0 serves the driver's steps instead (`_serve_rank`).
 `hearth up` starts its workers as `python -m hearth.cli serve ...` (`worker_command`).
 """
@@ -19,8 +20,9 @@ import time
 from pathlib import Path
 
 from hearth.config import EngineConfig
-from hearth.flags import (build_parser, engine_config, read_secrets, router_config, serve_argv,
-                          server_config, torchrun_env, up_config, up_worker_server_config)
+from hearth.flags import (build_parser, cluster_config, engine_config, read_secrets,
+                          router_config, serve_argv, server_config, torchrun_env, up_config,
+                          up_worker_server_config)
 from hearth.logs import setup_logging
 from hearth.server.server_config import ServerConfig
 
@@ -52,10 +54,25 @@ def cmd_route(a: argparse.Namespace) -> int:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
+    if a.cluster is not None:  # Ray is imported only on this path
+        from hearth.cluster.deploy import up_cluster
+
+        return up_cluster(cluster_config(a), up_config(a), engine_config(a),
+                          up_worker_server_config(a), router_config(a))
     from hearth.router.up import up
 
     return up(up_config(a), engine_config(a), up_worker_server_config(a), router_config(a),
               worker_command)
+
+
+def cmd_scale(a: argparse.Namespace) -> int:
+    from hearth.cluster.deploy import scale
+
+    targets = {role: n for role, n in (("prefill", a.prefill), ("decode", a.decode),
+                                       ("both", a.workers)) if n is not None}
+    status = scale(cluster_config(a), targets, a.wait, a.timeout)
+    print(json.dumps(status, indent=1))
+    return 0
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -109,7 +126,7 @@ def worker_command(engine: EngineConfig, server: ServerConfig) -> list[str]:
 
 
 COMMANDS = {"serve": cmd_serve, "route": cmd_route, "up": cmd_up, "generate": cmd_generate,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "scale": cmd_scale}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve_rank(a)
     try:
         return COMMANDS[a.command](a)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, TimeoutError) as exc:
         print(f"hearth: error: {exc}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,7 @@ import os
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
+from hearth.cluster.cluster_config import ClusterConfig
 from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
                            GuidedConfig, KVOffloadConfig, SpeculativeConfig,
                            KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
@@ -457,6 +458,59 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         f"(default: %(default)s, at most {sup.max_backoff_seconds:g})")
 
 
+def add_cluster_args(p: argparse.ArgumentParser, full: bool = True) -> None:
+    """`hearth up --cluster ...` (and `hearth scale`'s way to the same deployment)."""
+    c = ClusterConfig()
+    g = p.add_argument_group("cluster (Ray; pip install 'hearth[ray]')")
+    g.add_argument("--cluster", default=None if full else c.address, metavar="ADDRESS",
+                   help="run on a Ray cluster: auto ($RAY_ADDRESS, else the local head) or its "
+                        "address (host:port or ray://host:port)" + (
+                            "; without it hearth up runs on this machine alone" if full else ""))
+    g.add_argument("--cluster-name", default=c.name,
+                   help="the deployment's name on the cluster (default: %(default)s)")
+    if not full:
+        return
+    g.add_argument("--cpus-per-rank", type=float, default=c.cpus_per_rank,
+                   help="logical CPUs each rank of a worker reserves in Ray (placement only; "
+                        "not its compute threads)")
+    g.add_argument("--gpus-per-rank", type=float, default=c.gpus_per_rank)
+    g.add_argument("--memory-per-rank-gb", type=float, default=0.0,
+                   help="memory each rank reserves in Ray (0: none)")
+    g.add_argument("--threads-per-worker", type=int, default=c.threads_per_worker,
+                   help="compute threads of each worker (0: torch's default)")
+    for role, flag in (("prefill", "--prefill-tp"), ("decode", "--decode-tp"),
+                       ("both", "--workers-tp")):
+        g.add_argument(flag, type=int, default=None, metavar="T",
+                       help=f"tensor parallel size of the {role} workers (default: -tp)")
+    g.add_argument("--no-replace", action="store_true",
+                   help="do not replace a worker that dies (its role's target drops by one)")
+    g.add_argument("--drain-timeout", type=float, default=c.drain_timeout_seconds,
+                   metavar="SECONDS", help="a draining worker is stopped after this regardless")
+
+
+def cluster_config(a: argparse.Namespace) -> ClusterConfig:
+    if not hasattr(a, "cpus_per_rank"):  # hearth scale
+        return ClusterConfig(address=a.cluster, name=a.cluster_name)
+    tp = {role: t for role, t in (("prefill", a.prefill_tp), ("decode", a.decode_tp),
+                                  ("both", a.workers_tp)) if t is not None}
+    return ClusterConfig(
+        address=a.cluster, name=a.cluster_name, cpus_per_rank=a.cpus_per_rank,
+        gpus_per_rank=a.gpus_per_rank, memory_per_rank_bytes=int(a.memory_per_rank_gb * 2**30),
+        threads_per_worker=a.threads_per_worker, role_tensor_parallel=tp,
+        replace_dead_workers=not a.no_replace, drain_timeout_seconds=a.drain_timeout)
+
+
+def add_scale_args(p: argparse.ArgumentParser) -> None:
+    add_cluster_args(p, full=False)
+    g = p.add_argument_group("targets (only the roles given change)")
+    g.add_argument("--prefill", type=int, default=None, help="prefill workers")
+    g.add_argument("--decode", type=int, default=None, help="decode workers")
+    g.add_argument("--workers", type=int, default=None, help="monolithic workers (role both)")
+    g.add_argument("--wait", action="store_true",
+                   help="return once the deployment serves exactly these targets")
+    g.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this")
+
+
 def up_config(a: argparse.Namespace) -> UpConfig:
     return UpConfig(
         num_prefill=a.prefill, num_decode=a.decode, num_workers=a.workers, pin=a.pin,
@@ -497,10 +551,16 @@ def build_parser() -> argparse.ArgumentParser:
     route = sub.add_parser("route", help="the token-aware PD router in front of workers")
     add_route_args(route)
 
-    up = sub.add_parser("up", help="router + prefill pool + decode pool on this machine")
+    up = sub.add_parser("up", help="router + prefill pool + decode pool on this machine "
+                                   "(or on a Ray cluster: --cluster)")
     add_engine_args(up)
     add_up_args(up)
+    add_cluster_args(up)
     add_router_args(up, with_block_size=False)  # --block-size comes with the engine flags
+
+    scale = sub.add_parser("scale", help="change the workers of a running cluster deployment "
+                                         "(hearth up --cluster)")
+    add_scale_args(scale)
 
     bench = sub.add_parser("bench", help="engine benchmark: cold start, prefill and decode "
                                          "tokens/s (beside transformers), printed as a table")

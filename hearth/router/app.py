@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from hearth.router.discovery import DiscoveryLoop, Registry
 from hearth.router.endpoints import EndpointPool, SessionTable
 from hearth.router.front_doors import front_door_routes
 from hearth.router.health import HealthChecker, ModelInfo
@@ -57,9 +58,11 @@ log = logging.getLogger("hearth.router")
 class Router:
     """What the routes share; built in the app's lifespan."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Any | None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: Any | None,
+                 registry: Registry | None = None) -> None:
         self.config = config
-        self.pool = EndpointPool(list(config.prefill), list(config.decode), list(config.workers))
+        self.pool = EndpointPool(list(config.prefill), list(config.decode), list(config.workers),
+                                 dynamic=registry is not None)
         self.metrics = RouterMetrics()
         self.cpu = CpuPool(config.cpu_threads)
         self.model = ModelInfo()
@@ -73,14 +76,20 @@ class Router:
                                     config.worker_api_key, self.model, config.policy.block_size)
         self.orchestrator = Orchestrator(config, self.pool, self.sessions, self.metrics, self.client,
                                          self.model)
-        self._task: asyncio.Task | None = None
+        self.discovery = (DiscoveryLoop(registry, self.pool, config.health.discovery_interval_seconds,
+                                        self.health.endpoints_changed)
+                          if registry is not None else None)
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self.health.run(), name="router-health")
+        self._tasks.append(asyncio.create_task(self.health.run(), name="router-health"))
+        if self.discovery is not None:
+            await self.discovery.poll_once()  # the workers registered so far, before serving
+            self._tasks.append(asyncio.create_task(self.discovery.run(), name="router-discovery"))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.client.aclose()
         self.cpu.close()
 
@@ -147,7 +156,7 @@ class Router:
         show_urls = self.config.api_key is not None or self.config.show_worker_urls
         return {"model": self.model_name, "num_sessions": len(self.sessions), "endpoints": [
             {"url": e.url if show_urls else f"endpoint-{index}", "role": e.role,
-             "healthy": e.healthy,
+             "healthy": e.healthy, "draining": e.draining, "name": e.name,
              "last_error": e.last_error if show_urls or e.last_error is None else "(hidden)",
              "prefill_tokens": e.prefill_tokens, "decode_tokens": e.decode_tokens,
              "own_requests": e.own_requests, "cached_blocks": len(e.cache),
@@ -161,9 +170,12 @@ class Router:
 
 
 def build_app(config: RouterConfig, tokenizer: Any | None = None,
-              supervisor_state: Callable[[], dict] | None = None) -> FastAPI:
-    """`supervisor_state`: under `hearth up`, its workers' restarts, shown in /health."""
-    router = Router(config, tokenizer)
+              supervisor_state: Callable[[], dict] | None = None,
+              registry: Registry | None = None) -> FastAPI:
+    """`supervisor_state`: under `hearth up`, its workers' restarts, shown in /health.
+    `registry`: where the workers come from at run time (hearth/router/discovery.py) instead of
+    the config's URL lists (a cluster deployment, hearth/cluster/)."""
+    router = Router(config, tokenizer, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

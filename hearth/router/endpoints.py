@@ -6,7 +6,11 @@ Invariants:
   * an endpoint's load estimate is the router's own in-flight predictions plus the load its last
     report showed beyond them (requests from elsewhere), so a burst is seen before any report;
   * a cache view holds block hashes in LRU order: added when the router sends a prompt there
-    (prediction), corrected by the worker's stored/evicted reports, bounded by its block count.
+    (prediction), corrected by the worker's stored/evicted reports, bounded by its block count;
+  * with discovery (hearth/router/discovery.py) endpoints come and go at run time: a draining
+    endpoint takes no new request but finishes the ones it has; a removed endpoint leaves every
+    choice at once and stays reachable by URL (`pool[url]`) only while requests the router sent
+    there are still open, so a request in flight never loses its endpoint record.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class Endpoint:
     own_prefill_tokens: int = 0  # predictions of in-flight requests the router sent here
     own_decode_tokens: int = 0
     own_requests: int = 0
+    own_prefill_hops: int = 0  # prefill hops the router has open here (until the first token)
     extra_prefill_tokens: int = 0  # reported load beyond the router's own (other clients)
     extra_decode_tokens: int = 0
     report: LoadReport | None = None  # the last /load report
@@ -105,9 +110,16 @@ class Endpoint:
     shared_cache: CacheView | None = None  # the pool's view of the shared tier
     has_shared_tier: bool = False  # it reported blocks in a shared tier
     counters: Counters = field(default_factory=Counters)
+    draining: bool = False  # (discovery) finishing its requests, taking no new one
+    name: str | None = None  # (discovery) the worker's name in the registry
 
     def __post_init__(self) -> None:
         self.role = Role.parse(self.role, f"endpoint {self.url}: role")
+
+    @property
+    def busy(self) -> bool:
+        """The router has a request open here (a decode, or a prefill hop's prediction)."""
+        return self.own_requests > 0 or self.own_prefill_hops > 0
 
     @property
     def prefill_tokens(self) -> int:
@@ -118,7 +130,8 @@ class Endpoint:
         return self.own_decode_tokens + self.extra_decode_tokens
 
     def view(self, excluded: bool = False) -> EndpointView:
-        return EndpointView(self.url, self.role, self.healthy and not excluded, self.prefill_tokens,
+        return EndpointView(self.url, self.role, self.healthy and not excluded and not self.draining,
+                            self.prefill_tokens,
                             self.decode_tokens, self.cache,
                             TierHashes(self.tier_cache,
                                        self.shared_cache if self.has_shared_tier else None))
@@ -170,13 +183,27 @@ class Ticket:
         self.has_first_token = False
         self._computing.own_prefill_tokens += self._prefill_tokens
         self.decode.own_requests += 1
+        self._prefill_hop: Endpoint | None = None  # the endpoint of the open prefill hop
+        self._open_prefill_hop(prefill)
         self.closed = False
+
+    def _open_prefill_hop(self, prefill: Endpoint | None) -> None:
+        self._close_prefill_hop()
+        if prefill is not None:
+            prefill.own_prefill_hops += 1
+            self._prefill_hop = prefill
+
+    def _close_prefill_hop(self) -> None:
+        if self._prefill_hop is not None:
+            self._prefill_hop.own_prefill_hops -= 1
+            self._prefill_hop = None
 
     def first_token(self) -> None:
         """The prompt is computed: its tokens move from prefill load to decode load."""
         if self.closed or self.has_first_token:
             return
         self.has_first_token = True
+        self._close_prefill_hop()
         self._computing.own_prefill_tokens -= self._prefill_tokens
         self._prefill_tokens = 0
         self._decode_tokens = self.num_prompt_tokens
@@ -188,6 +215,7 @@ class Ticket:
             return
         self._computing.own_prefill_tokens -= self._prefill_tokens
         self.prefill = prefill
+        self._open_prefill_hop(prefill)
         if prefill is not None:
             prefill.counters.routed += 1
         self._computing = prefill if prefill is not None else self.decode
@@ -213,6 +241,7 @@ class Ticket:
         if self.closed:
             return
         self.closed = True
+        self._close_prefill_hop()
         self._computing.own_prefill_tokens -= self._prefill_tokens
         self.decode.own_decode_tokens -= self._decode_tokens
         self.decode.own_requests -= 1
@@ -221,8 +250,11 @@ class Ticket:
 class EndpointPool:
     """The router's endpoints by URL, in the order they were given (ties in the policy)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], both: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str],
+                 dynamic: bool = False) -> None:
+        """`dynamic`: endpoints come from discovery (`reconcile`), so the pool may start empty."""
         self.endpoints: dict[str, Endpoint] = {}
+        self.retired: dict[str, Endpoint] = {}  # removed, with requests of the router still open
         self.shared_cache = CacheView(TIER_CACHE_BLOCKS)  # blocks in the workers' shared tier
         for role, urls in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.BOTH, both)):
             for url in urls:
@@ -230,11 +262,56 @@ class EndpointPool:
                 if url in self.endpoints:
                     raise ValueError(f"endpoint {url} is listed twice")
                 self.endpoints[url] = Endpoint(url, role, shared_cache=self.shared_cache)
-        if not any(e.role in (Role.DECODE, Role.BOTH) for e in self.endpoints.values()):
+        if not dynamic and not any(e.role in (Role.DECODE, Role.BOTH)
+                                   for e in self.endpoints.values()):
             raise ValueError("the router needs at least one --decode or --worker endpoint")
 
     def __getitem__(self, url: str) -> Endpoint:
-        return self.endpoints[url]
+        endpoint = self.endpoints.get(url)
+        return endpoint if endpoint is not None else self.retired[url]
+
+    def get(self, url: str) -> Endpoint | None:
+        """The endpoint, or None if discovery removed it and the router forgot it."""
+        return self.endpoints.get(url) or self.retired.get(url)
+
+    def reconcile(self, records) -> tuple[list[Endpoint], list[Endpoint]]:
+        """Make the pool what discovery says: `records` (hearth/router/discovery.py
+        WorkerRecord: name, role, url, draining) are every worker that exists now. Returns
+        (added, removed). A worker whose URL is new starts unhealthy until its first /load."""
+        wanted = {r.url.rstrip("/"): r for r in records}
+        added, removed = [], []
+        for url in [u for u in self.endpoints if u not in wanted]:
+            endpoint = self.endpoints.pop(url)
+            endpoint.healthy, endpoint.last_error = False, "removed by discovery"
+            removed.append(endpoint)
+            if endpoint.busy:
+                self.retired[url] = endpoint
+        for url, record in wanted.items():
+            endpoint = self.endpoints.get(url)
+            role = Role.parse(record.role, f"worker {record.name}: role")
+            if endpoint is not None and endpoint.role is not role:  # a new worker on an old URL
+                removed.append(self.endpoints.pop(url))
+                endpoint = None
+            if endpoint is None:
+                endpoint = self.retired.pop(url, None)
+                if endpoint is None or endpoint.role is not role:
+                    endpoint = Endpoint(url, role, shared_cache=self.shared_cache)
+                self.endpoints[url] = endpoint
+                added.append(endpoint)
+            endpoint.name, endpoint.draining = record.name, record.draining
+        self.prune()
+        return added, removed
+
+    def prune(self) -> None:
+        """Forget removed endpoints whose last request of this router has ended."""
+        for url in [u for u, e in self.retired.items() if not e.busy]:
+            del self.retired[url]
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests this router has open on each endpoint (removed ones included)."""
+        self.prune()
+        return {e.url: e.own_requests + e.own_prefill_hops
+                for e in [*self.endpoints.values(), *self.retired.values()]}
 
     def __iter__(self):
         return iter(self.endpoints.values())
@@ -259,7 +336,8 @@ class EndpointPool:
         return ticket
 
     def is_ready(self) -> bool:
-        return any(e.healthy and e.role in (Role.DECODE, Role.BOTH) for e in self.endpoints.values())
+        return any(e.healthy and not e.draining and e.role in (Role.DECODE, Role.BOTH)
+                   for e in self.endpoints.values())
 
 
 class SessionTable:

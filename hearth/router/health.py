@@ -51,6 +51,7 @@ class HealthChecker:
         self.block_size = block_size  # the router's (PolicyConfig.block_size)
         self.timeout = httpx.Timeout(config.timeout_seconds, connect=CONNECT_TIMEOUT)
         self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
+        self._loops: dict[str, asyncio.Task] | None = None  # per endpoint, while run() runs
 
     async def check(self, endpoint: Endpoint) -> None:
         own = (endpoint.own_prefill_tokens, endpoint.own_decode_tokens)
@@ -136,8 +137,29 @@ class HealthChecker:
         await asyncio.gather(*(self.check(e) for e in self.pool))
 
     async def run(self) -> None:
-        """One loop per endpoint, so a slow worker never delays the checks of the others."""
-        await asyncio.gather(*(self._loop(e) for e in self.pool))
+        """One loop per endpoint, so a slow worker never delays the checks of the others;
+        endpoints that discovery adds later get theirs from `endpoints_changed`."""
+        self._loops: dict[str, asyncio.Task] = {}
+        self.endpoints_changed(list(self.pool), [])
+        try:
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            for task in self._loops.values():
+                task.cancel()
+
+    def endpoints_changed(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        """(discovery) Start polling new endpoints, stop polling removed ones."""
+        loops = self._loops
+        if loops is None:  # run() has not started: it starts a loop for every endpoint
+            return
+        for endpoint in removed:
+            task = loops.pop(endpoint.url, None)
+            if task is not None:
+                task.cancel()
+        for endpoint in added:
+            if endpoint.url not in loops:
+                loops[endpoint.url] = asyncio.get_running_loop().create_task(
+                    self._loop(endpoint), name=f"router-health-{endpoint.url}")
 
     async def _loop(self, endpoint: Endpoint) -> None:
         while True:

@@ -22,19 +22,22 @@ def load_tokenizer(model: str | None):
     return Tokenizer.from_source(load_tokenizer_source(model))  # no torch in the router
 
 
-def route(config: RouterConfig, supervisor=None) -> int:
-    """Serve until interrupted (0). Under `hearth up`, `supervisor` (hearth.router.supervisor)
-    shows its state in /health and stops the router when it gives up on a worker (1)."""
+def route(config: RouterConfig, supervisor=None, registry=None) -> int:
+    """Serve until interrupted (0). Under `hearth up`, `supervisor` (hearth.router.supervisor,
+    or a cluster deployment's controller) shows its state in /health and stops the router when
+    it gives up on a worker (1). `registry`: discovery of the workers at run time
+    (hearth/router/discovery.py) instead of the config's URLs."""
     import uvicorn
 
     from hearth.router.app import build_app
 
     setup_logging(config.log_level)
     app = build_app(config, load_tokenizer(config.tokenizer_model),
-                    supervisor_state=supervisor.state if supervisor else None)
+                    supervisor_state=supervisor.state if supervisor else None, registry=registry)
     logging.getLogger("hearth.router").info(
         "router on http://%s:%d (prefill %s, decode %s, workers %s, policy %s)", config.host,
-        config.port, list(config.prefill), list(config.decode), list(config.workers),
+        config.port, *(("discovered",) * 3 if registry is not None else
+                       (list(config.prefill), list(config.decode), list(config.workers))),
         config.policy.name)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level.lower(),

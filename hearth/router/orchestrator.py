@@ -101,7 +101,9 @@ class Orchestrator:
         tried again for this request)."""
         log.warning("%s hop failed: %s", hop, error)
         job.tried.add(error.endpoint)
-        endpoint = self.pool[error.endpoint]
+        endpoint = self.pool.get(error.endpoint)
+        if endpoint is None:  # discovery removed it meanwhile (its worker is gone)
+            return
         if error.eject:
             endpoint.mark_failed(str(error), self.config.health.eject_seconds)
         else:
@@ -341,7 +343,9 @@ class Orchestrator:
         decode hop's usage counts its local prefix hits."""
         if usage:
             details = usage.get("prompt_tokens_details") or {}
-            self.pool[endpoint].counters.reported_cached_tokens += int(details.get("cached_tokens", 0))
+            found = self.pool.get(endpoint)
+            if found is not None:
+                found.counters.reported_cached_tokens += int(details.get("cached_tokens", 0))
 
 
 class ResponseStream:

@@ -17,6 +17,7 @@ class HealthConfig:
     max_interval_seconds: float = 30.0
     eject_seconds: float = 2.0  # a failed endpoint is not re-admitted for at least this long
     max_retries: int = 2  # extra endpoints tried for one hop before giving up
+    discovery_interval_seconds: float = 0.25  # (cluster) how often the worker registry is read
 
 
 @dataclass(frozen=True)

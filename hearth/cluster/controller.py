@@ -1,0 +1,335 @@
+"""The controller of a cluster deployment: the workers the registry's targets ask for, on Ray.
+
+One thread in the `hearth up --cluster` process reconciles every `interval_seconds`:
+
+  * placement: each worker gets its own placement group, one bundle of T ranks' resources
+    (`cpus_per_rank` x T logical CPUs, GPUs, memory) packed on one node (STRICT_PACK: a worker's
+    ranks share its node's memory), and a `WorkerProcess` actor scheduled into it. A group Ray
+    cannot place yet (no node has room) waits; the worker counts as starting meanwhile;
+  * scaling: fewer live workers of a role than its target: start more; more: drain the newest.
+    A drain marks the worker draining in the registry, waits until the router acknowledged that
+    version (it then sends the worker nothing new) and has no request open there, then stops
+    it (SIGTERM) — so a scale-down loses no request. `drain_timeout_seconds` bounds the wait;
+  * failures: a worker whose process exits, or whose actor or node is gone, leaves the registry
+    at once (the router drops it, and its in-flight streams continue elsewhere: the router's
+    resume) and, while its role's target still wants it, is replaced on whatever node has room.
+    More than `max_failures` deaths or failed starts within `failure_window_seconds`: the
+    controller gives up (`gave_up`, and `hearth up --cluster` exits 1);
+  * cleanup: a worker that ends leaves no actor and no placement group behind; `stop()` ends
+    every worker, then the registry.
+The router is the source of truth for routing (its health checks); this is the source of truth
+for which workers exist.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from hearth.cluster.cluster_config import ClusterConfig
+from hearth.cluster.registry import ROLES, registry_actor
+from hearth.cluster.worker_actor import worker_actor_class
+from hearth.config import EngineConfig
+from hearth.server.server_config import ServerConfig
+
+log = logging.getLogger("hearth.cluster")
+
+
+@dataclass
+class Worker:
+    name: str
+    role: str
+    actor: object
+    group: object  # its placement group
+    started: float
+    state: str = "placing"  # placing | starting | running | draining | stopping
+    start_ref: object = None
+    wait_ref: object = None
+    stop_ref: object = None
+    record: dict = field(default_factory=dict)
+    drain_version: int = -1
+    drain_since: float = 0.0
+
+    def view(self) -> dict:
+        return {"name": self.name, "role": self.role, "state": self.state,
+                "node": self.record.get("node", "")[:12]}
+
+
+class Controller:
+    def __init__(self, cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig,
+                 worker_args: tuple[str, ...], targets: dict[str, int],
+                 log_dir: str | None = None) -> None:
+        self.cluster, self.engine, self.server = cluster, engine, server
+        self.log_dir = log_dir
+        self.worker_args = worker_args
+        self.initial_targets = targets
+        self.workers: dict[str, Worker] = {}
+        self.registry = None
+        self.gave_up: str | None = None
+        self.failures: deque[float] = deque()
+        self.num_replaced = 0
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._on_give_up: Callable[[], None] = lambda: None
+        self._lock = threading.Lock()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self, secrets: dict[str, str]) -> None:
+        """Create the registry (fails if this deployment already runs) and the first workers."""
+        import ray
+
+        try:
+            ray.get_actor(self.cluster.registry_name, namespace=self.cluster.namespace)
+        except ValueError:
+            pass
+        else:
+            raise RuntimeError(f"a deployment named {self.cluster.name!r} already runs on this "
+                               "cluster (hearth scale changes it; --cluster-name starts another)")
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On this driver's node: the registry must not be lost with a worker node.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.registry = registry_actor().options(
+            name=self.cluster.registry_name, namespace=self.cluster.namespace,
+            scheduling_strategy=here).remote(self.cluster.name)
+        ray.get(self.registry.set_secrets.remote(secrets))
+        ray.get(self.registry.set_targets.remote(self.initial_targets))
+        self.reconcile()
+
+    def watch(self, on_give_up: Callable[[], None]) -> None:
+        """Reconcile from a background thread from now on (the `supervisor` hook of route())."""
+        self._on_give_up = on_give_up
+        self._thread = threading.Thread(target=self._loop, name="hearth-cluster", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopping.wait(self.cluster.interval_seconds):
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - a Ray hiccup must not end supervision
+                log.exception("cluster reconcile failed; retrying")
+            if self.gave_up is not None:
+                self._on_give_up()
+                return
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until every initial worker serves (reconciling meanwhile); RuntimeError if the
+        deployment gave up or `timeout` passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.reconcile()
+            if self.gave_up is not None:
+                raise RuntimeError(self.gave_up)
+            running = sum(w.state == "running" for w in self.workers.values())
+            if running >= sum(self.initial_targets.values()):
+                return
+            if time.monotonic() > deadline:
+                pending = [w.view() for w in self.workers.values() if w.state != "running"]
+                raise RuntimeError(f"workers not serving after {timeout:.0f}s: {pending} (does "
+                                   "the cluster have room? `ray status` shows its resources)")
+            time.sleep(self.cluster.interval_seconds)
+
+    def stop(self) -> None:
+        import ray
+
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        with self._lock:
+            refs = [w.actor.stop.remote() for w in self.workers.values()]
+            try:
+                ray.get(refs, timeout=30)
+            except Exception:  # noqa: BLE001 - dead actors, a lost node: kill below anyway
+                pass
+            for worker in list(self.workers.values()):
+                self._remove(worker)
+            if self.registry is not None:
+                ray.kill(self.registry)
+                self.registry = None
+
+    def state(self) -> dict:
+        """For the router's /health: the deployment's workers by name, role and state."""
+        views = [w.view() for w in list(self.workers.values())]
+        return {"gave_up": self.gave_up is not None, "replaced": self.num_replaced,
+                "workers": views}
+
+    # ---- one round --------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        import ray
+
+        with self._lock:
+            if self.registry is None or self._stopping.is_set():
+                return
+            self._collect(ray)
+            targets = ray.get(self.registry.targets.remote())
+            wanted = []
+            for role in ROLES:
+                live = [w for w in self.workers.values()
+                        if w.role == role and w.state in ("placing", "starting", "running")]
+                wanted += [role] * (targets.get(role, 0) - len(live))
+                extra = len(live) - targets.get(role, 0)
+                if extra > 0:  # newest first: those still starting go before serving ones
+                    for worker in sorted(live, key=lambda w: (w.state == "running", -w.started))[:extra]:
+                        self._drain(worker)
+            # The largest placement groups first: small ones spread over the nodes first
+            # could leave no node with room for a worker of many ranks.
+            for role in sorted(wanted, key=lambda r: -self._num_ranks(r)):
+                self._add(role)
+            self._progress_drains(ray)
+            ray.get(self.registry.set_status.remote(self.state()))
+
+    def _collect(self, ray) -> None:
+        """Starts that finished, workers that ended."""
+        for worker in list(self.workers.values()):
+            if worker.state == "placing":
+                ready, _ = ray.wait([worker.group.ready()], timeout=0)
+                if ready:
+                    worker.state = "starting"
+                    worker.start_ref = worker.actor.start.remote(self.cluster.start_timeout_seconds)
+                    worker.wait_ref = worker.actor.wait.remote()
+                elif time.monotonic() - worker.started > self.cluster.start_timeout_seconds:
+                    self._failed(worker, "its placement group could not be placed in "
+                                         f"{self.cluster.start_timeout_seconds:.0f}s")
+                continue
+            if worker.state == "starting":
+                done, _ = ray.wait([worker.start_ref], timeout=0)
+                if done:
+                    try:
+                        worker.record = ray.get(worker.start_ref)
+                        worker.state = "running"
+                        log.info("worker %s (%s) serves at %s on node %s", worker.name,
+                                 worker.role, worker.record["url"], worker.record["node"][:12])
+                    except Exception as exc:  # noqa: BLE001 - start failed or actor died
+                        self._failed(worker, f"did not start: {_reason(exc)}")
+                        continue
+            if worker.wait_ref is not None and worker.state in ("running", "draining", "stopping"):
+                done, _ = ray.wait([worker.wait_ref], timeout=0)
+                if done:
+                    try:
+                        why = f"its process exited with {ray.get(worker.wait_ref)}"
+                    except Exception as exc:  # noqa: BLE001 - the actor or its node is gone
+                        why = f"its actor is gone ({_reason(exc)})"
+                    if worker.state == "stopping":
+                        log.info("worker %s stopped (%s)", worker.name, why)
+                        self._remove(worker)
+                    else:
+                        self._failed(worker, why)
+
+    def _add(self, role: str) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        name = f"{role}-{next(self._ids)}"
+        engine = self._engine_for(role)
+        ranks = self._num_ranks(role)
+        bundle = {"CPU": self.cluster.cpus_per_rank * ranks}
+        if self.cluster.gpus_per_rank:
+            bundle["GPU"] = self.cluster.gpus_per_rank * ranks
+        if self.cluster.memory_per_rank_bytes:
+            bundle["memory"] = self.cluster.memory_per_rank_bytes * ranks
+        bundle = {k: v for k, v in bundle.items() if v}
+        group = placement_group([bundle or {"CPU": 0.001}], strategy="STRICT_PACK",
+                                name=f"{self.cluster.name}-{name}")
+        actor = worker_actor_class().options(
+            name=f"{self.cluster.name}-{name}", namespace=self.cluster.namespace,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=0),
+        ).remote(name, role, engine, self.server, self.worker_args, self.cluster.registry_name,
+                 self.cluster.namespace, self.cluster.threads_per_worker, _cluster_peers(),
+                 self.log_dir)
+        self.workers[name] = Worker(name, role, actor, group, time.monotonic())
+        log.info("placing worker %s (%s, %d rank%s, %s)", name, role, ranks,
+                 "" if ranks == 1 else "s", bundle)
+
+    def _num_ranks(self, role: str) -> int:
+        parallel = self._engine_for(role).parallel
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+    def _engine_for(self, role: str) -> EngineConfig:
+        tp = self.cluster.role_tensor_parallel.get(role)
+        if tp is None:
+            return self.engine
+        return replace(self.engine, parallel=replace(self.engine.parallel,
+                                                     tensor_parallel_size=tp))
+
+    def _drain(self, worker: Worker) -> None:
+        import ray
+
+        if worker.state != "running":  # not serving yet: nothing to finish
+            log.info("scale-down: worker %s was still %s; stopping it", worker.name, worker.state)
+            self._remove(worker)
+            return
+        worker.state, worker.drain_since = "draining", time.monotonic()
+        worker.drain_version = ray.get(self.registry.set_draining.remote(worker.name))
+        log.info("scale-down: draining worker %s", worker.name)
+
+    def _progress_drains(self, ray) -> None:
+        draining = [w for w in self.workers.values() if w.state == "draining"]
+        if not draining:
+            return
+        acked, in_flight, _ = ray.get(self.registry.router_view.remote())
+        for worker in draining:
+            url = worker.record["url"]
+            waited = time.monotonic() - worker.drain_since
+            done = acked >= worker.drain_version and in_flight.get(url, 0) == 0
+            if done or waited > self.cluster.drain_timeout_seconds:
+                if not done:
+                    log.warning("worker %s still has %d requests after %.0fs of draining; "
+                                "stopping it", worker.name, in_flight.get(url, 0), waited)
+                ray.get(self.registry.deregister.remote(worker.name))
+                worker.state = "stopping"
+                worker.stop_ref = worker.actor.stop.remote()
+
+    def _failed(self, worker: Worker, why: str) -> None:
+        now = time.monotonic()
+        log.error("worker %s (%s) failed: %s", worker.name, worker.role, why)
+        self._remove(worker)
+        self.failures.append(now)
+        while self.failures and now - self.failures[0] > self.cluster.failure_window_seconds:
+            self.failures.popleft()
+        if len(self.failures) > self.cluster.max_failures:
+            self.gave_up = (f"{len(self.failures)} worker failures within "
+                            f"{self.cluster.failure_window_seconds:.0f}s; last: {worker.name}: {why}")
+            log.error("giving up: %s", self.gave_up)
+        elif self.cluster.replace_dead_workers:
+            self.num_replaced += 1  # the next reconcile starts a replacement (targets)
+        else:
+            import ray
+
+            targets = ray.get(self.registry.targets.remote())
+            ray.get(self.registry.set_targets.remote(
+                {worker.role: max(0, targets[worker.role] - 1)}))
+
+    def _remove(self, worker: Worker) -> None:
+        """Out of the registry; actor and placement group gone."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self.workers.pop(worker.name, None)
+        for step in (lambda: ray.get(self.registry.deregister.remote(worker.name)),
+                     lambda: ray.kill(worker.actor), lambda: remove_placement_group(worker.group)):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+
+
+def _reason(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)  # a RayTaskError: the exception the actor raised
+    if cause is not None:
+        return str(cause)[-3000:]
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def _cluster_peers() -> tuple[str, ...]:
+    """Every alive node's address: the KV servers a decode worker may pull from."""
+    import ray
+
+    return tuple(sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}))

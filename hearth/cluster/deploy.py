@@ -1,0 +1,117 @@
+"""`hearth up --cluster` and `hearth scale`: plain functions over configs (flags in hearth/flags.py).
+
+`up_cluster` connects to a running Ray cluster, starts the deployment's registry and controller
+(hearth/cluster/controller.py), waits until the first workers serve, then runs the router in
+this process, fed by discovery from the registry. On exit (SIGINT/SIGTERM, or the controller
+giving up) every worker, placement group and the registry are removed; Ray's own ownership
+ends them too if this process is killed outright (the registry and the workers' actors are
+owned by this driver, non-detached, and each `hearth serve` dies with its actor).
+
+`scale` connects to the same cluster, finds the deployment's registry by name and sets its
+targets; with `wait`, it returns once the controller reports them reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import time
+from dataclasses import replace
+
+from hearth.cluster.cluster_config import ClusterConfig
+from hearth.config import EngineConfig
+from hearth.router.router_config import RouterConfig, UpConfig
+from hearth.server.server_config import ServerConfig
+
+log = logging.getLogger("hearth.cluster")
+
+
+def connect(cluster: ClusterConfig) -> None:
+    """Join the cluster as a driver (an existing one: this never starts a local cluster)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cluster.address
+    ray.init(address=address, namespace=cluster.namespace, log_to_driver=False,
+             logging_level=logging.WARNING, configure_logging=False)
+
+
+def up_cluster(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
+               server: ServerConfig, router: RouterConfig) -> int:
+    """0 on SIGINT/SIGTERM after serving, 1 if startup fails or the controller gives up."""
+    from hearth.cluster.controller import Controller
+    from hearth.cluster.registry import RayRegistry
+    from hearth.router.launch import route
+
+    try:
+        import ray
+    except ImportError:
+        log.error("hearth up --cluster needs Ray: pip install 'hearth[ray]'")
+        return 1
+    targets = {"prefill": stack.num_prefill, "decode": stack.num_decode,
+               "both": stack.num_workers}
+    api_key = stack.worker_api_key or secrets.token_hex(16)
+    kv_secret = engine.kv_transfer.secret or secrets.token_hex(16)
+    engine = replace(engine, kv_transfer=replace(engine.kv_transfer, secret=""))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # uvicorn installs its own later
+    controller = None
+    try:
+        connect(cluster)
+        controller = Controller(cluster, engine, server, stack.worker_args, targets,
+                                stack.log_dir)
+        controller.start({"worker_api_key": api_key, "kv_secret": kv_secret})
+        controller.wait_ready(stack.startup_timeout_seconds)
+        signal.signal(signal.SIGTERM, previous)
+        return route(replace(router, worker_api_key=api_key), controller,
+                     registry=RayRegistry(controller.registry))
+    except (RuntimeError, ValueError, ConnectionError) as exc:
+        log.error("hearth up --cluster: %s", exc)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if controller is not None:
+            controller.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def scale(cluster: ClusterConfig, targets: dict[str, int], wait: bool,
+          timeout: float = 600.0) -> dict:
+    """Set the deployment's targets (only the roles given); the registry's status after."""
+    import ray
+
+    connect(cluster)
+    try:
+        registry = ray.get_actor(cluster.registry_name, namespace=cluster.namespace)
+    except ValueError:
+        raise ValueError(f"no deployment named {cluster.name!r} on this cluster (hearth up "
+                         "--cluster starts one)") from None
+    try:
+        ray.get(registry.set_targets.remote(targets))
+    except ray.exceptions.RayTaskError as exc:
+        raise ValueError(str(exc.cause) if exc.cause else str(exc)) from None
+    deadline = time.monotonic() + timeout
+    while True:
+        status = ray.get(registry.status.remote())
+        if not wait or _reached(status):
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"targets not reached after {timeout:.0f}s: {status}")
+        time.sleep(0.5)
+
+
+def _reached(status: dict) -> bool:
+    """Every role has exactly its target of serving workers and nothing is draining/starting."""
+    workers = status.get("workers", [])
+    for role, target in status["targets"].items():
+        serving = sum(w["role"] == role and w["state"] == "running" for w in workers)
+        if serving != target:
+            return False
+    return all(w["state"] == "running" for w in workers)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

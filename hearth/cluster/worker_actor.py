@@ -1,0 +1,167 @@
+"""`WorkerProcess`: the Ray actor that runs one hearth worker (`hearth serve` in a role) on its node.
+
+The controller creates one per worker, inside the worker's own placement group, and drives it:
+
+  * `start()` fetches the secrets from the registry (a method call: never a command line, never
+    a runtime_env Ray would show), picks a free port on its node's address, starts `hearth
+    serve` there (KV transfer server bound on the same address, peers = the cluster's nodes),
+    waits until `/health` answers, registers the worker and returns its record;
+  * `wait()` returns the process's exit status when it ends (the controller keeps one call of it
+    outstanding per worker: it returns on a crash, and raises RayActorError when the actor, or
+    its whole node, is gone);
+  * `stop()` ends the process (SIGTERM: the server stops taking requests; SIGKILL after a grace);
+  * the process gets PR_SET_PDEATHSIG(SIGKILL): if the actor dies (its node lost, `ray stop`,
+    the controller killing it) the worker dies with it instead of serving on as an orphan
+    nobody routes to.
+The actor reserves no CPU itself (num_cpus=0); its placement group holds the worker's resources.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from hearth.config import EngineConfig, Role
+from hearth.server.readiness import NotReadyError, wait_ready
+from hearth.server.server_config import ServerConfig
+
+log = logging.getLogger("hearth.cluster")
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class WorkerProcess:
+    def __init__(self, name: str, role: str, engine: EngineConfig, server: ServerConfig,
+                 worker_args: tuple[str, ...], registry_name: str, namespace: str,
+                 threads: int, peers: tuple[str, ...], log_dir: str | None = None) -> None:
+        self.name, self.role = name, role
+        self.engine, self.server, self.worker_args = engine, server, worker_args
+        self.registry_name, self.namespace = registry_name, namespace
+        self.threads, self.peers = threads, peers
+        self.log_dir = log_dir
+        self.log_path: Path | None = None
+        self.process: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def _command(self, host: str, port: int) -> list[str]:
+        from hearth.flags import serve_argv
+
+        kv = replace(self.engine.kv_transfer, role=Role.parse(self.role), secret="", host=host,
+                     peers=self.peers)
+        engine = replace(self.engine, kv_transfer=kv)
+        server = replace(self.server, host=host, port=port, api_key=None)
+        return [sys.executable, "-m", "hearth.cli", "serve", *serve_argv(engine, server),
+                *self.worker_args]
+
+    def _environment(self, secrets: dict[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HEARTH_WORKER_API_KEY",
+                            "HEARTH_KV_SECRET", "HEARTH_API_KEY")}
+        # Ray sets OMP_NUM_THREADS to the actor's logical CPUs (0 here): a worker computes with
+        # torch's own default, or the threads the deployment asks for.
+        if self.threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["HEARTH_API_KEY"] = secrets["worker_api_key"]
+        if self.role != "both":
+            env["HEARTH_KV_SECRET"] = secrets["kv_secret"]
+        return env
+
+    def start(self, timeout: float) -> dict:
+        import ray
+
+        registry = ray.get_actor(self.registry_name, namespace=self.namespace)
+        secrets = ray.get(registry.secrets.remote())
+        host = ray.util.get_node_ip_address()
+        node = ray.get_runtime_context().get_node_id()
+        port = free_port(host)
+        prctl = self._prctl
+
+        def preexec() -> None:  # in the child before exec: die with this actor
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+        self.log_path = _log_dir(self.log_dir) / f"hearth-{self.name}.log"
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError(f"worker {self.name} was stopped before it started")
+            with open(self.log_path, "a") as log_file:
+                self.process = subprocess.Popen(self._command(host, port),
+                                                env=self._environment(secrets),
+                                                stdout=log_file, stderr=subprocess.STDOUT,
+                                                preexec_fn=preexec, start_new_session=True)
+        self.url = f"http://{host}:{port}"
+        try:
+            wait_ready(self.url, self.process, timeout)
+        except NotReadyError as exc:
+            self.stop()
+            tail = self.log_path.read_text(errors="replace")[-2500:]
+            raise RuntimeError(f"worker {self.name} ({self.role}) on node {node[:12]}: {exc}; "
+                               f"the end of {self.log_path}:\n{tail}") from None
+        ray.get(registry.register.remote(self.name, self.role, self.url, node))
+        return {"name": self.name, "role": self.role, "url": self.url, "node": node,
+                "pid": self.process.pid, "log": str(self.log_path)}
+
+    def wait(self) -> int:
+        """The worker process's exit status, once it ends."""
+        while self.process is None:  # start() has not forked yet
+            threading.Event().wait(0.05)
+        return self.process.wait()
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        with self._lock:
+            self._stopping = True
+            process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        return process.wait()
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+def _log_dir(configured: str | None) -> Path:
+    """Where a worker's output goes: `hearth up --log-dir` (on each node), else the Ray
+    session's log folder on the worker's node (beside Ray's own logs)."""
+    if configured:
+        path = Path(configured)
+    else:
+        try:
+            from ray._private.worker import global_worker
+
+            path = Path(global_worker.node.get_logs_dir_path())
+        except Exception:  # noqa: BLE001 - a Ray without that private path
+            path = Path(tempfile.gettempdir())
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def worker_actor_class():
+    """WorkerProcess as a Ray actor class: threaded (wait, stop and start overlap), never
+    restarted by Ray (the controller decides what replaces a dead worker)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(WorkerProcess)

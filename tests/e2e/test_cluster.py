@@ -1,0 +1,288 @@
+"""hearth on a real multi-node Ray cluster (issue 32): `hearth up --cluster`, `hearth scale`, node loss.
+
+One Ray cluster for the module, from Ray's own `ray.cluster_utils.Cluster`: a head that hosts no
+worker (0 CPUs: the deployment's registry and drivers only) and three nodes of 4 logical CPUs,
+each with its own raylet and object store. One deployment on it, `hearth up --cluster` as a user
+starts it (a real process, the router on a real port): P=1, D=2, and one monolithic worker with
+TP=3 (its three ranks packed on one node; the default model's 9 heads / 3 KV heads allow T = 1
+or 3, and PD roles need T = 1). Each test sets the targets it needs with `hearth scale
+--wait` first, so the tests pass in any order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.conftest import EXACT_FLAGS, MODEL, free_port
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+STORE = 80 * 2**20
+WORKER_ARGS = [f"--worker-arg={flag}" for flag in ("--num-kv-blocks=512", *EXACT_FLAGS)]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
+    "type": "array", "items": {"type": "integer"}, "maxItems": 40}},
+    "required": ["city", "days"], "additionalProperties": False}
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen
+    url: str
+    address: str
+    log_path: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=180)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def scale(self, **targets: int) -> dict:
+        flags = [f"--{role}={n}" for role, n in targets.items()]
+        done = subprocess.run(
+            [sys.executable, "-m", "hearth.cli", "scale", "--cluster", self.address, *flags,
+             "--wait", "--timeout", "240"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:] + self.log_path.read_text()[-3000:]
+        return json.loads(done.stdout)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=False, head_node_args=dict(
+        num_cpus=0, object_store_memory=STORE, include_dashboard=False))
+    for _ in range(3):
+        c.add_node(num_cpus=4, object_store_memory=STORE)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stack(cluster, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("cluster") / "up.log"
+    port = free_port()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hearth.cli", "up", "--cluster", cluster.address,
+             "--prefill", "1", "--decode", "2", "--workers", "1", "--workers-tp", "3",
+             "--port", str(port), *WORKER_ARGS],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stack = Stack(process, f"http://127.0.0.1:{port}", cluster.address, log_path)
+    deadline = time.monotonic() + 300
+    while True:
+        assert process.poll() is None, stack.log()[-5000:]
+        try:
+            if httpx.get(stack.url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, stack.log()[-5000:]
+        time.sleep(0.5)
+    yield stack
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    assert process.returncode == 0, stack.log()[-5000:]
+    assert_nothing_left(cluster.address)
+
+
+def assert_nothing_left(address: str) -> None:
+    """No placement group, no live actor of the deployment once `hearth up` has exited."""
+    import ray._private.state as state
+    from ray.util import placement_group_table
+
+    ray.init(address=address, log_to_driver=False, namespace="hearth-test")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            groups = {k: v["state"] for k, v in placement_group_table().items()
+                      if v["state"] != "REMOVED"}
+            actors = [a.get("Name") for a in state.actors().values() if a["State"] != "DEAD"]
+            if not groups and not actors:
+                return
+            assert time.monotonic() < deadline, (groups, actors)
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
+def workers(stack: Stack) -> list[dict]:
+    return stack.health()["supervisor"]["workers"]
+
+
+def test_deploys_and_answers_chat_responses_messages(stack):
+    import anthropic
+
+    views = workers(stack)
+    assert sorted(w["role"] for w in views) == ["both", "decode", "decode", "prefill"]
+    assert all(w["state"] == "running" for w in views)
+    client = stack.client()
+    chat = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0,
+                                          messages=[{"role": "user", "content": "Say hello."}])
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 12
+    streamed = client.chat.completions.create(
+        model=MODEL, max_tokens=12, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "Say hello."}])
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        chat.choices[0].message.content
+    response = client.responses.create(model=MODEL, input="Name a color.", max_output_tokens=10)
+    assert response.status in ("completed", "incomplete") and response.output_text
+    message = anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0).messages.create(
+        model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "Name a fruit."}])
+    assert message.content[0].text and message.usage.output_tokens == 10
+    # the TP=3 monolithic worker is healthy beside the PD pools
+    load = httpx.get(stack.url + "/load", timeout=10).json()
+    assert {e["role"] for e in load["endpoints"]} == {"prefill", "decode", "both"}
+    assert all(e["healthy"] for e in load["endpoints"])
+
+
+class Load:
+    """Streamed and plain chat requests from 3 threads until stopped; every failure recorded."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack, self.done, self.failures = stack, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(3)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=300)
+
+    def _run(self, i: int) -> None:
+        client = self.stack.client()
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            messages = [{"role": "user", "content": f"Count to {n + i}, please."}]
+            try:
+                if n % 2:
+                    chunks = client.chat.completions.create(
+                        model=MODEL, max_tokens=16, messages=messages, stream=True,
+                        extra_body={"ignore_eos": True})
+                    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+                    assert reasons[-1] == "length", reasons
+                else:
+                    reply = client.chat.completions.create(
+                        model=MODEL, max_tokens=16, messages=messages,
+                        extra_body={"ignore_eos": True})
+                    assert reply.usage.completion_tokens == 16
+                self.done += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is the test's finding
+                self.failures.append(repr(exc))
+
+
+def test_scale_decode_2_3_1_under_load_loses_nothing(stack):
+    stack.scale(decode=2)
+    with Load(stack) as load:
+        time.sleep(2)
+        status = stack.scale(decode=3)
+        assert sum(w["role"] == "decode" for w in status["workers"]) == 3
+        time.sleep(2)
+        status = stack.scale(decode=1)
+        assert sum(w["role"] == "decode" for w in status["workers"]) == 1
+        time.sleep(2)
+    assert load.failures == [] and load.done >= 6, (load.failures, load.done)
+    assert "draining worker" in stack.log()
+    decode = [e for e in httpx.get(stack.url + "/load", timeout=10).json()["endpoints"]
+              if e["role"] == "decode"]
+    assert len(decode) == 1
+
+
+def test_scale_refuses_bad_targets(stack):
+    done = subprocess.run([sys.executable, "-m", "hearth.cli", "scale", "--cluster",
+                           stack.address, "--decode", "0", "--workers", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "at least one decode" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "hearth.cli", "scale", "--cluster",
+                           stack.address, "--cluster-name", "nope", "--decode", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no deployment named 'nope'" in done.stderr
+
+
+def _stream(client: openai.OpenAI, kind: str, out: dict) -> None:
+    messages = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    args: dict = dict(model=MODEL, messages=messages, max_tokens=160, stream=True)
+    if kind == "greedy":
+        args.update(temperature=0, extra_body={"ignore_eos": True})
+    elif kind == "sampled":
+        args.update(temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    else:
+        messages[0]["content"] = "Plan a trip: give a city and a list of days as JSON."
+        args.update(temperature=1.0, max_tokens=200, response_format={
+            "type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}})
+    text, reasons, errors = [], [], []
+    try:
+        for chunk in client.chat.completions.create(**args):
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                reasons.append(chunk.choices[0].finish_reason)
+                out.setdefault(kind + "_started", time.monotonic())
+    except Exception as exc:  # noqa: BLE001
+        errors.append(repr(exc))
+    out[kind] = ("".join(text), [r for r in reasons if r], errors)
+
+
+def test_node_loss_mid_stream_streams_continue(stack, cluster):
+    stack.scale(decode=2)
+    client = stack.client()
+    reference = client.chat.completions.create(
+        model=MODEL, max_tokens=160, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Write a long story about a lighthouse keeper."}])
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(client, kind, out))
+               for kind in ("greedy", "sampled", "json")]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while not all(k + "_started" in out for k in ("greedy", "sampled", "json")):
+        assert time.monotonic() < deadline and all(t.is_alive() for t in threads), out
+        time.sleep(0.05)
+    # the node of the decode worker with the most streams open (never the head: the registry)
+    load = httpx.get(stack.url + "/load", timeout=10).json()["endpoints"]
+    busiest = max((e for e in load if e["role"] == "decode"), key=lambda e: e["own_requests"])
+    assert busiest["own_requests"] > 0
+    node_prefix = next(w["node"] for w in workers(stack) if w["name"] == busiest["name"])
+    victim = next(n for n in cluster.worker_nodes if n.node_id.startswith(node_prefix))
+    lost = time.monotonic()
+    cluster.remove_node(victim, allow_graceful=False)
+    for t in threads:
+        t.join(timeout=300)
+    text, reasons, errors = out["greedy"]
+    assert errors == [] and reasons == ["length"], out["greedy"]
+    assert text == reference.choices[0].message.content  # one unbroken stream, exactly
+    text, reasons, errors = out["sampled"]
+    assert errors == [] and reasons == ["length"] and text, out["sampled"]
+    text, reasons, errors = out["json"]
+    assert errors == [] and reasons == ["stop"], out["json"]
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # the lost worker is replaced on a node with room, and the deployment serves its targets
+    status = stack.scale(decode=2)
+    assert sum(w["role"] == "decode" and w["state"] == "running" for w in status["workers"]) == 2
+    assert status["replaced"] >= 1
+    assert "failed: its actor is gone" in stack.log() or "failed: its process exited" in stack.log()
+    print(f"node loss -> targets served again after {time.monotonic() - lost:.1f}s")
+    cluster.add_node(num_cpus=4, object_store_memory=STORE)  # room for later tests
