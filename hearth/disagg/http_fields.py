@@ -11,11 +11,14 @@ server and router wiring is a few lines. See docs/pd_protocol.md for the whole e
     decode hop request:    "kv_transfer": DecodeHop {"role": "decode", "prompt_token_ids": [...],
                                           "first_token_id": N, "descriptor": {...}}
     decode hop response:   "kv_transfer": DecodeResult (what crossed the wire), final chunk
+    resume hop request:    "kv_transfer": ResumeHop {"role": "resume", "output_token_ids": [...],
+                                          "prompt_token_ids": [...] (optional)}
+                                          (any worker but a prefill one; no kv_transfer back)
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -38,6 +41,21 @@ class DecodeHop(msgspec.Struct, tag=Role.DECODE.value, tag_field="role",
     transfer_id: str = ""  # optional; if given it must equal the descriptor's
 
 
+# A resume hop's token lists: ids fit the engine's 32-bit token ids (the worker checks its
+# vocabulary); the length bound only keeps a hostile list from being decoded at all (the body
+# size limit comes first; the worker checks the context length).
+MAX_RESUME_TOKEN_IDS = 1 << 20
+TokenIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]],
+                     msgspec.Meta(max_length=MAX_RESUME_TOKEN_IDS)]
+
+
+class ResumeHop(msgspec.Struct, tag="resume", tag_field="role", forbid_unknown_fields=True):
+    """Continue a stream another worker began: the output so far counts as generated here."""
+
+    output_token_ids: TokenIds  # the output so far, in order (may be empty: a plain re-run)
+    prompt_token_ids: TokenIds | None = None  # the prompt as first tokenized; None: tokenize
+
+
 class PrefillResult(msgspec.Struct, kw_only=True):
     transfer_id: str
     prompt_token_ids: list[int]  # what the decode hop must send back
@@ -54,10 +72,10 @@ class DecodeResult(msgspec.Struct, kw_only=True):
     num_transferred_bytes: int
 
 
-_hop_decoder = Union[PrefillHop, DecodeHop]
+_hop_decoder = Union[PrefillHop, DecodeHop, ResumeHop]
 
 
-def parse_kv_transfer(obj: object) -> PrefillHop | DecodeHop:
+def parse_kv_transfer(obj: object) -> PrefillHop | DecodeHop | ResumeHop:
     """The request's `kv_transfer` value; ValueError (400, param kv_transfer) if malformed."""
     try:
         hop = msgspec.convert(obj, _hop_decoder)
@@ -65,6 +83,10 @@ def parse_kv_transfer(obj: object) -> PrefillHop | DecodeHop:
         raise RequestRejected("kv_transfer", f"kv_transfer: {exc}") from None
     if isinstance(hop, PrefillHop):
         check_transfer_id(hop.transfer_id)
+    elif isinstance(hop, ResumeHop):
+        if hop.prompt_token_ids is not None and not hop.prompt_token_ids:
+            raise RequestRejected("kv_transfer.prompt_token_ids",
+                                  "kv_transfer.prompt_token_ids: must not be empty")
     elif not hop.prompt_token_ids:
         raise RequestRejected(
             "kv_transfer.prompt_token_ids",
@@ -119,6 +141,13 @@ def decode_request_field(prefill: dict | PrefillResult) -> dict:
     """The decode hop's `kv_transfer` value as JSON, from the prefill hop's response field."""
     result = prefill if isinstance(prefill, PrefillResult) else parse_prefill_result(prefill)
     return msgspec.to_builtins(decode_hop(result))
+
+
+def resume_hop(output_token_ids: list[int], prompt_token_ids: list[int] | None = None) -> dict:
+    """(router) A resume hop's `kv_transfer` value: the client's stream so far (its
+    `token_ids`, concatenated) and, if known, the prompt ids the first worker reported."""
+    return msgspec.to_builtins(ResumeHop(list(output_token_ids),
+                                         None if prompt_token_ids is None else list(prompt_token_ids)))
 
 
 def decode_result(num_transferred_tokens: int, num_transferred_blocks: int,

@@ -84,15 +84,15 @@ def check_resume(output_token_ids: list[int], num_prompt_tokens: int, max_tokens
         raise RequestRejected(RESUME_PARAM, f"{RESUME_PARAM}: token id {bad[0]} outside the "
                               f"vocabulary [0, {vocab_size})")
     num_output = len(output_token_ids)
-    if num_output > max_tokens:
-        raise RequestRejected(RESUME_PARAM, f"{RESUME_PARAM}: {num_output} tokens, more than "
-                              f"max_tokens ({max_tokens})")
     total = num_prompt_tokens + num_output
     if total > max_model_len or total + 1 > num_pool_tokens:
         raise RequestRejected(RESUME_PARAM, f"{RESUME_PARAM}: the prompt ({num_prompt_tokens} "
                               f"tokens) and the output so far ({num_output}) exceed the "
                               f"model's context length ({max_model_len}) or the KV cache",
                               "context_length_exceeded")
+    if num_output > max_tokens:
+        raise RequestRejected(RESUME_PARAM, f"{RESUME_PARAM}: {num_output} tokens, more than "
+                              f"max_tokens ({max_tokens})")
 
 
 def check_resumed(req: Request, token_ids: list[int], detok: IncrementalDetokenizer,

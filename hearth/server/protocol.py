@@ -6,8 +6,9 @@ chunks are plain dicts built in `hearth.server.responses`, in exactly the shapes
 uses. Shared with the router, which parses the same requests.
 
 Extensions beyond the OpenAI fields: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, and `kv_transfer`
-(reserved for prefill/decode disaggregation; documented in docs/api.md).
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`, and
+`kv_transfer` (reserved for prefill/decode disaggregation and resumed streams; documented in
+docs/api.md and docs/pd_protocol.md).
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the prompt's and the output's token ids in the response (docs/pd_protocol.md)
+    return_token_ids: bool = False
     # Prefill/decode hop spec (docs/pd_protocol.md); validated by hearth.disagg.http_fields.
     kv_transfer: dict[str, Any] | None = None
 

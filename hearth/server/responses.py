@@ -4,6 +4,8 @@ Chat chunk:        {"id", "object": "chat.completion.chunk", "created", "model",
                     "choices": [{"index", "delta": {...}, "logprobs", "finish_reason"}]}
 Completion chunk:  {"id", "object": "text_completion", "created", "model",
                     "choices": [{"index", "text", "logprobs", "finish_reason"}]}
+With `return_token_ids` (vLLM's placement): a choice's `token_ids`; the prompt's
+`prompt_token_ids` on the chat role chunk (top level) or a completion choice's first chunk.
 Usage:             {"prompt_tokens", "completion_tokens", "total_tokens",
                     "prompt_tokens_details": {"cached_tokens"}}
 """
@@ -135,15 +137,26 @@ class ChunkMaker:
         return chunk
 
     def chat(self, index: int, delta: dict, logprobs: dict | None = None,
-             finish_reason: str | None = None, stop_reason: str | None = None) -> str:
+             finish_reason: str | None = None, stop_reason: str | None = None,
+             token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if stop_reason is not None:  # vLLM's extension: which stop string ended the output
             choice["stop_reason"] = stop_reason
-        return sse(self._envelope([choice]))
+        if token_ids is not None:  # return_token_ids: the ids new since the choice's last chunk
+            choice["token_ids"] = token_ids
+        chunk = self._envelope([choice])
+        if prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = prompt_token_ids
+        return sse(chunk)
 
     def text(self, index: int, text: str, logprobs: dict | None = None,
-             finish_reason: str | None = None) -> str:
+             finish_reason: str | None = None, token_ids: list[int] | None = None,
+             prompt_token_ids: list[int] | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return sse(self._envelope([choice]))
 
     def usage(self, usage: Usage) -> str:

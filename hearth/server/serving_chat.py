@@ -56,8 +56,10 @@ class ChatChoice:
     events: list[Event] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     unsent_logprobs: list[Logprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
     def feed(self, output: RequestOutput) -> list[Event]:
+        self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs
         self.unsent_logprobs += output.new_logprobs
         if self.parser is None:
@@ -93,8 +95,8 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
         parser = "hermes" if builtin else state.tool_parser
     prompt = render_chat_prompt(state.tokenizer, request.messages, active_tools,
                                 request.add_generation_prompt, request.chat_template_kwargs)
-    if hop and hop.is_decode:  # continue the prefill worker's prompt exactly as it tokenized it
-        prompt_ids = hop.hop.prompt_token_ids
+    if hop and hop.prompt_token_ids is not None:  # exactly as the first worker tokenized it
+        prompt_ids = hop.prompt_token_ids
     else:
         check_prompt_chars(state, prompt, "messages")
         prompt_ids = state.tokenizer.encode(prompt)
@@ -128,7 +130,8 @@ async def _start(state: ServerState, request: ChatCompletionRequest, hop: Hop | 
     prompt_ids, params, parser_name = await state.cpu.run(_plan, state, request, hop)
     run = RequestRun(state, new_id("chatcmpl"), is_disconnected)
     await run.submit([prompt_ids] * request.n, params, hop.spec if hop else None,
-                     num_output_tokens=1 if hop and hop.is_decode else 0)
+                     num_output_tokens=1 if hop and hop.is_decode else 0,
+                     output_token_ids=hop.output_token_ids if hop else [])
     choices = [ChatChoice(make_tool_parser(parser_name) if parser_name else None,
                           flush_at_finish=not (hop and hop.is_prefill))
                for _ in range(request.n)]
@@ -144,14 +147,17 @@ async def create_chat_completion(
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> dict | AsyncIterator[str]:
     check_n(request.n)
-    hop = parse_hop(state.role, request.kv_transfer, request.n)
+    hop = parse_hop(state.role, request.kv_transfer, request.n,
+                    state.tokenizer.vocab_size)
     run, choices, prompt_ids = await _start(state, request, hop,
                                             None if request.stream else is_disconnected)
     if request.stream:
-        return abort_when_dropped(_stream(state, request, run, choices), run)
+        return abort_when_dropped(_stream(state, request, run, choices, prompt_ids), run)
     try:
         body = await _collect(state, request, run, choices)
-        if hop is not None:
+        if request.return_token_ids:  # vLLM's placement: the response, after usage
+            body["prompt_token_ids"] = prompt_ids
+        if hop is not None and not hop.is_resume:
             body["kv_transfer"] = hop_result(hop, run.choices[0], prompt_ids)
         return body
     finally:
@@ -203,6 +209,8 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
         })
         if run.choices[index].stop_string is not None:
             body_choices[-1]["stop_reason"] = run.choices[index].stop_string
+        if request.return_token_ids:
+            body_choices[-1]["token_ids"] = choice.token_ids
     return {
         "id": run.response_id, "object": "chat.completion", "created": run.created,
         "model": state.model_name, "choices": body_choices, "system_fingerprint": None,
@@ -210,44 +218,62 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
     }
 
 
+def _unsent_logprobs(state: ServerState, choice: ChatChoice, want_logprobs: bool) -> dict | None:
+    if not (want_logprobs and choice.unsent_logprobs):
+        return None
+    logprobs = chat_logprobs(choice.unsent_logprobs, state.token_texts)
+    choice.unsent_logprobs = []
+    return logprobs
+
+
 def _chunks_for(maker: ChunkMaker, state: ServerState, index: int, choice: ChatChoice,
-                events: list[Event], want_logprobs: bool) -> list[str]:
+                events: list[Event], want_logprobs: bool, token_ids: list[int] | None,
+                ) -> list[str]:
+    """One chunk per event; unsent logprobs ride on the first. With return_token_ids
+    (`token_ids` not None) the output's ids ride on the first too ([] on the others), and ids
+    with no event yet get a chunk of their own (empty delta): an id is never later than its
+    text, and with logprobs the entries sent always match the ids sent."""
     chunks = []
     for event in events:
-        logprobs = None
-        if want_logprobs and choice.unsent_logprobs:
-            logprobs = chat_logprobs(choice.unsent_logprobs, state.token_texts)
-            choice.unsent_logprobs = []
-        if isinstance(event, str):
-            chunks.append(maker.chat(index, {"content": event}, logprobs))
-        else:
-            chunks.append(maker.chat(index, {"tool_calls": [tool_call_delta(event)]}, logprobs))
+        logprobs = _unsent_logprobs(state, choice, want_logprobs)
+        delta = ({"content": event} if isinstance(event, str)
+                 else {"tool_calls": [tool_call_delta(event)]})
+        chunks.append(maker.chat(index, delta, logprobs, token_ids=token_ids))
+        token_ids = None if token_ids is None else []
+    if token_ids:
+        chunks.append(maker.chat(index, {}, _unsent_logprobs(state, choice, want_logprobs),
+                                 token_ids=token_ids))
     return chunks
 
 
 async def _stream(state: ServerState, request: ChatCompletionRequest, run: RequestRun,
-                  choices: list[ChatChoice]) -> AsyncIterator[str]:
+                  choices: list[ChatChoice], prompt_ids: list[int]) -> AsyncIterator[str]:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     maker = ChunkMaker(run.response_id, run.created, state.model_name, chat=True,
                        include_usage=include_usage)
+    with_ids = request.return_token_ids
     try:
         for index in range(len(choices)):
-            yield maker.chat(index, {"role": "assistant", "content": ""})
+            yield maker.chat(index, {"role": "assistant", "content": ""},
+                             prompt_token_ids=prompt_ids if with_ids else None)
         async for index, output in run.outputs():
             choice = choices[index]
             events = choice.feed(output)
-            for chunk in _chunks_for(maker, state, index, choice, events, request.logprobs):
+            token_ids = output.new_token_ids if with_ids else None
+            if output.finished and token_ids and not events:
+                token_ids, last_ids = [], token_ids  # they ride on the finish chunk
+            else:
+                last_ids = [] if with_ids else None
+            for chunk in _chunks_for(maker, state, index, choice, events, request.logprobs,
+                                     token_ids):
                 yield chunk
             if output.finished:
                 if output.finish_reason == "error":
                     yield error_event(output.error or "the engine failed this request")
                     break
-                logprobs = None
-                if request.logprobs and choice.unsent_logprobs:
-                    logprobs = chat_logprobs(choice.unsent_logprobs, state.token_texts)
-                    choice.unsent_logprobs = []
-                yield maker.chat(index, {}, logprobs, finish_reason(choice, output.finish_reason),
-                                 stop_string(output))
+                yield maker.chat(index, {}, _unsent_logprobs(state, choice, request.logprobs),
+                                 finish_reason(choice, output.finish_reason),
+                                 stop_string(output), token_ids=last_ids)
         else:
             if include_usage:
                 yield maker.usage(run.usage())
