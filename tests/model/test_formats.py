@@ -3,7 +3,7 @@
 * `gguf` decode weights are the file's own blocks: the numbers fp32 dequantizes, so greedy output
   must equal the transformers golden file exactly as the fp32 path does (ties aside); so must
   the float32 path through the fused kernels.
-* `q8_0` weights and a `bfloat16` KV cache change numbers: each is held to top-1 agreement with
+* `q8_0` weights and a `bfloat16` or `int8` KV cache change numbers: each is held to top-1 agreement with
   fp32 and a bound on the mean KL divergence, teacher-forced over held-out prompts (every position
   is scored on the same token history, so one early flip cannot cascade).
 """
@@ -89,6 +89,9 @@ def reference(models):
     ({"quantization": "q8_0", "kv_cache_dtype": "float32"}, 0.95, 0.01),
     ({"quantization": "none", "kv_cache_dtype": "bfloat16"}, 0.98, 1e-3),
     ({"kv_cache_dtype": "bfloat16"}, 0.98, 1e-3),  # with auto (gguf) weights
+    # int8 KV (a float32 scale per token and head): the kernels, and the plain-torch path
+    ({"quantization": "none", "kv_cache_dtype": "int8"}, 0.95, 3e-3),
+    ({"cpu_kernels": "off", "kv_cache_dtype": "int8"}, 0.95, 3e-3),
     # 8-bit activations on the decode path (int8 / VNNI dot products)
     ({"quantization": "gguf-a8", "kv_cache_dtype": "float32"}, 0.95, 0.01),
     ({"quantization": "q8_0-a8", "kv_cache_dtype": "float32"}, 0.95, 0.01),
