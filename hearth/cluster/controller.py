@@ -39,6 +39,8 @@ from hearth.server.server_config import ServerConfig
 
 log = logging.getLogger("hearth.cluster")
 
+HEAD_RESOURCE = "node:__internal_head__"  # every Ray cluster's head node has one of it
+
 
 @dataclass
 class Worker:
@@ -91,13 +93,11 @@ class Controller:
         else:
             raise RuntimeError(f"a deployment named {self.cluster.name!r} already runs on this "
                                "cluster (hearth scale changes it; --cluster-name starts another)")
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # On this driver's node: the registry must not be lost with a worker node.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # On the head node (Ray gives it this resource): the registry must not be lost with a
+        # worker node, and a cluster that loses its head is gone anyway.
         self.registry = registry_actor().options(
             name=self.cluster.registry_name, namespace=self.cluster.namespace,
-            scheduling_strategy=here).remote(self.cluster.name)
+            resources={HEAD_RESOURCE: 0.001}).remote(self.cluster.name)
         ray.get(self.registry.set_secrets.remote(secrets))
         ray.get(self.registry.set_targets.remote(self.initial_targets))
         self.reconcile()

@@ -146,10 +146,13 @@ class Router:
         can_split = (ids is not None and parsed.n == 1 and (max_tokens is None or max_tokens >= 2)
                      and (chat or not parsed.echo))
         greedy = parsed.temperature == 0 or parsed.top_k == 1
+        one_output = parsed.n == 1 and (chat or (not parsed.echo and (
+            isinstance(parsed.prompt, str) or not parsed.prompt
+            or isinstance(parsed.prompt[0], int))))
         return Job(chat=chat, raw=raw, headers=forward_headers(request.headers, self.config.worker_api_key),
                    model=self.model_name, prompt_ids=ids,
                    session_key=request.headers.get("x-session-affinity"),
-                   can_disaggregate=can_split, deterministic=greedy)
+                   can_disaggregate=can_split, deterministic=greedy, resumable=one_output)
 
     def load_view(self) -> dict:
         """Worker addresses are internal: shown only behind the router's key, or by choice."""

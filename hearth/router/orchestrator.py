@@ -32,7 +32,8 @@ from hearth.router.endpoints import EndpointPool, SessionTable, Ticket
 from hearth.router.health import ModelInfo
 from hearth.router.hops import HopError, Stream, WorkerRejected, open_stream, post_json
 from hearth.router.metrics import RouterMetrics
-from hearth.router.pd_fields import PrefillDone, decode_body, finish_chunk, prefill_body
+from hearth.router.pd_fields import (PrefillDone, decode_body, finish_chunk, prefill_body,
+                                     resume_body)
 from hearth.router.policy import Decision, NoEndpointError, RequestView, choose, choose_prefill
 from hearth.router.router_config import RouterConfig
 from hearth.router.stitch import Stitcher
@@ -54,6 +55,10 @@ class Job:
     session_key: str | None
     can_disaggregate: bool  # n == 1, one prompt, no echo, room for 2+ tokens
     deterministic: bool  # greedy: a re-run reproduces the output, so a stream can continue
+    # One output (n == 1, one prompt, no echo): a stream can continue on another worker from
+    # the output ids it has (the resume hop), sampled or grammar-constrained alike.
+    resumable: bool = False
+    kv_reused: bool = False  # a failed decode hop's KV descriptor was tried on another endpoint
     arrival: float = field(default_factory=time.monotonic)
     tried: set[str] = field(default_factory=set)  # endpoints that failed this request
     num_retries: int = 0
@@ -142,7 +147,8 @@ class Orchestrator:
             ticket.close()
             raise
         model = prefill.body.get("model", job.model) if prefill else job.model
-        stitcher = Stitcher(_new_id(job.chat), int(time.time()), model, job.chat, job.include_usage)
+        stitcher = Stitcher(_new_id(job.chat), int(time.time()), model, job.chat, job.include_usage,
+                            pass_token_ids=bool(job.raw.get("return_token_ids")))
         chunks = ResponseStream(self._respond(job, ticket, stitcher, prefill, opened), ticket)
         if job.stream:
             return chunks
@@ -182,7 +188,7 @@ class Orchestrator:
 
     async def _open_local(self, job: Job, ticket: Ticket) -> Stream:
         """The decode stream of a request without a prefill hop, retried on other endpoints."""
-        body = decode_body(job.raw, None)
+        body = decode_body(job.raw, None, token_ids=job.resumable)
 
         def attempt(endpoint: str) -> Awaitable[Stream]:
             return open_stream(self.client, endpoint, job.path, body, job.headers,
@@ -213,7 +219,7 @@ class Orchestrator:
         endpoint = decision.prefill
         while endpoint is not None:
             try:
-                body = await post_json(self.client, endpoint, job.path, prefill_body(job.raw),
+                body = await post_json(self.client, endpoint, job.path, prefill_body(job.raw, job.resumable),
                                        job.headers, self.config.timeouts)
                 done = PrefillDone.from_response(endpoint, body, job.chat)
             except HopError as error:
@@ -261,7 +267,7 @@ class Orchestrator:
     async def _decode(self, job: Job, ticket: Ticket, stitcher: Stitcher,
                       prefill: PrefillDone | None, opened: Stream | None) -> AsyncIterator[str]:
         endpoint = ticket.decode.url
-        body = decode_body(job.raw, prefill.kv_transfer if prefill else None)
+        body = decode_body(job.raw, prefill.kv_transfer if prefill else None, job.resumable)
         sent_from_decode = False  # once true, only a re-run from scratch can take over
         while True:
             try:
@@ -320,23 +326,34 @@ class Orchestrator:
             sent_from_decode = False  # nothing reached the client: any retry is invisible
             stitcher.reset(keep_first=True)
         try:
-            if prefill is not None and not sent_from_decode:
+            if prefill is not None and not sent_from_decode and not job.kv_reused:
                 # The same KV descriptor on another decode endpoint: the output continues
-                # after the first token exactly as it would have (sampled or not).
+                # after the first token exactly as it would have (sampled or not). Once: if
+                # that fails too (the prefill worker went with its node), resume instead.
                 decision = self._choose(job)
                 if self.pool[decision.decode].role is Role.DECODE:
-                    return decision.decode, decode_body(job.raw, prefill.kv_transfer)
-            if job.stream and stitcher.has_output() and not job.deterministic:
+                    job.kv_reused = True
+                    return decision.decode, decode_body(job.raw, prefill.kv_transfer,
+                                                        job.resumable)
+            resume_ids = stitcher.output_token_ids() if job.resumable else None
+            if (job.stream and stitcher.has_output() and not job.deterministic
+                    and resume_ids is None):
                 return None  # a sampled re-run would not reproduce what the client already has
             decision = self._choose(job, can_disaggregate=False)
         except NoEndpointError:
             return None
+        if job.stream and resume_ids:
+            # Continue from the ids the client's stream carried: the new worker replays them
+            # (grammar included) and samples on; the stitcher skips what was sent.
+            stitcher.resume()
+            self.metrics.continuations.inc()
+            return decision.decode, resume_body(job.raw, resume_ids, stitcher.prompt_token_ids)
         if not job.stream:
             stitcher.reset(keep_first=False)  # the re-run's whole output is the answer
         elif stitcher.has_output():
             stitcher.resume()  # the re-run starts from the first output token: skip what was sent
             self.metrics.continuations.inc()
-        return decision.decode, decode_body(job.raw, None)
+        return decision.decode, decode_body(job.raw, None, job.resumable)
 
     def _observe_cached(self, endpoint: str, usage: dict | None) -> None:
         """What the endpoint reported cached, against the policy's prediction (metrics); a

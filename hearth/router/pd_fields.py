@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from hearth.disagg.http_fields import DecodeHop, PrefillHop, decode_hop, parse_prefill_result
+from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_hop, parse_prefill_result,
+                                      resume_hop)
 from hearth.router.hops import HopError
 from hearth.router.stitch import FirstToken
 
@@ -46,21 +47,35 @@ class PrefillDone:
         return self.kv_transfer is None
 
 
-def prefill_body(raw: dict) -> dict:
-    """The client's body as a prefill hop: one token, not streamed, a fresh lease key."""
+def prefill_body(raw: dict, token_ids: bool = False) -> dict:
+    """The client's body as a prefill hop: one token, not streamed, a fresh lease key
+    (`token_ids`: ask for the ids behind the text, which a later resume needs)."""
     body = {k: v for k, v in raw.items() if k not in ("max_completion_tokens", "stream_options")}
     body.update(stream=False, max_tokens=1, n=1,
                 kv_transfer=msgspec.to_builtins(PrefillHop(transfer_id=uuid.uuid4().hex)))
+    if token_ids:
+        body["return_token_ids"] = True
     return body
 
 
-def decode_body(raw: dict, kv_transfer: DecodeHop | None) -> dict:
+def decode_body(raw: dict, kv_transfer: DecodeHop | None, token_ids: bool = False) -> dict:
     """The client's body as a decode hop (or a plain run when `kv_transfer` is None): always
-    streamed with usage, which the stitcher needs, whatever the client asked."""
+    streamed with usage, which the stitcher needs, whatever the client asked; with
+    `token_ids` the stream carries the ids behind its text (docs/pd_protocol.md)."""
     body = dict(raw)
     body.update(stream=True, stream_options={"include_usage": True})
+    if token_ids:
+        body["return_token_ids"] = True
     if kv_transfer is not None:
         body["kv_transfer"] = msgspec.to_builtins(kv_transfer)
+    return body
+
+
+def resume_body(raw: dict, output_token_ids: list[int], prompt_token_ids: list[int] | None) -> dict:
+    """The client's body continuing on another worker from the output ids it already has
+    (the resume hop): any sampling, grammar replayed; the stream re-sends their text first."""
+    body = decode_body(raw, None, token_ids=True)
+    body["kv_transfer"] = resume_hop(output_token_ids, prompt_token_ids)
     return body
 
 

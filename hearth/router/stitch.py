@@ -7,9 +7,13 @@ The client must not be able to tell a stitched response from a monolithic worker
   * usage: `prompt_tokens` and `prompt_tokens_details.cached_tokens` from the side that computed
     the prompt, `completion_tokens` from the decode side (which counts the first token once);
   * tool-call deltas pass through unchanged (index, id and name first, then argument fragments);
-  * a resumed stream (the remainder re-run on another decode endpoint after a failure) skips
-    exactly what was already sent: content characters, tool-call headers and argument
-    characters, logprob entries; so the client sees one uninterrupted stream.
+  * a resumed stream (the remainder re-run on another decode endpoint after a failure, or a
+    resume hop that replays the output ids already received) skips exactly what was already
+    sent: content characters, tool-call headers and argument characters, logprob entries and
+    token ids; so the client sees one uninterrupted stream;
+  * the hops are asked for `token_ids` (docs/pd_protocol.md) so that a stream can be resumed
+    from them: the stitcher records them (and the prompt's ids) and passes them on only when
+    the client asked for them itself (`return_token_ids`).
 
 Everything here is synchronous and pure of I/O: the orchestrator feeds parsed events in and
 writes the returned SSE strings out, and the tests feed recorded chunk sequences.
@@ -51,6 +55,8 @@ class FirstToken:
     logprobs: dict | None  # choices[0].logprobs of the prefill response (None unless asked)
     num_prompt_tokens: int
     num_cached_tokens: int
+    token_ids: list[int] | None = None  # with return_token_ids: [the first token]
+    prompt_token_ids: list[int] | None = None
 
     @classmethod
     def from_response(cls, body: dict, chat: bool) -> "FirstToken":
@@ -58,8 +64,9 @@ class FirstToken:
         text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
         usage = body.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
+        prompt_ids = body.get("prompt_token_ids") if chat else choice.get("prompt_token_ids")
         return cls(text or "", choice.get("logprobs"), int(usage.get("prompt_tokens", 0)),
-                   int(details.get("cached_tokens", 0)))
+                   int(details.get("cached_tokens", 0)), choice.get("token_ids"), prompt_ids)
 
 
 @dataclass
@@ -76,13 +83,17 @@ class ChoiceState:
     skip_args: dict[int, int] = field(default_factory=dict)
     skip_logprobs: int = 0
     text_offset_shift: int = 0  # completions: decode offsets start after the first token
+    token_ids: list[int] = field(default_factory=list)  # output ids received (return_token_ids)
+    skip_ids: int = 0
 
 
 class Stitcher:
     def __init__(self, response_id: str, created: int, model: str, chat: bool,
-                 include_usage: bool) -> None:
+                 include_usage: bool, pass_token_ids: bool = False) -> None:
         self.response_id, self.created, self.model = response_id, created, model
         self.chat, self.include_usage = chat, include_usage
+        self.pass_token_ids = pass_token_ids  # the client asked for return_token_ids itself
+        self.prompt_token_ids: list[int] | None = None  # as the first worker reported them
         self.choices: dict[int, ChoiceState] = {}
         self.first: FirstToken | None = None
         self.decode_usage: dict | None = None
@@ -115,14 +126,20 @@ class Stitcher:
         self.first = first
         state = self._choice(0)
         state.text_offset_shift = len(first.text)
+        if first.prompt_token_ids is not None:
+            self.prompt_token_ids = list(first.prompt_token_ids)
         out = self.role_chunk(0)
-        if not first.text and not first.logprobs:
+        ids = list(first.token_ids or ())
+        state.token_ids += ids
+        if not first.text and not first.logprobs and not (ids and self.pass_token_ids):
             return out
         if self.chat:
             choice = {"index": 0, "delta": {"content": first.text}, "logprobs": first.logprobs,
                       "finish_reason": None}
         else:
             choice = {"index": 0, "text": first.text, "logprobs": first.logprobs, "finish_reason": None}
+        if self.pass_token_ids:
+            choice["token_ids"] = ids
         self._record(state, choice)
         out.append(sse(self._envelope([choice])))
         return out
@@ -132,6 +149,8 @@ class Stitcher:
         if "usage" in event and event["usage"] and not event.get("choices"):
             self.decode_usage = event["usage"]
             return []
+        if self.prompt_token_ids is None and event.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = list(event["prompt_token_ids"])  # chat: on the role chunk
         out = []
         for choice in event.get("choices") or ():
             rewritten = self._rewrite_choice(dict(choice))
@@ -153,6 +172,12 @@ class Stitcher:
     def _rewrite_choice(self, choice: dict) -> dict | None:
         index = int(choice.get("index", 0))
         state = self._choice(index)
+        prompt_ids = choice.pop("prompt_token_ids", None)  # completions: on the first chunk
+        if prompt_ids is not None and self.prompt_token_ids is None:
+            self.prompt_token_ids = list(prompt_ids)
+        new_ids = self._take_ids(state, choice.pop("token_ids", None))
+        if self.pass_token_ids and new_ids is not None:
+            choice["token_ids"] = new_ids
         if self.chat:
             delta = dict(choice.get("delta") or {})
             delta.pop("role", None)
@@ -162,12 +187,35 @@ class Stitcher:
         else:
             self._skip_text(state, choice)
             empty = not choice.get("text")
-        if empty and not choice.get("finish_reason") and not choice.get("logprobs"):
+        carries_ids = bool(self.pass_token_ids and new_ids)
+        if empty and not choice.get("finish_reason") and not choice.get("logprobs") \
+                and not carries_ids:
             return None
-        if self.chat and not delta and not choice.get("finish_reason"):
+        if self.chat and not delta and not choice.get("finish_reason") and not carries_ids:
             return None  # the decode side's own role chunk
         self._record(state, choice)
         return choice
+
+    @staticmethod
+    def _take_ids(state: ChoiceState, ids: list | None) -> list[int] | None:
+        """Record a chunk's token ids minus those a resume replays; the new ones."""
+        if ids is None:
+            return None
+        cut = min(len(ids), state.skip_ids)
+        state.skip_ids -= cut
+        new = [int(i) for i in ids[cut:]]
+        state.token_ids += new
+        return new
+
+    def output_token_ids(self) -> list[int] | None:
+        """Choice 0's output ids so far (what a resume hop replays); None if the hops did not
+        report ids (a worker without return_token_ids)."""
+        state = self.choices.get(0)
+        if state is None:
+            return []
+        if not state.token_ids and (state.content or state.tool_calls):
+            return None
+        return list(state.token_ids)
 
     def _skip_chat(self, state: ChoiceState, delta: dict, choice: dict) -> None:
         content = delta.get("content")
@@ -234,6 +282,7 @@ class Stitcher:
             state.skip_content = len(state.content)
             state.skip_args = {i: len(c["function"]["arguments"]) for i, c in state.tool_calls.items()}
             state.skip_logprobs = state.num_logprobs
+            state.skip_ids = len(state.token_ids)
             state.text_offset_shift = 0
 
     def has_output(self) -> bool:

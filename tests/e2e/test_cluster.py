@@ -2,7 +2,7 @@
 
 One Ray cluster for the module, from Ray's own `ray.cluster_utils.Cluster`: a head that hosts no
 worker (0 CPUs: the deployment's registry and drivers only) and three nodes of 4 logical CPUs,
-each with its own raylet and object store. One deployment on it, `hearth up --cluster` as a user
+each with its own address (127.0.0.2-4), raylet and object store. One deployment on it, `hearth up --cluster` as a user
 starts it (a real process, the router on a real port): P=1, D=2, and one monolithic worker with
 TP=3 (its three ranks packed on one node; the default model's 9 heads / 3 KV heads allow T = 1
 or 3, and PD roles need T = 1). Each test sets the targets it needs with `hearth scale
@@ -68,8 +68,10 @@ class Stack:
 def cluster():
     c = Cluster(initialize_head=True, connect=False, head_node_args=dict(
         num_cpus=0, object_store_memory=STORE, include_dashboard=False))
-    for _ in range(3):
-        c.add_node(num_cpus=4, object_store_memory=STORE)
+    # Each node on its own loopback address (its raylet, object store and hearth's HTTP and KV
+    # servers bind there), the head on the machine's: the driver (`hearth up`) joins the head.
+    for i in range(3):
+        c.add_node(num_cpus=4, object_store_memory=STORE, node_ip_address=f"127.0.0.{i + 2}")
     c.wait_for_nodes()
     yield c
     c.shutdown()
@@ -285,4 +287,5 @@ def test_node_loss_mid_stream_streams_continue(stack, cluster):
     assert status["replaced"] >= 1
     assert "failed: its actor is gone" in stack.log() or "failed: its process exited" in stack.log()
     print(f"node loss -> targets served again after {time.monotonic() - lost:.1f}s")
-    cluster.add_node(num_cpus=4, object_store_memory=STORE)  # room for later tests
+    cluster.add_node(num_cpus=4, object_store_memory=STORE,  # room for later tests
+                     node_ip_address="127.0.0.5")
