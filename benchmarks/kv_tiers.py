@@ -76,11 +76,11 @@ def make_sessions(args) -> list[list[agent_replay.ReplayRequest]]:
 
 def working_set(sessions) -> tuple[int, int]:
     """(distinct blocks of every session's last prompt, blocks of the largest prompt)."""
-    from hearth.engine.block_hash import hash_blocks
-    from hearth.engine.tokenizer import Tokenizer
+    from hearth.engine.kv.block_hash import hash_blocks
+    from hearth.engine.text.tokenizer import Tokenizer
     from hearth.models.loader import load_checkpoint
-    from hearth.server.chat import render_chat_prompt
-    from hearth.server.protocol import ChatMessage
+    from hearth.api.chat_prompt import render_chat_prompt
+    from hearth.api.protocol import ChatMessage
 
     tokenizer = Tokenizer.from_checkpoint(load_checkpoint("smollm2-135m-instruct"))
 
@@ -214,7 +214,7 @@ def load_vs_recompute(tmp: Path) -> dict:
     from dataclasses import replace
 
     from hearth.config import KVOffloadConfig
-    from hearth.disagg.kv_store import make_store
+    from hearth.kv_tiers.store import make_store
     from hearth.engine.engine import LLMEngine
     from hearth.engine.llm import make_engine_config
     from hearth.engine.sampling_params import SamplingParams

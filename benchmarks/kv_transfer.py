@@ -28,11 +28,11 @@ import time
 
 import torch
 
-from hearth.disagg.kv_memory import KVMemory
-from hearth.disagg.leases import LeaseManager
-from hearth.disagg.mooncake_transport import (MooncakeTransport, mooncake_available,
+from hearth.kv_transfer.kv_memory import KVMemory
+from hearth.kv_transfer.leases import LeaseManager
+from hearth.kv_transfer.mooncake_transport import (MooncakeTransport, mooncake_available,
                                               private_netns_command)
-from hearth.disagg.tcp_transport import TransferClient, TransferServer
+from hearth.kv_transfer.tcp_transport import TransferClient, TransferServer
 
 SHAPE = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
 SIZES_MB = (1, 4, 16, 64)

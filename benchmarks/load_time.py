@@ -27,7 +27,7 @@ from hearth.cli import build_parser, engine_config
 from hearth.engine.engine import LLMEngine
 from hearth.engine.executor import num_kv_blocks, resolve_formats
 from hearth.engine.runner import ModelRunner
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 from hearth.models.loader import load_checkpoint
 from hearth.models.quant import quantize_model
 from hearth.models.weights import build_model

@@ -10,7 +10,7 @@
 (b) TTFT at a 2k-token prompt, idle stack, unique prompts: monolithic versus PD (unpinned, so
     both get both cores: this isolates the protocol's overhead) and PD pinned; also the latency
     of the second token, which under PD includes the KV transfer.
-(c) KV transfer throughput per transport: runs benchmarks/kv_transfer.py (hearth/disagg's own).
+(c) KV transfer throughput per transport: runs benchmarks/kv_transfer.py (hearth/kv_transfer's own).
 (d) prefix-cache hit ratio (cached_tokens / prompt_tokens as the client sees them) over a
     multi-turn agent workload on 2 prefill + 2 decode workers: cost policy with the
     x-session-affinity header, without it, and round robin. 3 sessions on 2 endpoints: with a

@@ -141,7 +141,7 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class KVOffloadConfig:
-    """KV tiers below the pool (read by `hearth.disagg.kv_store`; docs/kv_tiers.md).
+    """KV tiers below the pool (read by `hearth.kv_tiers.store`; docs/kv_tiers.md).
 
     A cached block evicted from the pool is written, off the step, to the first tier; a prefix
     that continues past the pool's hits into a tier is loaded back instead of recomputed."""
@@ -153,7 +153,7 @@ class KVOffloadConfig:
     shared: bool = False
     host_gb: float = 0.0  # host-memory tier above the disk (for a pool on a GPU)
     # Mooncake Store instead of a directory: its master ("host:port"), its metadata service URL
-    # and the memory segment this worker contributes (hearth/disagg/mooncake_store.py)
+    # and the memory segment this worker contributes (hearth/kv_tiers/mooncake_store.py)
     mooncake_master: str | None = None
     mooncake_metadata: str = ""
     mooncake_segment_gb: float = 1.0

@@ -223,7 +223,7 @@ def add_secret_args(g, flag: str, help: str, file_help: str) -> None:
 
 
 def add_edge_args(g) -> None:
-    """The HTTP edge's flags, the same on a worker and the router (hearth/server/middleware.py)."""
+    """The HTTP edge's flags, the same on a worker and the router (hearth/api/middleware.py)."""
     g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="CORS: browser origins allowed to call this server, e.g. "
                         "http://localhost:3000, or * for any (default: none, CORS off)")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hearth.server.readiness import NotReadyError, answers, wait_ready
+from hearth.api.readiness import NotReadyError, answers, wait_ready
 
 
 @dataclass(frozen=True)

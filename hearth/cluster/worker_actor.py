@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hearth.config import EngineConfig, Role
-from hearth.server.readiness import NotReadyError, wait_ready
+from hearth.api.readiness import NotReadyError, wait_ready
 from hearth.server.server_config import ServerConfig
 
 log = logging.getLogger("hearth.cluster")

@@ -22,7 +22,7 @@ from typing import Union
 import msgspec
 
 from hearth.config import EngineConfig
-from hearth.engine.connector import KVTransfer
+from hearth.engine.kv.transfer_api import KVTransfer
 from hearth.engine.refusals import Rejection
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams

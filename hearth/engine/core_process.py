@@ -42,7 +42,7 @@ from hearth.engine.request import RequestOutput
 
 if TYPE_CHECKING:
     from hearth.config import EngineConfig
-    from hearth.engine.connector import ConnectorFactory
+    from hearth.engine.kv.transfer_api import ConnectorFactory
 
 log = logging.getLogger("hearth.core")
 

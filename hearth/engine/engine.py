@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from hearth.config import EngineConfig
-from hearth.engine.block_pool import BlockPool
-from hearth.engine.connector import ConnectorFactory, KVCacheGeometry, KVTransfer
-from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.kv_cache import KVCacheManager, cdiv
-from hearth.engine.grammar_pool import GrammarPool, GrammarTicket
-from hearth.engine.kv_store import StoreFactory
-from hearth.engine.kv_tiers import KVTierDriver, store_namespace
-from hearth.engine.kv_transfer import KVTransferDriver
+from hearth.engine.kv.block_pool import BlockPool
+from hearth.engine.kv.transfer_api import ConnectorFactory, KVCacheGeometry, KVTransfer
+from hearth.engine.text.detokenizer import IncrementalDetokenizer
+from hearth.engine.kv.cache import KVCacheManager, cdiv
+from hearth.engine.guided.grammar_pool import GrammarPool, GrammarTicket
+from hearth.engine.kv.store_api import StoreFactory
+from hearth.engine.kv.tiers import KVTierDriver, store_namespace
+from hearth.engine.kv.transfer import KVTransferDriver
 from hearth.engine.refusals import Rejection, RequestRejected
 from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
 from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
@@ -37,7 +37,7 @@ from hearth.engine.stats import EngineStats
 from hearth.engine.stops import check_resume, check_resumed, check_tokens
 from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("hearth.engine")
@@ -261,7 +261,7 @@ class LLMEngine:
 
     def grammar_pool(self) -> GrammarPool:
         if self._grammars is None:
-            from hearth.engine.guided import GrammarCompiler
+            from hearth.engine.guided.grammar import GrammarCompiler
             compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
             self._grammars = GrammarPool(compiler, self.config.guided)
         return self._grammars

@@ -13,7 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from hearth.engine.connector import KVDescriptor, KVTransfer
+from hearth.engine.kv.transfer_api import KVDescriptor, KVTransfer
 from hearth.engine.sampling_params import SamplingParams
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hearth.config import SchedulerConfig
-from hearth.engine.kv_cache import KVCacheManager
+from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request, RequestStatus
 
 

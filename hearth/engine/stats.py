@@ -2,7 +2,7 @@
 
 The engine builds it; the engine core sends it to the server as is (msgpack, inside
 `StepOutputs`, `LoadReply`, `EngineReady`); the server's `/load` body is it plus a few fields
-(hearth/server/load_report.py). So a field added or renamed here reaches every reader or
+(hearth/api/load_report.py). So a field added or renamed here reaches every reader or
 fails to type-check, instead of vanishing on the way. Every field has a default: a server
 holds an all-zero one until the engine's first report.
 """

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import torch
 
-from hearth.engine.kv_cache import cdiv
+from hearth.engine.kv.cache import cdiv
 from hearth.engine.parallel.layout import split_micro_batches
 from hearth.engine.request import Logprob, Request
 

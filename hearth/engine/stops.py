@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hearth.engine.detokenizer import IncrementalDetokenizer
+from hearth.engine.text.detokenizer import IncrementalDetokenizer
 from hearth.engine.refusals import RequestRejected
 from hearth.engine.request import Request, RequestStatus
 

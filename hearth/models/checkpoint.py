@@ -26,7 +26,7 @@ Shard = tuple[int, int, int]  # (dim, rank, world_size)
 
 @dataclass(frozen=True)
 class TokenizerSource:
-    """Where the tokenizer of a checkpoint lives; `hearth.engine.tokenizer.Tokenizer` builds it.
+    """Where the tokenizer of a checkpoint lives; `hearth.engine.text.tokenizer.Tokenizer` builds it.
 
     Exactly one field is set. (The tokenizer is an engine-layer object; models/ only says where
     its data is, so the import graph keeps pointing down.)

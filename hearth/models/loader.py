@@ -4,7 +4,7 @@ Invariant: a `--model` value is resolved in one place, in this order: a built-in
 file, a HF checkpoint folder (has config.json). Anything else is a clear error naming it.
 Opening a checkpoint reads headers only; tensor bytes are read when `get()` is called.
 
-The tokenizer is built one layer up (`hearth.engine.tokenizer.Tokenizer.from_checkpoint(ckpt)`)
+The tokenizer is built one layer up (`hearth.engine.text.tokenizer.Tokenizer.from_checkpoint(ckpt)`)
 from `ckpt.tokenizer_source`, so that models/ never imports engine/. `load_tokenizer_source`
 gives the same source without opening the checkpoint or importing torch (this module imports
 the loaders, which need torch, only when a checkpoint is opened): a worker's HTTP process

@@ -38,10 +38,10 @@ from hearth.router.orchestrator import Job, Orchestrator
 from hearth.router.policy import NoEndpointError
 from hearth.router.prompts import PromptTokens
 from hearth.router.router_config import RouterConfig
-from hearth.server.edge import SSE_HEADERS, CpuPool, check_api_key, read_json
-from hearth.server.errors import error_response, install_error_handlers
-from hearth.server.middleware import install_edge_middleware
-from hearth.server.protocol import (
+from hearth.api.edge import SSE_HEADERS, CpuPool, check_api_key, read_json
+from hearth.api.errors import error_response, install_error_handlers
+from hearth.api.middleware import install_edge_middleware
+from hearth.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,7 +49,7 @@ from hearth.server.protocol import (
     model_not_found,
     parse_request,
 )
-from hearth.server.responses_api import ResponseStore
+from hearth.api.responses_api import ResponseStore
 
 log = logging.getLogger("hearth.router")
 

@@ -24,7 +24,7 @@ import msgspec
 
 from hearth.config import Role
 from hearth.router.policy import Decision, EndpointView
-from hearth.server.load_report import LoadReport
+from hearth.api.load_report import LoadReport
 
 DEFAULT_CACHE_BLOCKS = 1 << 16  # until the worker reports its pool size
 TIER_CACHE_BLOCKS = 1 << 20  # a view of KV tiers below the pool (bounded; tiers report evictions)

@@ -21,10 +21,10 @@ from fastapi.responses import Response
 
 from hearth.router.orchestrator import ResponseStream
 from hearth.router.stitch import DONE, parse_sse_data
-from hearth.server.chat_output import ChatChunkReader, ChatEvent, ChatEvents
-from hearth.server.edge import read_json
-from hearth.server.front_doors import (ChatBackend, count_message_tokens, create_message,
-                                       create_response, respond)
+from hearth.api.chat_output import ChatChunkReader, ChatEvent, ChatEvents
+from hearth.api.edge import read_json
+from hearth.api.front_doors import (ChatBackend, count_message_tokens, create_message,
+                                    create_response, respond)
 
 
 def router_backend(router: Any, request: Request) -> ChatBackend:

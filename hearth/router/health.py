@@ -28,7 +28,7 @@ import httpx
 
 from hearth.router.endpoints import Endpoint, EndpointPool
 from hearth.router.router_config import HealthConfig
-from hearth.server.load_report import LoadReport, decode_load_report
+from hearth.api.load_report import LoadReport, decode_load_report
 
 log = logging.getLogger("hearth.router.health")
 

@@ -16,7 +16,7 @@ from hearth.router.router_config import RouterConfig
 def load_tokenizer(model: str | None):
     if model is None:
         return None
-    from hearth.engine.tokenizer import Tokenizer
+    from hearth.engine.text.tokenizer import Tokenizer
     from hearth.models.loader import load_tokenizer_source
 
     return Tokenizer.from_source(load_tokenizer_source(model))  # no torch in the router

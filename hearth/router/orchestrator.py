@@ -27,7 +27,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 import httpx
 
 from hearth.config import Role
-from hearth.engine.block_hash import hash_blocks
+from hearth.engine.kv.block_hash import hash_blocks
 from hearth.router.endpoints import EndpointPool, SessionTable, Ticket
 from hearth.router.health import ModelInfo
 from hearth.router.hops import HopError, Stream, WorkerRejected, open_stream, post_json
@@ -37,7 +37,7 @@ from hearth.router.pd_fields import (PrefillDone, decode_body, finish_chunk, pre
 from hearth.router.policy import Decision, NoEndpointError, RequestView, choose, choose_prefill
 from hearth.router.router_config import RouterConfig
 from hearth.router.stitch import Stitcher
-from hearth.server.protocol import bad_request
+from hearth.api.protocol import bad_request
 
 log = logging.getLogger("hearth.router")
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """The router's side of the `kv_transfer` hops: request bodies and the prefill hop's result.
 
-The field itself is the workers' own types (hearth/disagg/http_fields.py: PrefillHop,
+The field itself is the workers' own types (hearth/api/pd_protocol.py: PrefillHop,
 PrefillResult, DecodeHop, all torch-free), so router and worker cannot drift apart;
 docs/pd_protocol.md has the exchange.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_hop, parse_prefill_result,
+from hearth.api.pd_protocol import (DecodeHop, PrefillHop, decode_hop, parse_prefill_result,
                                       resume_hop)
 from hearth.router.hops import HopError
 from hearth.router.stitch import FirstToken

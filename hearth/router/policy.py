@@ -58,7 +58,7 @@ class PolicyConfig:
 @dataclass(frozen=True)
 class RequestView:
     num_prompt_tokens: int
-    block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks (engine/block_hash.py)
+    block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks (engine/kv/block_hash.py)
     affinity: tuple[str | None, str] | None = None  # (prefill, decode) its session used last
     can_disaggregate: bool = True  # False (n > 1, echo, several prompts): no prefill hop
     sequence: int = 0  # arrival number, for round robin

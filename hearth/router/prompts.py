@@ -14,16 +14,16 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable
 
 from hearth.router.health import ModelInfo
-from hearth.server.chat import render_chat_prompt
-from hearth.server.edge import CpuPool, longest_token_chars
-from hearth.server.protocol import ChatCompletionRequest, CompletionRequest, bad_request
+from hearth.api.chat_prompt import render_chat_prompt
+from hearth.api.edge import CpuPool, longest_token_chars
+from hearth.api.protocol import ChatCompletionRequest, CompletionRequest, bad_request
 
 AskWorker = Callable[[dict], Awaitable[dict]]  # POST /tokenize to some healthy worker
 
 
 class PromptTokens:
     def __init__(self, tokenizer: Any | None, cpu: CpuPool, model: ModelInfo) -> None:
-        self.tokenizer = tokenizer  # hearth.engine.tokenizer.Tokenizer, or None
+        self.tokenizer = tokenizer  # hearth.engine.text.tokenizer.Tokenizer, or None
         self.cpu = cpu
         self.model = model  # max_model_len, once a worker has reported it
         self._max_token_chars: int | None = None

@@ -61,7 +61,7 @@ class RouterConfig:
     served_model_names: tuple[str, ...] = ()
     tokenizer_model: str | None = None  # tokenize in the router (else ask a worker's /tokenize)
     max_body_bytes: int = 32 * 2**20  # larger request bodies: 413
-    cpu_threads: int = 2  # rendering/tokenizing off the event loop (hearth.server.edge.CpuPool)
+    cpu_threads: int = 2  # rendering/tokenizing off the event loop (hearth.api.edge.CpuPool)
     show_worker_urls: bool = False  # /load names workers by URL even without an api_key
     session_capacity: int = 65536  # x-session-affinity keys remembered (LRU)
     log_level: str = "info"

@@ -34,7 +34,7 @@ from hearth.config import EngineConfig
 from hearth.router.launch import route
 from hearth.router.router_config import RouterConfig, UpConfig
 from hearth.router.supervisor import Supervisor, WorkerSpec
-from hearth.server.readiness import NotReadyError, wait_ready
+from hearth.api.readiness import NotReadyError, wait_ready
 from hearth.server.server_config import ServerConfig
 
 log = logging.getLogger("hearth.up")

@@ -29,15 +29,15 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.config import EngineConfig
-from hearth.server.chat import render_chat_prompt
-from hearth.server.edge import SSE_HEADERS, CpuPool, check_api_key, longest_token_chars, read_json
+from hearth.api.chat_prompt import render_chat_prompt
+from hearth.api.edge import SSE_HEADERS, CpuPool, check_api_key, longest_token_chars, read_json
 from hearth.server.engine_client import CoreProcess, EngineClient, EngineDeadError
-from hearth.server.errors import install_error_handlers
+from hearth.api.errors import install_error_handlers
 from hearth.server.front_doors import front_door_routes
-from hearth.server.load_report import BlockEvents, LoadReport, TierEvents, encode_load_report
+from hearth.api.load_report import BlockEvents, LoadReport, TierEvents, encode_load_report
 from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
-from hearth.server.middleware import install_edge_middleware
-from hearth.server.protocol import (
+from hearth.api.middleware import install_edge_middleware
+from hearth.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,8 +46,8 @@ from hearth.server.protocol import (
     bad_request,
     parse_request,
 )
-from hearth.server.responses import TokenTexts
-from hearth.server.responses_api import ResponseStore
+from hearth.api.chat_chunks import TokenTexts
+from hearth.api.responses_api import ResponseStore
 from hearth.server.server_config import ServerConfig
 from hearth.server.serving import ClientGone, ServerState, check_model, check_prompt_chars, check_token_ids
 from hearth.server.serving_chat import create_chat_completion
@@ -61,7 +61,7 @@ log = logging.getLogger("hearth.server")
 def load_tokenizer(engine_config: EngineConfig):
     """The same tokenizer the engine builds, loaded here to keep tokenization off the engine
     (from the checkpoint's tokenizer data alone: this process never imports torch)."""
-    from hearth.engine.tokenizer import Tokenizer
+    from hearth.engine.text.tokenizer import Tokenizer
     from hearth.models.loader import load_tokenizer_source
 
     if engine_config.model.tokenizer:

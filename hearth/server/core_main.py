@@ -2,8 +2,8 @@
 
 The server (hearth/server/engine_client.py) starts this module, the core loop itself is
 hearth/engine/core_process.py. The entry point sits in the server layer because choosing the
-KV connector by role is the server's: prefill and decode engines get hearth.disagg's, a
-monolithic one none (the engine layer may not import hearth.disagg). Its argv is internal (the
+KV connector by role is the server's: prefill and decode engines get hearth.kv_transfer's, a
+monolithic one none (the engine layer may not import hearth.kv_transfer or hearth.kv_tiers). Its argv is internal (the
 inherited socket and a log level), not user flags: those are hearth/flags.py's.
 """
 
@@ -25,16 +25,16 @@ def connector_factory_for(config: EngineConfig):
     """The KV connector factory an engine of this role gets (None: role both, no connector)."""
     if config.kv_transfer.role is Role.BOTH:
         return None
-    from hearth.disagg.connector import make_connector  # torch: only in the core process
+    from hearth.kv_transfer.connector import make_connector  # torch: only in the core process
 
     return make_connector
 
 
 def store_factory_for(config: EngineConfig):
-    """The KV-tier store factory (hearth.disagg.kv_store), when --kv-offload-* asks for tiers."""
+    """The KV-tier store factory (hearth.kv_tiers.store), when --kv-offload-* asks for tiers."""
     if not config.kv_offload.enabled:
         return None
-    from hearth.disagg.kv_store import make_store  # torch: only in the core process
+    from hearth.kv_tiers.store import make_store  # torch: only in the core process
 
     return make_store
 

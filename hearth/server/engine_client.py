@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hearth.config import EngineConfig
-from hearth.engine.connector import KVTransfer
+from hearth.engine.kv.transfer_api import KVTransfer
 from hearth.engine.core_messages import (
     HEADER_BYTES,
     AbortRequests,

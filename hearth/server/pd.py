@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearth.disagg.http_fields import (DecodeHop, PrefillHop, ResumeHop, decode_result,
+from hearth.api.pd_protocol import (DecodeHop, PrefillHop, ResumeHop, decode_result,
                                        parse_kv_transfer, prefill_result, to_engine)
 from hearth.config import Role
-from hearth.engine.connector import KVTransfer
-from hearth.server.protocol import bad_request
+from hearth.engine.kv.transfer_api import KVTransfer
+from hearth.api.protocol import bad_request
 from hearth.server.serving import ChoiceProgress
 
 

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.config import Role
-from hearth.engine.connector import KVDescriptor
+from hearth.engine.kv.transfer_api import KVDescriptor
 from hearth.engine.refusals import RequestRejected
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
-from hearth.server.edge import CpuPool
+from hearth.api.edge import CpuPool
 from hearth.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
 from hearth.server.metrics import ServerMetrics
-from hearth.server.protocol import APIError, ResponseFormat, bad_request, model_not_found
-from hearth.server.responses import TokenTexts, Usage
+from hearth.api.protocol import APIError, ResponseFormat, bad_request, model_not_found
+from hearth.api.chat_chunks import TokenTexts, Usage
 from hearth.server.server_config import ServerConfig
 
 DISCONNECT_POLL_SECONDS = 0.5
@@ -35,7 +34,7 @@ MAX_CHOICES = 16  # n per request (times the prompts of a batched completion)
 @dataclass
 class ServerState:
     engine: EngineClient
-    tokenizer: Any  # hearth.engine.tokenizer.Tokenizer, loaded in this process too
+    tokenizer: Any  # hearth.engine.text.tokenizer.Tokenizer, loaded in this process too
     config: ServerConfig
     metrics: ServerMetrics
     model_name: str
@@ -51,10 +50,6 @@ class ServerState:
     def model_names(self) -> tuple[str, ...]:
         """Every name this worker answers to; `model_name` (the first) is what responses carry."""
         return (self.model_name, *self.aliases)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
 
 
 def check_model(state: ServerState, model: str | None) -> None:

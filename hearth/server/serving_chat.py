@@ -11,11 +11,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob, RequestOutput
-from hearth.server.chat import render_chat_prompt, uses_builtin_tool_format
-from hearth.server.chat_output import ChatEvent, ChatEvents, Failed, Finished
+from hearth.api.chat_prompt import render_chat_prompt, uses_builtin_tool_format
+from hearth.api.chat_output import ChatEvent, ChatEvents, Failed, Finished
 from hearth.server.pd import Hop, first_token_text, hop_result, parse_hop
-from hearth.server.protocol import ChatCompletionRequest, bad_request
-from hearth.server.responses import (
+from hearth.api.protocol import ChatCompletionRequest, bad_request, new_id
+from hearth.api.chat_chunks import (
     SSE_DONE,
     ChunkMaker,
     chat_logprobs,
@@ -31,7 +31,6 @@ from hearth.server.serving import (
     check_model,
     check_n,
     check_prompt_chars,
-    new_id,
     raise_if_failed,
     response_format_guidance,
     sampling_params,
@@ -167,7 +166,7 @@ async def create_chat_completion(
 async def chat_events(state: ServerState, request: ChatCompletionRequest,
                       is_disconnected: Callable[[], Awaitable[bool]] | None,
                       ) -> ChatEvents:
-    """The internal output stream of a one-choice chat request (hearth/server/chat_output.py):
+    """The internal output stream of a one-choice chat request (hearth/api/chat_output.py):
     what the Responses and Messages front doors translate. Planning and admission happen here,
     so a bad request raises before anything is sent."""
     if request.n != 1 or request.kv_transfer is not None:

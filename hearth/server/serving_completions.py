@@ -10,8 +10,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob
 from hearth.server.pd import hop_result, parse_hop
-from hearth.server.protocol import CompletionRequest, bad_request
-from hearth.server.responses import SSE_DONE, ChunkMaker, completion_logprobs, error_event
+from hearth.api.protocol import CompletionRequest, bad_request, new_id
+from hearth.api.chat_chunks import SSE_DONE, ChunkMaker, completion_logprobs, error_event
 from hearth.server.serving import (
     MAX_CHOICES,
     ClientGone,
@@ -22,7 +22,6 @@ from hearth.server.serving import (
     check_n,
     check_prompt_chars,
     check_token_ids,
-    new_id,
     raise_if_failed,
     response_format_guidance,
     sampling_params,

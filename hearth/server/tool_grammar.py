@@ -6,7 +6,7 @@
                                 and the arguments must match its schema (a "triggered" tag)
 
 Arguments always validate against the function's `parameters` schema (any object if none) and
-are compact JSON (separators "," and ":", no other whitespace; see hearth.engine.guided).
+are compact JSON (separators "," and ":", no other whitespace; see hearth.engine.guided.grammar).
 The call text the grammar allows is exactly what `tool_parsers` parses:
 
     hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import json
 
-from hearth.engine.json_schemas import bounded_strings_as_patterns
+from hearth.engine.guided.json_schemas import bounded_strings_as_patterns
 from hearth.engine.sampling_params import GuidedSpec
-from hearth.server.protocol import NamedToolChoice, Tool, bad_request
+from hearth.api.protocol import NamedToolChoice, Tool, bad_request
 from hearth.server.tool_sections import SECTION_MARKUPS, SectionMarkup
 
 ANY_OBJECT = {"type": "object"}

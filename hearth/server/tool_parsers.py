@@ -30,35 +30,15 @@ start tag cut off at the end of the output.
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass
 from typing import Callable, Union
 
+from hearth.api.tool_calls import ToolCall, ToolCallDelta, random_call_id
 from hearth.server.tool_call_scanner import CallScanner
 
 TOOL_PARSERS = ("hermes", "llama3_json", "kimi_k2", "deepseek_v3", "deepseek_v31")
 # Formats whose markup is special tokens in their models' vocabularies: the output text must keep
 # special tokens (the parser reads the markup and keeps it out of content).
 SPECIAL_TOKEN_PARSERS = ("kimi_k2", "deepseek_v3", "deepseek_v31")
-
-
-def random_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
-@dataclass
-class ToolCallDelta:
-    index: int  # position of the call in message.tool_calls
-    id: str | None = None  # set on the call's first delta only
-    name: str | None = None  # set on the call's first delta only
-    arguments: str = ""  # the next fragment of the arguments JSON text
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text
 
 
 Event = Union[str, ToolCallDelta]

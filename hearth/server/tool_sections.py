@@ -29,14 +29,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from hearth.api.tool_calls import random_call_id
 from hearth.server.tool_call_scanner import CallScanner
-from hearth.server.tool_parsers import (
-    Event,
-    ToolParser,
-    _CallEmitter,
-    _partial_suffix,
-    random_call_id,
-)
+from hearth.server.tool_parsers import Event, ToolParser, _CallEmitter, _partial_suffix
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from hearth.server.readiness import NotReadyError, wait_ready
+from hearth.api.readiness import NotReadyError, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hearth.config import KVOffloadConfig
-from hearth.disagg.mooncake_store import mooncake_available
+from hearth.kv_tiers.mooncake_store import mooncake_available
 from tests.unit.test_kv_tiers import BS, Rig, block_value, tokens
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake not installed")

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hearth.engine.kv_cache import cdiv
+from hearth.engine.kv.cache import cdiv
 from hearth.models.hf_loader import HFCheckpoint
 from hearth.models.random_checkpoint import write_random_deepseek
 from tests.e2e.conftest import start_servers, stop_all

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from hearth.disagg.http_fields import decode_request_field, resume_hop
+from hearth.api.pd_protocol import decode_request_field, resume_hop
 from tests.e2e.conftest import MODEL, start_servers, stop_all
 from tests.e2e.test_tools import ASK, TOOLS, check_call
 

@@ -102,7 +102,7 @@ def test_worker_http_side_builds_its_tokenizer_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    from hearth.engine.tokenizer import Tokenizer
+    from hearth.engine.text.tokenizer import Tokenizer
 
     reference = Tokenizer.from_checkpoint(load_checkpoint(MODEL))
     assert got == {"torch": False, "eos": list(reference.eos_token_ids),

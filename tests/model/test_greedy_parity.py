@@ -31,7 +31,7 @@ def assert_matches(case: dict, got: list[int]) -> None:
 
 
 def test_tokenizer_and_chat_template_match_reference(checkpoint):
-    from hearth.engine.tokenizer import Tokenizer
+    from hearth.engine.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_checkpoint(checkpoint)  # what LLM builds; no model needed
     for case in CASES:

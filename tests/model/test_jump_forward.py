@@ -13,7 +13,7 @@ import pytest
 from hearth.config import GuidedConfig
 from hearth.engine.engine import LLMEngine
 from hearth.engine.sampling_params import SamplingParams
-from hearth.server.protocol import NamedToolChoice, Tool
+from hearth.api.protocol import NamedToolChoice, Tool
 from hearth.server.tool_grammar import tool_choice_guidance
 
 TOOLS = [

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from hearth.config import CacheConfig, EngineConfig, KVOffloadConfig, KVTransferConfig, ModelConfig
-from hearth.disagg.connector import DisaggConnector
-from hearth.disagg.kv_store import make_store
-from hearth.engine.block_hash import hash_blocks
-from hearth.engine.connector import KVTransfer
+from hearth.kv_transfer.connector import DisaggConnector
+from hearth.kv_tiers.store import make_store
+from hearth.engine.kv.block_hash import hash_blocks
+from hearth.engine.kv.transfer_api import KVTransfer
 from hearth.engine.sampling_params import SamplingParams
 from hearth.ops.cpu_kernels import available_variants
 from tests.model.test_formats import NUM_NEW, agreement, teacher_forced_logits

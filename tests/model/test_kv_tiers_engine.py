@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hearth.config import KVOffloadConfig
-from hearth.disagg.kv_store import make_store
+from hearth.kv_tiers.store import make_store
 from hearth.engine.engine import LLMEngine
 from hearth.engine.sampling_params import SamplingParams
 

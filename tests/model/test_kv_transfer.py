@@ -17,13 +17,13 @@ import msgspec
 import pytest
 
 from hearth.config import KVTransferConfig
-from hearth.disagg.connector import DisaggConnector
-from hearth.disagg.tcp_transport import TransferClient
-from hearth.disagg.peers import PeerAllowlist
-from hearth.disagg.wire import SERVER, HEADER_BYTES, Header, MsgType, proof, recv_exact, send_header
-from hearth.engine.connector import KVTransfer
+from hearth.kv_transfer.connector import DisaggConnector
+from hearth.kv_transfer.tcp_transport import TransferClient
+from hearth.kv_transfer.peers import PeerAllowlist
+from hearth.kv_transfer.wire import SERVER, HEADER_BYTES, Header, MsgType, proof, recv_exact, send_header
+from hearth.engine.kv.transfer_api import KVTransfer
 from hearth.engine.engine import LLMEngine
-from hearth.engine.kv_cache import cdiv
+from hearth.engine.kv.cache import cdiv
 from hearth.engine.sampling_params import SamplingParams
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_greedy.json").read_text())

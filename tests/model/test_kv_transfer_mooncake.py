@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hearth.disagg.mooncake_transport import mooncake_available, private_netns_command
+from hearth.kv_transfer.mooncake_transport import mooncake_available, private_netns_command
 
 IN_NETNS = os.environ.get("HEARTH_PRIVATE_NETNS") == "1"
 needs_mooncake = pytest.mark.skipif(
@@ -40,10 +40,10 @@ def test_in_private_netns():
 @needs_mooncake
 @inside
 def test_guarded_one_sided_read_lands_exact_blocks():
-    from hearth.disagg.kv_memory import KVMemory
-    from hearth.disagg.leases import LeaseManager
-    from hearth.disagg.mooncake_transport import MooncakeTransport
-    from hearth.disagg.tcp_transport import TransferClient, TransferServer
+    from hearth.kv_transfer.kv_memory import KVMemory
+    from hearth.kv_transfer.leases import LeaseManager
+    from hearth.kv_transfer.mooncake_transport import MooncakeTransport
+    from hearth.kv_transfer.tcp_transport import TransferClient, TransferServer
 
     shape = (3, 2, 10, 4, 2, 8)
     src, dst = torch.randn(shape), torch.zeros(shape)
@@ -78,7 +78,7 @@ def test_guarded_one_sided_read_lands_exact_blocks():
 @inside
 def test_pd_greedy_over_mooncake(models):
     from hearth.config import KVTransferConfig
-    from hearth.disagg.connector import make_connector
+    from hearth.kv_transfer.connector import make_connector
     from test_kv_transfer import CASES, decode_all, prefill_all  # same folder (rootdir mode)
 
     base = models.config(num_blocks=64)

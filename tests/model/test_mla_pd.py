@@ -17,11 +17,11 @@ import msgspec
 import pytest
 
 from hearth.config import KVTransferConfig
-from hearth.disagg.connector import DisaggConnector
-from hearth.disagg.tcp_transport import TransferClient
-from hearth.engine.connector import ITEMSIZE, KVTransfer
+from hearth.kv_transfer.connector import DisaggConnector
+from hearth.kv_transfer.tcp_transport import TransferClient
+from hearth.engine.kv.transfer_api import ITEMSIZE, KVTransfer
 from hearth.engine.engine import LLMEngine
-from hearth.engine.kv_cache import cdiv
+from hearth.engine.kv.cache import cdiv
 from hearth.engine.llm import make_engine_config
 from hearth.models.random_checkpoint import write_random_checkpoint, write_random_deepseek
 from tests.model.test_kv_transfer import FakeClock, decode_all, greedy, prefill_all, run

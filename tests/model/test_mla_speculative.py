@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from hearth.config import KVTransferConfig, SpeculativeConfig
-from hearth.disagg.connector import DisaggConnector
+from hearth.kv_transfer.connector import DisaggConnector
 from hearth.engine.engine import LLMEngine
 from hearth.engine.llm import LLM, make_engine_config
 from hearth.engine.sampling_params import SamplingParams

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from hearth.config import KVOffloadConfig
-from hearth.disagg.block_file import record_bytes
-from hearth.disagg.kv_store import make_store
-from hearth.disagg.mooncake_store import mooncake_available
-from hearth.engine.connector import KVCacheGeometry
+from hearth.kv_tiers.block_file import record_bytes
+from hearth.kv_tiers.store import make_store
+from hearth.kv_tiers.mooncake_store import mooncake_available
+from hearth.engine.kv.transfer_api import KVCacheGeometry
 from hearth.engine.engine import LLMEngine
-from hearth.engine.kv_tiers import store_namespace
+from hearth.engine.kv.tiers import store_namespace
 from hearth.engine.llm import make_engine_config
 from hearth.models.random_checkpoint import write_random_deepseek
 from tests.e2e.test_kv_tiers_mooncake import master  # noqa: F401 (a fixture: a local master)

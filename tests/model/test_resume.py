@@ -18,7 +18,7 @@ import pytest
 from hearth.engine.engine import LLMEngine
 from hearth.engine.refusals import RequestRejected
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
-from hearth.server.protocol import Tool
+from hearth.api.protocol import Tool
 from hearth.server.tool_grammar import tool_choice_guidance
 from hearth.server.tool_parsers import assemble, make_tool_parser
 

@@ -148,8 +148,8 @@ def test_pd_decode_side_speculates_with_unchanged_output(models, reference):
     from dataclasses import replace
 
     from hearth.config import KVTransferConfig
-    from hearth.disagg.connector import DisaggConnector
-    from hearth.engine.connector import KVTransfer
+    from hearth.kv_transfer.connector import DisaggConnector
+    from hearth.engine.kv.transfer_api import KVTransfer
     from hearth.engine.engine import LLMEngine
 
     def engine(role: str, method: str) -> LLMEngine:

@@ -17,9 +17,9 @@ import gguf
 import pytest
 from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers
 
-from hearth.engine.chat_template import ChatTemplateError
-from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.chat_template import ChatTemplateError
+from hearth.engine.text.detokenizer import IncrementalDetokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 from hearth.models.loader import load_checkpoint, resolve_builtin
 
 PARITY_TEXTS = [

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hearth.config import DEFAULT_MODEL
-from hearth.engine.guided import GrammarCompiler
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.guided.grammar import GrammarCompiler
+from hearth.engine.text.tokenizer import Tokenizer
 from hearth.models.loader import load_checkpoint
-from hearth.server.protocol import NamedToolChoice, Tool
+from hearth.api.protocol import NamedToolChoice, Tool
 from hearth.server.tool_grammar import tool_choice_guidance
 from hearth.server.tool_parsers import assemble, make_tool_parser
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hearth.engine.block_hash import hash_block, hash_blocks
-from hearth.engine.block_pool import BlockPool
-from hearth.engine.kv_cache import KVCacheManager
+from hearth.engine.kv.block_hash import hash_block, hash_blocks
+from hearth.engine.kv.block_pool import BlockPool
+from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
 

@@ -11,8 +11,8 @@ import random
 
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.detokenizer import IncrementalDetokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 
 MERGES = [("S", "T"), ("O", "P"), ("ST", "OP"), ("Ġ", "w"), ("o", "r"), ("Ġw", "or")]
 

@@ -1,11 +1,11 @@
-"""The HTTP edge's body checks and key comparison (hearth/server/edge.py), without a server."""
+"""The HTTP edge's body checks and key comparison (hearth/api/edge.py), without a server."""
 
 from __future__ import annotations
 
 import pytest
 
-from hearth.server.edge import MAX_JSON_DEPTH, bearer_matches, decode_json
-from hearth.server.protocol import APIError
+from hearth.api.edge import MAX_JSON_DEPTH, bearer_matches, decode_json
+from hearth.api.protocol import APIError
 from hearth.server.serving import wrap_int64
 
 

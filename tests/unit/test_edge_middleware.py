@@ -1,4 +1,4 @@
-"""CORS and the access log (hearth/server/middleware.py) on a small app, no model; the real
+"""CORS and the access log (hearth/api/middleware.py) on a small app, no model; the real
 worker and router are checked in tests/e2e/test_models_cors_logs.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from hearth.server.errors import install_error_handlers
-from hearth.server.middleware import install_edge_middleware
+from hearth.api.errors import install_error_handlers
+from hearth.api.middleware import install_edge_middleware
 
 ORIGIN = "http://localhost:3000"
 

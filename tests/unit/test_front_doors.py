@@ -11,16 +11,16 @@ from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from hearth.server.chat_output import ChatChunkReader, Failed, Finished
-from hearth.server.messages_api import (CountTokensRequest, MessagesRequest, anthropic_error_body,
+from hearth.api.chat_output import ChatChunkReader, Failed, Finished
+from hearth.api.messages_api import (CountTokensRequest, MessagesRequest, anthropic_error_body,
                                         to_chat_body as messages_chat_body, to_tokenize_body)
-from hearth.server.messages_writer import MessageWriter
-from hearth.server.protocol import APIError, ChatCompletionRequest, parse_request
-from hearth.server.responses import ChunkMaker, Usage
-from hearth.server.responses_api import (ResponsesRequest, ResponseStore, StoredResponse,
+from hearth.api.messages_writer import MessageWriter
+from hearth.api.protocol import APIError, ChatCompletionRequest, parse_request
+from hearth.api.chat_chunks import ChunkMaker, Usage
+from hearth.api.responses_api import (ResponsesRequest, ResponseStore, StoredResponse,
                                          request_echo, to_chat_body as responses_chat_body)
-from hearth.server.responses_writer import ResponseWriter
-from hearth.server.tool_parsers import ToolCallDelta
+from hearth.api.responses_writer import ResponseWriter
+from hearth.api.tool_calls import ToolCallDelta
 
 OPENAI_EVENT = TypeAdapter(ResponseStreamEvent)
 ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)

@@ -7,7 +7,7 @@ import json
 
 from tokenizers import Tokenizer
 
-from hearth.engine.gguf_tokenizer import _PRE_TOKENIZERS
+from hearth.engine.text.gguf_tokenizer import _PRE_TOKENIZERS
 
 
 def pieces(name: str, text: str) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hearth.engine.guided import GrammarCompiler
+from hearth.engine.guided.grammar import GrammarCompiler
 from hearth.engine.sampling_params import GuidedSpec
 
 EOS = "<eos>"
@@ -177,7 +177,7 @@ def test_structural_tag_tool_call(compiler, tokenizer):
 
 def test_pool_caches_by_canonical_json_keeping_key_order(compiler):
     from hearth.config import GuidedConfig
-    from hearth.engine.grammar_pool import GrammarPool
+    from hearth.engine.guided.grammar_pool import GrammarPool
 
     pool = GrammarPool(compiler, GuidedConfig(num_compile_threads=1))
     try:

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from hearth.engine.guided import GrammarCompiler
+from hearth.engine.guided.grammar import GrammarCompiler
 from hearth.engine.sampling_params import GuidedSpec
-from hearth.server.protocol import NamedToolChoice, Tool
+from hearth.api.protocol import NamedToolChoice, Tool
 from hearth.server.tool_grammar import tool_choice_guidance
 from tests.unit.test_guided import SmallTokenizer
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hearth.disagg.peers import PeerAllowlist
+from hearth.kv_transfer.peers import PeerAllowlist
 
 
 def test_default_is_loopback_only_on_any_port():

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from hearth.config import KVOffloadConfig, SchedulerConfig
-from hearth.disagg.block_file import BlockRecordError, check_record, encode_header
-from hearth.disagg.kv_store import TieredStore
-from hearth.disagg.local_tiers import DirectoryTier
-from hearth.engine.block_pool import BlockPool
-from hearth.engine.connector import KVCacheGeometry
-from hearth.engine.kv_cache import KVCacheManager
-from hearth.engine.kv_tiers import KVTierDriver
+from hearth.kv_tiers.block_file import BlockRecordError, check_record, encode_header
+from hearth.kv_tiers.store import TieredStore
+from hearth.kv_tiers.local import DirectoryTier
+from hearth.engine.kv.block_pool import BlockPool
+from hearth.engine.kv.transfer_api import KVCacheGeometry
+from hearth.engine.kv.cache import KVCacheManager
+from hearth.engine.kv.tiers import KVTierDriver
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import Scheduler
@@ -432,9 +432,9 @@ def test_offload_drops_instead_of_blocking_when_staging_is_full(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from hearth.disagg.block_file import encode_header
-    from hearth.disagg.local_tiers import DirectoryTier
-    from hearth.engine.connector import KVCacheGeometry
+    from hearth.kv_tiers.block_file import encode_header
+    from hearth.kv_tiers.local import DirectoryTier
+    from hearth.engine.kv.transfer_api import KVCacheGeometry
     g = KVCacheGeometry(32, 4, 16, 8, 64, "float32")  # 2 MiB blocks: writes take a while
     ns = "0123456789abcdef"
     tier = DirectoryTier("disk", sys.argv[1], ns, 2**40, False, g, lambda *a: None)

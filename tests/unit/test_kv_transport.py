@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from hearth.disagg.kv_memory import KVMemory, coalesce, coalesce_pairs
-from hearth.disagg.leases import LeaseManager
-from hearth.disagg.tcp_transport import TransferClient, TransferServer
-from hearth.disagg.wire import (CLIENT, HEADER_BYTES, SERVER, Header, MsgType, Status,
+from hearth.kv_transfer.kv_memory import KVMemory, coalesce, coalesce_pairs
+from hearth.kv_transfer.leases import LeaseManager
+from hearth.kv_transfer.tcp_transport import TransferClient, TransferServer
+from hearth.kv_transfer.wire import (CLIENT, HEADER_BYTES, SERVER, Header, MsgType, Status,
                                 WireError, expect, proof, recv_exact, send_header)
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]

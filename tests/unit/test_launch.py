@@ -185,7 +185,9 @@ def test_every_flag_a_command_had_is_still_there(command, capsys):
 # ---- layers -----------------------------------------------------------------------------------
 
 # DESIGN.md's import order, lowest first (bench, the load generator, sits beside the CLI)
-LAYERS = ["config", "ops", "models", "engine", "disagg", "server", "router", "bench", "flags", "cli"]
+# (cluster is not ranked: it derives worker argv through flags, and flags builds its ClusterConfig)
+LAYERS = ["config", "ops", "models", "engine", "kv_transfer", "kv_tiers", "api", "server", "router",
+          "bench", "flags", "cli"]
 
 
 def layer_of(module: str) -> str | None:
@@ -217,7 +219,8 @@ def test_no_module_imports_a_layer_above_its_own():
 
 @pytest.mark.parametrize("module, above", [
     ("hearth.server.launch", ("hearth.cli", "hearth.flags", "hearth.router")),
-    ("hearth.server.core_main", ("hearth.cli", "hearth.flags", "hearth.router", "hearth.disagg")),
+    ("hearth.server.core_main", ("hearth.cli", "hearth.flags", "hearth.router",
+                                  "hearth.kv_transfer", "hearth.kv_tiers")),
     ("hearth.router.launch", ("hearth.cli", "hearth.flags")),
     ("hearth.router.up", ("hearth.cli", "hearth.flags")),
 ])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hearth.disagg.leases import LeaseManager
+from hearth.kv_transfer.leases import LeaseManager
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""`/load` as one type (hearth/server/load_report.py): what a worker writes is what the router
+"""`/load` as one type (hearth/api/load_report.py): what a worker writes is what the router
 reads, field for field, and the router refuses a worker whose KV block size differs from its own.
 
 The refusal runs the router's real health checker against a real HTTP server on loopback that
@@ -21,7 +21,7 @@ from hearth.engine.stats import EngineStats
 from hearth.router.endpoints import EndpointPool
 from hearth.router.health import HealthChecker, ModelInfo
 from hearth.router.router_config import HealthConfig
-from hearth.server.load_report import (BlockEvents, LoadReport, TierEvents, decode_load_report,
+from hearth.api.load_report import (BlockEvents, LoadReport, TierEvents, decode_load_report,
                                        encode_load_report)
 
 

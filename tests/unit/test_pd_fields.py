@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from hearth.disagg.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, check_against,
+from hearth.kv_transfer.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, check_against,
                                       descriptor_from_json, descriptor_to_json, tokens_hash)
-from hearth.disagg.http_fields import (DecodeHop, PrefillHop, decode_request_field,
+from hearth.api.pd_protocol import (DecodeHop, PrefillHop, decode_request_field,
                                        decode_result, parse_kv_transfer, prefill_result, to_engine)
 from hearth.config import Role
-from hearth.engine.block_hash import hash_blocks
-from hearth.engine.connector import KVCacheGeometry, KVTransfer
+from hearth.engine.kv.block_hash import hash_blocks
+from hearth.engine.kv.transfer_api import KVCacheGeometry, KVTransfer
 
 PROMPT = list(range(100, 137))  # 37 tokens: 2 full blocks of 16 + 5
 GEOMETRY = KVCacheGeometry(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=3,

@@ -8,9 +8,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from hearth.engine.tokenizer import Tokenizer
-from hearth.server.chat import render_chat_prompt, tool_section
-from hearth.server.protocol import (
+from hearth.engine.text.tokenizer import Tokenizer
+from hearth.api.chat_prompt import render_chat_prompt, tool_section
+from hearth.api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

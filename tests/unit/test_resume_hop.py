@@ -6,12 +6,12 @@ import json
 import pytest
 
 from hearth.config import Role
-from hearth.disagg.http_fields import (MAX_RESUME_TOKEN_IDS, ResumeHop, parse_kv_transfer,
+from hearth.api.pd_protocol import (MAX_RESUME_TOKEN_IDS, ResumeHop, parse_kv_transfer,
                                        resume_hop)
 from hearth.engine.refusals import RequestRejected
 from hearth.engine.stops import RESUME_PARAM, check_resume
 from hearth.server.pd import parse_hop
-from hearth.server.protocol import APIError
+from hearth.api.protocol import APIError
 
 VOCAB = 100
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hearth.engine.block_hash import hash_blocks
+from hearth.engine.kv.block_hash import hash_blocks
 from hearth.router.endpoints import CacheView, EndpointPool, SessionTable, Ticket
-from hearth.server.load_report import LoadReport, decode_load_report
+from hearth.api.load_report import LoadReport, decode_load_report
 from hearth.router.policy import (Decision, EndpointView, NoEndpointError, PolicyConfig, RequestView,
                                   choose, choose_prefill, num_cached_tokens)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from hearth.engine.block_hash import hash_blocks
+from hearth.engine.kv.block_hash import hash_blocks
 from hearth.router.endpoints import EndpointPool
-from hearth.server.load_report import LoadReport
+from hearth.api.load_report import LoadReport
 from hearth.router.policy import (EndpointView, PolicyConfig, RequestView, choose,
                                   num_tier_tokens)
 

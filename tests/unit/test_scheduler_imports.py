@@ -1,8 +1,8 @@
 """Scheduler with decode-side KV imports: exact block ids, no budget used, aborts deferred."""
 
 from hearth.config import SchedulerConfig
-from hearth.engine.block_pool import BlockPool
-from hearth.engine.kv_cache import KVCacheManager
+from hearth.engine.kv.block_pool import BlockPool
+from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import Scheduler

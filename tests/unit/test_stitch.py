@@ -1,4 +1,4 @@
-"""SSE stitching on recorded chunk sequences (the shapes hearth/server/responses.py writes)."""
+"""SSE stitching on recorded chunk sequences (the shapes hearth/api/chat_chunks.py writes)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from hearth.engine.guided import GrammarCompiler
-from hearth.engine.tokenizer import Tokenizer
-from hearth.server.chat import render_chat_prompt
-from hearth.server.protocol import ChatMessage, NamedToolChoice, Tool
+from hearth.engine.guided.grammar import GrammarCompiler
+from hearth.engine.text.tokenizer import Tokenizer
+from hearth.api.chat_prompt import render_chat_prompt
+from hearth.api.protocol import ChatMessage, NamedToolChoice, Tool
 from hearth.server.tool_grammar import tool_choice_guidance
 from hearth.server.tool_parsers import (
     TOOL_PARSERS,

@@ -16,8 +16,8 @@ import logging
 from dataclasses import replace
 
 from hearth.config import EngineConfig, SpeculativeConfig
-from hearth.engine.block_pool import BlockPool
-from hearth.engine.kv_cache import KVCacheManager, cdiv
+from hearth.engine.kv.block_pool import BlockPool
+from hearth.engine.kv.cache import KVCacheManager, cdiv
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import SchedulerOutput
