@@ -28,7 +28,7 @@ import os
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
-from hearth.cluster.cluster_config import ClusterConfig
+from hearth.cluster.cluster_config import AutoscaleConfig, ClusterConfig
 from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
                            GuidedConfig, KVOffloadConfig, SpeculativeConfig,
                            KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
@@ -486,6 +486,27 @@ def add_cluster_args(p: argparse.ArgumentParser, full: bool = True) -> None:
                    help="do not replace a worker that dies (its role's target drops by one)")
     g.add_argument("--drain-timeout", type=float, default=c.drain_timeout_seconds,
                    metavar="SECONDS", help="a draining worker is stopped after this regardless")
+    auto = c.autoscale
+    for role, flag in (("prefill", "--autoscale-prefill"), ("decode", "--autoscale-decode"),
+                       ("both", "--autoscale-workers")):
+        g.add_argument(flag, type=_min_max, default=None, metavar="MIN:MAX",
+                       help=f"the {role} workers follow the router's load between MIN and MAX")
+    g.add_argument("--autoscale-target-requests", type=float, default=auto.target_requests,
+                   metavar="N", help="requests open per worker the autoscaler aims at "
+                                     "(default: %(default)s)")
+    g.add_argument("--autoscale-upscale-delay", type=float, default=auto.upscale_delay_seconds,
+                   metavar="SECONDS", help="more workers only once wanted this long "
+                                           "(default: %(default)s)")
+    g.add_argument("--autoscale-downscale-delay", type=float,
+                   default=auto.downscale_delay_seconds, metavar="SECONDS",
+                   help="fewer workers only once wanted this long (default: %(default)s)")
+
+
+def _min_max(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN:MAX, e.g. 1:4")
+    return int(low), int(high)
 
 
 def cluster_config(a: argparse.Namespace) -> ClusterConfig:
@@ -493,11 +514,18 @@ def cluster_config(a: argparse.Namespace) -> ClusterConfig:
         return ClusterConfig(address=a.cluster, name=a.cluster_name)
     tp = {role: t for role, t in (("prefill", a.prefill_tp), ("decode", a.decode_tp),
                                   ("both", a.workers_tp)) if t is not None}
+    ranges = {role: r for role, r in (("prefill", a.autoscale_prefill),
+                                      ("decode", a.autoscale_decode),
+                                      ("both", a.autoscale_workers)) if r is not None}
+    autoscale = AutoscaleConfig(ranges=ranges, target_requests=a.autoscale_target_requests,
+                                upscale_delay_seconds=a.autoscale_upscale_delay,
+                                downscale_delay_seconds=a.autoscale_downscale_delay)
     return ClusterConfig(
         address=a.cluster, name=a.cluster_name, cpus_per_rank=a.cpus_per_rank,
         gpus_per_rank=a.gpus_per_rank, memory_per_rank_bytes=int(a.memory_per_rank_gb * 2**30),
         threads_per_worker=a.threads_per_worker, role_tensor_parallel=tp,
-        replace_dead_workers=not a.no_replace, drain_timeout_seconds=a.drain_timeout)
+        replace_dead_workers=not a.no_replace, drain_timeout_seconds=a.drain_timeout,
+        autoscale=autoscale)
 
 
 def add_scale_args(p: argparse.ArgumentParser) -> None:

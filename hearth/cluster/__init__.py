@@ -9,6 +9,19 @@ so `hearth up` without `--cluster` never loads Ray. The pieces:
   * `worker_actor.py` — `WorkerProcess`, the actor that runs one `hearth serve` on its node;
   * `controller.py` — `Controller`: places workers (one placement group each), replaces the
     dead, scales to the registry's targets, drains before it stops a worker;
-  * `deploy.py` — `up_cluster` (what `hearth up --cluster` runs) and `scale`.
+  * `autoscaler.py` — `Autoscaler`: a role's target from the router's open requests;
+  * `deploy.py` — `up_cluster` (what `hearth up --cluster` runs) and `scale`;
+  * `deployment.py` — the Python API: `hearth.cluster.deploy(...)` -> `Deployment` (the same
+    controller and router as `hearth up --cluster`, the router in a thread of the caller).
 See docs/deploy.md.
 """
+
+
+def __getattr__(name):
+    # `hearth.cluster.deploy(...)` without importing anything heavy (or Ray) before it is called:
+    # the module hearth/cluster/deploy.py is callable (it forwards to deployment.deploy).
+    if name == "deploy":
+        import importlib
+
+        return importlib.import_module("hearth.cluster.deploy")
+    raise AttributeError(name)

@@ -15,6 +15,14 @@ One thread in the `hearth up --cluster` process reconciles every `interval_secon
     resume) and, while its role's target still wants it, is replaced on whatever node has room.
     More than `max_failures` deaths or failed starts within `failure_window_seconds`: the
     controller gives up (`gave_up`, and `hearth up --cluster` exits 1);
+  * autoscaling (optional, hearth/cluster/autoscaler.py): an autoscaled role's target follows
+    the requests the router reports open on its workers; the target moves, and the scaling
+    above (drains included) does the rest;
+  * KV peers: a decode worker may pull KV only from the nodes alive when it started (its
+    `--kv-peers`, fixed for its process). When a prefill worker serves on a node that a decode
+    worker does not trust (the node joined later), that decode worker is refreshed: a new one
+    is started beside it and, once it serves, the old one drains (one at a time; a refresh that
+    cannot be placed is retried later, and is never counted as a failure);
   * cleanup: a worker that ends leaves no actor and no placement group behind; `stop()` ends
     every worker, then the registry.
 The router is the source of truth for routing (its health checks); this is the source of truth
@@ -27,10 +35,12 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
+from urllib.parse import urlsplit
 
+from hearth.cluster.autoscaler import Autoscaler
 from hearth.cluster.cluster_config import ClusterConfig
 from hearth.cluster.registry import ROLES, registry_actor
 from hearth.cluster.worker_actor import worker_actor_class
@@ -40,6 +50,7 @@ from hearth.server.server_config import ServerConfig
 log = logging.getLogger("hearth.cluster")
 
 HEAD_RESOURCE = "node:__internal_head__"  # every Ray cluster's head node has one of it
+ROUTER_VIEW_MAX_AGE_SECONDS = 5.0  # an older acknowledgement: the router's load is unknown
 
 
 @dataclass
@@ -56,10 +67,22 @@ class Worker:
     record: dict = field(default_factory=dict)
     drain_version: int = -1
     drain_since: float = 0.0
+    peers: frozenset[str] = frozenset()  # the node addresses its KV import may connect to
+    replaced_by: str | None = None  # the worker started to take its place (a peer refresh)
+    refresh_of: str | None = None  # the worker whose place this one takes
+    refresh_after: float = 0.0  # a refresh that could not be placed is retried after this
 
     def view(self) -> dict:
         return {"name": self.name, "role": self.role, "state": self.state,
                 "node": self.record.get("node", "")[:12]}
+
+    @property
+    def host(self) -> str | None:
+        return urlsplit(self.record["url"]).hostname if self.record else None
+
+    def detail(self) -> dict:
+        """`view()` plus addresses: for the registry's status (`hearth scale`), not /health."""
+        return {**self.view(), "host": self.host, "kv_peers": sorted(self.peers)}
 
 
 class Controller:
@@ -78,8 +101,9 @@ class Controller:
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._on_give_up: Callable[[], None] = lambda: None
+        self._stop_router: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
+        self.autoscaler = Autoscaler(cluster.autoscale) if cluster.autoscale.ranges else None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self, secrets: dict[str, str]) -> None:
@@ -103,8 +127,9 @@ class Controller:
         self.reconcile()
 
     def watch(self, on_give_up: Callable[[], None]) -> None:
-        """Reconcile from a background thread from now on (the `supervisor` hook of route())."""
-        self._on_give_up = on_give_up
+        """Reconcile from a background thread from now on (the `supervisor` hook of route());
+        `on_give_up` stops the router (`stop_router()` calls it too)."""
+        self._stop_router = on_give_up
         self._thread = threading.Thread(target=self._loop, name="hearth-cluster", daemon=True)
         self._thread.start()
 
@@ -115,8 +140,12 @@ class Controller:
             except Exception:  # noqa: BLE001 - a Ray hiccup must not end supervision
                 log.exception("cluster reconcile failed; retrying")
             if self.gave_up is not None:
-                self._on_give_up()
+                self._stop_router()
                 return
+
+    def stop_router(self) -> None:
+        """End the router this controller watches over (route() returns)."""
+        self._stop_router()
 
     def wait_ready(self, timeout: float) -> None:
         """Until every initial worker serves (reconciling meanwhile); RuntimeError if the
@@ -153,9 +182,10 @@ class Controller:
                 ray.kill(self.registry)
                 self.registry = None
 
-    def state(self) -> dict:
-        """For the router's /health: the deployment's workers by name, role and state."""
-        views = [w.view() for w in list(self.workers.values())]
+    def state(self, detail: bool = False) -> dict:
+        """For the router's /health: the deployment's workers by name, role and state (with
+        `detail`, for the registry's status: their hosts and KV peers too)."""
+        views = [w.detail() if detail else w.view() for w in list(self.workers.values())]
         return {"gave_up": self.gave_up is not None, "replaced": self.num_replaced,
                 "workers": views}
 
@@ -168,10 +198,14 @@ class Controller:
                 return
             self._collect(ray)
             targets = ray.get(self.registry.targets.remote())
+            router_view = ray.get(self.registry.router_view.remote())
+            if self.autoscaler is not None:
+                self._autoscale(ray, targets, router_view)
             wanted = []
             for role in ROLES:
-                live = [w for w in self.workers.values()
-                        if w.role == role and w.state in ("placing", "starting", "running")]
+                live = [w for w in self.workers.values() if w.role == role
+                        and w.state in ("placing", "starting", "running")
+                        and w.replaced_by not in self.workers]  # a refreshed one: its successor
                 wanted += [role] * (targets.get(role, 0) - len(live))
                 extra = len(live) - targets.get(role, 0)
                 if extra > 0:  # newest first: those still starting go before serving ones
@@ -181,8 +215,70 @@ class Controller:
             # could leave no node with room for a worker of many ranks.
             for role in sorted(wanted, key=lambda r: -self._num_ranks(r)):
                 self._add(role)
-            self._progress_drains(ray)
-            ray.get(self.registry.set_status.remote(self.state()))
+            self._refresh_peers()
+            self._progress_drains(router_view)
+            ray.get(self.registry.set_status.remote(self.state(detail=True)))
+
+    def _autoscale(self, ray, targets: dict[str, int], router_view) -> None:
+        """Move each autoscaled role's target (in `targets` too) as the router's load asks."""
+        _, in_flight, ack_time = router_view
+        fresh = time.time() - ack_time < ROUTER_VIEW_MAX_AGE_SECONDS
+        role_of = {w.record["url"]: w.role for w in self.workers.values() if w.record}
+        num_open = Counter()
+        for url, count in in_flight.items():
+            if url in role_of:
+                num_open[role_of[url]] += count
+        for role in self.cluster.autoscale.ranges:
+            if not fresh:
+                self.autoscaler.forget(role)
+                continue
+            new = self.autoscaler.decide(role, targets[role], num_open[role], time.monotonic())
+            if new == targets[role]:
+                continue
+            try:
+                moved = ray.get(self.registry.set_target_if.remote(role, targets[role], new))
+            except ray.exceptions.RayTaskError as exc:  # e.g. prefill without decode workers
+                log.warning("autoscale: %s %d -> %d refused: %s", role, targets[role], new,
+                            _reason(exc))
+                continue
+            if moved:
+                log.info("autoscale: %s workers %d -> %d (%d requests open)", role,
+                         targets[role], new, num_open[role])
+                targets[role] = new
+
+    def _refresh_peers(self) -> None:
+        """Replace, one at a time, a decode worker that cannot pull from a serving prefill
+        worker's node (it joined after that decode worker started)."""
+        prefill_hosts = {w.host for w in self.workers.values()
+                         if w.role == "prefill" and w.state == "running"}
+        refreshing = False
+        for worker in list(self.workers.values()):
+            if worker.refresh_of not in self.workers:  # its predecessor is gone anyway
+                worker.refresh_of = None
+            if worker.replaced_by is None:
+                continue
+            successor = self.workers.get(worker.replaced_by)
+            if successor is None:  # could not be placed or started: try again later
+                worker.replaced_by = None
+            elif successor.state == "running" and worker.state == "running":
+                log.info("KV peers: worker %s serves; draining %s", successor.name, worker.name)
+                successor.refresh_of = None  # a worker like any other from now on
+                self._drain(worker)
+            else:
+                refreshing = True
+        if refreshing:
+            return
+        now = time.monotonic()
+        for worker in self.workers.values():
+            missing = prefill_hosts - worker.peers
+            if (worker.role == "decode" and worker.state == "running" and missing
+                    and worker.replaced_by is None and now >= worker.refresh_after):
+                successor = self._add("decode")
+                successor.refresh_of, worker.replaced_by = worker.name, successor.name
+                log.info("KV peers: worker %s does not trust %s (joined later); starting %s "
+                         "to take its place", worker.name, ", ".join(sorted(missing)),
+                         successor.name)
+                return
 
     def _collect(self, ray) -> None:
         """Starts that finished, workers that ended."""
@@ -194,8 +290,14 @@ class Controller:
                     worker.start_ref = worker.actor.start.remote(self.cluster.start_timeout_seconds)
                     worker.wait_ref = worker.actor.wait.remote()
                 elif time.monotonic() - worker.started > self.cluster.start_timeout_seconds:
-                    self._failed(worker, "its placement group could not be placed in "
-                                         f"{self.cluster.start_timeout_seconds:.0f}s")
+                    if worker.refresh_of is not None:  # no room for a refresh: not a failure
+                        log.warning("KV peers: no room for %s to take %s's place; retrying "
+                                    "later", worker.name, worker.refresh_of)
+                        self._remove(worker)
+                        self._give_up_refresh(worker)
+                    else:
+                        self._failed(worker, "its placement group could not be placed in "
+                                             f"{self.cluster.start_timeout_seconds:.0f}s")
                 continue
             if worker.state == "starting":
                 done, _ = ray.wait([worker.start_ref], timeout=0)
@@ -221,7 +323,7 @@ class Controller:
                     else:
                         self._failed(worker, why)
 
-    def _add(self, role: str) -> None:
+    def _add(self, role: str) -> Worker:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -236,16 +338,18 @@ class Controller:
         bundle = {k: v for k, v in bundle.items() if v}
         group = placement_group([bundle or {"CPU": 0.001}], strategy="STRICT_PACK",
                                 name=f"{self.cluster.name}-{name}")
+        peers = _cluster_peers()
         actor = worker_actor_class().options(
             name=f"{self.cluster.name}-{name}", namespace=self.cluster.namespace,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=0),
         ).remote(name, role, engine, self.server, self.worker_args, self.cluster.registry_name,
-                 self.cluster.namespace, self.cluster.threads_per_worker, _cluster_peers(),
-                 self.log_dir)
-        self.workers[name] = Worker(name, role, actor, group, time.monotonic())
+                 self.cluster.namespace, self.cluster.threads_per_worker, peers, self.log_dir)
+        worker = self.workers[name] = Worker(name, role, actor, group, time.monotonic(),
+                                             peers=frozenset(peers))
         log.info("placing worker %s (%s, %d rank%s, %s)", name, role, ranks,
                  "" if ranks == 1 else "s", bundle)
+        return worker
 
     def _num_ranks(self, role: str) -> int:
         parallel = self._engine_for(role).parallel
@@ -269,11 +373,13 @@ class Controller:
         worker.drain_version = ray.get(self.registry.set_draining.remote(worker.name))
         log.info("scale-down: draining worker %s", worker.name)
 
-    def _progress_drains(self, ray) -> None:
+    def _progress_drains(self, router_view) -> None:
+        import ray
+
         draining = [w for w in self.workers.values() if w.state == "draining"]
         if not draining:
             return
-        acked, in_flight, _ = ray.get(self.registry.router_view.remote())
+        acked, in_flight, _ = router_view
         for worker in draining:
             url = worker.record["url"]
             waited = time.monotonic() - worker.drain_since
@@ -286,6 +392,13 @@ class Controller:
                 worker.state = "stopping"
                 worker.stop_ref = worker.actor.stop.remote()
 
+    def _give_up_refresh(self, worker: Worker) -> None:
+        """`worker` (removed) will not take its predecessor's place: that one serves on."""
+        old = self.workers.get(worker.refresh_of)
+        if old is not None:
+            old.replaced_by = None
+            old.refresh_after = time.monotonic() + self.cluster.start_timeout_seconds
+
     def _failed(self, worker: Worker, why: str) -> None:
         now = time.monotonic()
         log.error("worker %s (%s) failed: %s", worker.name, worker.role, why)
@@ -297,14 +410,14 @@ class Controller:
             self.gave_up = (f"{len(self.failures)} worker failures within "
                             f"{self.cluster.failure_window_seconds:.0f}s; last: {worker.name}: {why}")
             log.error("giving up: %s", self.gave_up)
+        elif worker.refresh_of is not None:  # its predecessor still serves: targets unchanged
+            self._give_up_refresh(worker)
         elif self.cluster.replace_dead_workers:
             self.num_replaced += 1  # the next reconcile starts a replacement (targets)
         else:
-            import ray
+            import ray  # one actor call: a concurrent `hearth scale` is not undone
 
-            targets = ray.get(self.registry.targets.remote())
-            ray.get(self.registry.set_targets.remote(
-                {worker.role: max(0, targets[worker.role] - 1)}))
+            ray.get(self.registry.decrement_target.remote(worker.role))
 
     def _remove(self, worker: Worker) -> None:
         """Out of the registry; actor and placement group gone."""

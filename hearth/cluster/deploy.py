@@ -9,6 +9,12 @@ owned by this driver, non-detached, and each `hearth serve` dies with its actor)
 
 `scale` connects to the same cluster, finds the deployment's registry by name and sets its
 targets; with `wait`, it returns once the controller reports them reached.
+
+`start` and `serve_router` are the two halves of `up_cluster` that the Python API shares
+(hearth/cluster/deployment.py: the same controller, the router in a thread). This module is
+also that API: `hearth.cluster.deploy(...)` calls `deployment.deploy` (the module is callable),
+so `from hearth.cluster.deploy import up_cluster` and `hearth.cluster.deploy(model=...)` both
+work. Nothing here imports Ray until a function runs.
 """
 
 from __future__ import annotations
@@ -16,13 +22,19 @@ from __future__ import annotations
 import logging
 import secrets
 import signal
+import sys
 import time
+import types
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from hearth.cluster.cluster_config import ClusterConfig
 from hearth.config import EngineConfig
 from hearth.router.router_config import RouterConfig, UpConfig
 from hearth.server.server_config import ServerConfig
+
+if TYPE_CHECKING:
+    from hearth.cluster.controller import Controller
 
 log = logging.getLogger("hearth.cluster")
 
@@ -38,34 +50,53 @@ def connect(cluster: ClusterConfig) -> None:
              logging_level=logging.WARNING, configure_logging=False)
 
 
-def up_cluster(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
-               server: ServerConfig, router: RouterConfig) -> int:
-    """0 on SIGINT/SIGTERM after serving, 1 if startup fails or the controller gives up."""
+def start(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
+          server: ServerConfig) -> tuple[Controller, str]:
+    """Connect, start the registry and the first workers and wait until they serve: the
+    controller and the workers' API key (what the router sends them). What `up_cluster` and
+    `deploy()` share; on any failure nothing of the deployment is left on the cluster."""
     from hearth.cluster.controller import Controller
+
+    targets = cluster.autoscale.clamp({"prefill": stack.num_prefill, "decode": stack.num_decode,
+                                       "both": stack.num_workers})
+    api_key = stack.worker_api_key or secrets.token_hex(16)
+    kv_secret = engine.kv_transfer.secret or secrets.token_hex(16)
+    engine = replace(engine, kv_transfer=replace(engine.kv_transfer, secret=""))
+    connect(cluster)
+    controller = Controller(cluster, engine, server, stack.worker_args, targets, stack.log_dir)
+    try:
+        controller.start({"worker_api_key": api_key, "kv_secret": kv_secret})
+        controller.wait_ready(stack.startup_timeout_seconds)
+    except BaseException:
+        controller.stop()
+        raise
+    return controller, api_key
+
+
+def serve_router(controller: Controller, router: RouterConfig, worker_api_key: str) -> int:
+    """The router, fed by discovery from the controller's registry, until it is stopped (0) or
+    the controller gives up (1): route(), as `hearth route` and `hearth up` run it."""
     from hearth.cluster.registry import RayRegistry
     from hearth.router.launch import route
 
+    return route(replace(router, worker_api_key=worker_api_key), controller,
+                 registry=RayRegistry(controller.registry))
+
+
+def up_cluster(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
+               server: ServerConfig, router: RouterConfig) -> int:
+    """0 on SIGINT/SIGTERM after serving, 1 if startup fails or the controller gives up."""
     try:
         import ray
     except ImportError:
         log.error("hearth up --cluster needs Ray: pip install 'hearth[ray]'")
         return 1
-    targets = {"prefill": stack.num_prefill, "decode": stack.num_decode,
-               "both": stack.num_workers}
-    api_key = stack.worker_api_key or secrets.token_hex(16)
-    kv_secret = engine.kv_transfer.secret or secrets.token_hex(16)
-    engine = replace(engine, kv_transfer=replace(engine.kv_transfer, secret=""))
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # uvicorn installs its own later
     controller = None
     try:
-        connect(cluster)
-        controller = Controller(cluster, engine, server, stack.worker_args, targets,
-                                stack.log_dir)
-        controller.start({"worker_api_key": api_key, "kv_secret": kv_secret})
-        controller.wait_ready(stack.startup_timeout_seconds)
+        controller, api_key = start(cluster, stack, engine, server)
         signal.signal(signal.SIGTERM, previous)
-        return route(replace(router, worker_api_key=api_key), controller,
-                     registry=RayRegistry(controller.registry))
+        return serve_router(controller, router, api_key)
     except (RuntimeError, ValueError, ConnectionError) as exc:
         log.error("hearth up --cluster: %s", exc)
         return 1
@@ -89,6 +120,13 @@ def scale(cluster: ClusterConfig, targets: dict[str, int], wait: bool,
     except ValueError:
         raise ValueError(f"no deployment named {cluster.name!r} on this cluster (hearth up "
                          "--cluster starts one)") from None
+    return set_targets(registry, targets, wait, timeout)
+
+
+def set_targets(registry, targets: dict[str, int], wait: bool, timeout: float) -> dict:
+    """Set targets on a registry actor; with `wait`, return once the deployment serves them."""
+    import ray
+
     try:
         ray.get(registry.set_targets.remote(targets))
     except ray.exceptions.RayTaskError as exc:
@@ -115,3 +153,16 @@ def _reached(status: dict) -> bool:
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+class _CallableModule(types.ModuleType):
+    """`hearth.cluster.deploy(...)`: the Python API, under the name of the module that holds
+    the code it shares with `hearth up --cluster`."""
+
+    def __call__(self, *args, **kwargs):
+        from hearth.cluster.deployment import deploy
+
+        return deploy(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import time
 
+from hearth.cluster.cluster_config import ROLES
 from hearth.router.discovery import WorkerRecord
-
-ROLES = ("prefill", "decode", "both")
 
 
 class WorkerRegistry:
@@ -87,6 +86,21 @@ class WorkerRegistry:
         return dict(self._targets)
 
     def targets(self) -> dict[str, int]:
+        return dict(self._targets)
+
+    def set_target_if(self, role: str, expected: int, count: int) -> bool:
+        """Set one role's target only if it still is `expected` (the autoscaler's move: a
+        `hearth scale` that came in between wins). False if it changed meanwhile."""
+        if self._targets.get(role) != expected:
+            return False
+        self.set_targets({role: count})
+        return True
+
+    def decrement_target(self, role: str) -> dict[str, int]:
+        """One worker fewer wanted for `role` (a dead worker not replaced: --no-replace). One
+        actor call, so a concurrent `hearth scale` is never undone by a stale read. May leave
+        a role at 0 that a deployment needs: the worker is gone either way."""
+        self._targets[role] = max(0, self._targets[role] - 1)
         return dict(self._targets)
 
     def set_status(self, status: dict) -> None:

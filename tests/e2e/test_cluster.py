@@ -6,12 +6,14 @@ each with its own address (127.0.0.2-4), raylet and object store. One deployment
 starts it (a real process, the router on a real port): P=1, D=2, and one monolithic worker with
 TP=3 (its three ranks packed on one node; the default model's 9 heads / 3 KV heads allow T = 1
 or 3, and PD roles need T = 1). Each test sets the targets it needs with `hearth scale
---wait` first, so the tests pass in any order.
+--wait` first, so the tests pass in any order. The Python API (`hearth.cluster.deploy`) and
+the autoscaler get small deployments of their own, under other names, on the same cluster.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -32,7 +34,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 STORE = 80 * 2**20
-WORKER_ARGS = [f"--worker-arg={flag}" for flag in ("--num-kv-blocks=512", *EXACT_FLAGS)]
+SERVE_FLAGS = ("--num-kv-blocks=512", *EXACT_FLAGS)
+WORKER_ARGS = [f"--worker-arg={flag}" for flag in SERVE_FLAGS]
+WORKER_KEY = "cluster-test-worker-key"  # so the tests can read each worker's own /load
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
     "type": "array", "items": {"type": "integer"}, "maxItems": 40}},
     "required": ["city", "days"], "additionalProperties": False}
@@ -85,8 +89,9 @@ def stack(cluster, tmp_path_factory):
         process = subprocess.Popen(
             [sys.executable, "-m", "hearth.cli", "up", "--cluster", cluster.address,
              "--prefill", "1", "--decode", "2", "--workers", "1", "--workers-tp", "3",
-             "--port", str(port), *WORKER_ARGS],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+             "--port", str(port), "--show-worker-urls", *WORKER_ARGS],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "HEARTH_WORKER_API_KEY": WORKER_KEY})
     stack = Stack(process, f"http://127.0.0.1:{port}", cluster.address, log_path)
     deadline = time.monotonic() + 300
     while True:
@@ -106,24 +111,50 @@ def stack(cluster, tmp_path_factory):
     assert_nothing_left(cluster.address)
 
 
-def assert_nothing_left(address: str) -> None:
-    """No placement group, no live actor of the deployment once `hearth up` has exited."""
+def assert_nothing_left(address: str, name: str | None = None) -> None:
+    """No placement group, no live actor (of the deployment `name`, or of any) once it ended."""
     import ray._private.state as state
     from ray.util import placement_group_table
+
+    def ours(actor_or_group_name: str | None) -> bool:
+        return name is None or (actor_or_group_name or "").startswith(name + "-")
 
     ray.init(address=address, log_to_driver=False, namespace="hearth-test")
     try:
         deadline = time.monotonic() + 30
         while True:
-            groups = {k: v["state"] for k, v in placement_group_table().items()
-                      if v["state"] != "REMOVED"}
-            actors = [a.get("Name") for a in state.actors().values() if a["State"] != "DEAD"]
+            groups = {v.get("name"): v["state"] for v in placement_group_table().values()
+                      if v["state"] != "REMOVED" and ours(v.get("name"))}
+            actors = [a.get("Name") for a in state.actors().values()
+                      if a["State"] != "DEAD" and ours(a.get("Name"))]
             if not groups and not actors:
                 return
             assert time.monotonic() < deadline, (groups, actors)
             time.sleep(0.5)
     finally:
         ray.shutdown()
+
+
+def worker_loads(stack: Stack) -> dict[str, dict]:
+    """Each worker's own /load (with the KV pool check), by URL."""
+    endpoints = httpx.get(stack.url + "/load", timeout=10).json()["endpoints"]
+    return {e["url"]: httpx.get(e["url"] + "/load", params={"check_pool": "true"}, timeout=30,
+                                headers={"Authorization": f"Bearer {WORKER_KEY}"}).json()
+            for e in endpoints}
+
+
+def wait_idle_and_whole(stack: Stack, num_workers: int, timeout: float = 60.0) -> dict:
+    """Until the router knows `num_workers` workers and every one has nothing running or
+    queued and its KV pool whole (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = worker_loads(stack)
+        if len(loads) == num_workers and all(r["num_requests_inflight"] == 0 and r["num_running"] == 0
+               and r["num_waiting"] == 0 and r["kv_pool_is_whole"] is True
+               for r in loads.values()):
+            return loads
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.5)
 
 
 def workers(stack: Stack) -> list[dict]:
@@ -159,8 +190,8 @@ def test_deploys_and_answers_chat_responses_messages(stack):
 class Load:
     """Streamed and plain chat requests from 3 threads until stopped; every failure recorded."""
 
-    def __init__(self, stack: Stack) -> None:
-        self.stack, self.done, self.failures = stack, 0, []
+    def __init__(self, make_client) -> None:
+        self.make_client, self.done, self.failures = make_client, 0, []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(3)]
 
@@ -175,7 +206,7 @@ class Load:
             t.join(timeout=300)
 
     def _run(self, i: int) -> None:
-        client = self.stack.client()
+        client = self.make_client()
         n = 0
         while not self._stop.is_set():
             n += 1
@@ -199,7 +230,7 @@ class Load:
 
 def test_scale_decode_2_3_1_under_load_loses_nothing(stack):
     stack.scale(decode=2)
-    with Load(stack) as load:
+    with Load(stack.client) as load:
         time.sleep(2)
         status = stack.scale(decode=3)
         assert sum(w["role"] == "decode" for w in status["workers"]) == 3
@@ -287,5 +318,129 @@ def test_node_loss_mid_stream_streams_continue(stack, cluster):
     assert status["replaced"] >= 1
     assert "failed: its actor is gone" in stack.log() or "failed: its process exited" in stack.log()
     print(f"node loss -> targets served again after {time.monotonic() - lost:.1f}s")
+    # what survived (and the replacement) holds no request, no queue, and every KV block
+    wait_idle_and_whole(stack, num_workers=4)  # P=1, D=2, the TP=3 worker
     cluster.add_node(num_cpus=4, object_store_memory=STORE,  # room for later tests
                      node_ip_address="127.0.0.5")
+
+
+def api_client(deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=deployment.url + "/v1", api_key="none", max_retries=0,
+                         timeout=180)
+
+
+def running(status: dict, role: str) -> int:
+    return sum(w["role"] == role and w["state"] == "running" for w in status["workers"])
+
+
+def test_python_api_deploys_answers_scales_and_leaves_nothing(cluster):
+    import hearth.cluster
+
+    with hearth.cluster.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
+                               name="api-test", worker_args=SERVE_FLAGS) as deployment:
+        assert ray.is_initialized()  # deploy() connected this process ...
+        reply = api_client(deployment).chat.completions.create(
+            model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Say hello."}])
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+        status = deployment.scale(decode=2, timeout=240)
+        assert status["deployment"] == "api-test" and running(status, "decode") == 2
+        status = deployment.scale(decode=1, timeout=240)
+        assert running(status, "decode") == 1 and len(status["workers"]) == 1
+        assert deployment.status()["targets"] == {"prefill": 0, "decode": 1, "both": 0}
+        with pytest.raises(ValueError, match="at least one decode"):
+            deployment.scale(decode=0)
+    assert not ray.is_initialized()  # ... and shutdown() disconnected it
+    assert deployment.exit_code == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(deployment.url + "/health", timeout=5)
+    assert_nothing_left(cluster.address, "api-test")
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def wait_for_status(deployment, ok, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = deployment.status()
+        if ok(status):
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.25)
+
+
+def test_autoscaler_follows_load_up_and_drains_back(cluster):
+    import hearth.cluster
+
+    lines = Lines()
+    logging.getLogger("hearth.cluster").addHandler(lines)
+    try:
+        with hearth.cluster.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
+                                   name="autoscale-test", worker_args=SERVE_FLAGS,
+                                   autoscale={"decode": (1, 2)}, autoscale_target_requests=1,
+                                   autoscale_upscale_delay=1.0,
+                                   autoscale_downscale_delay=3.0) as deployment:
+            with Load(lambda: api_client(deployment)) as load:  # 3 requests open, 1 wanted each
+                wait_for_status(deployment, lambda s: s["targets"]["decode"] == 2, 120)
+                wait_for_status(deployment, lambda s: running(s, "decode") == 2, 240)
+                done_at_two = load.done
+                deadline = time.monotonic() + 120
+                while load.done < done_at_two + 3:  # the second worker takes part
+                    assert time.monotonic() < deadline and not load.failures, load.failures
+                    time.sleep(0.2)
+            status = wait_for_status(deployment, lambda s: s["targets"]["decode"] == 1
+                                     and len(s["workers"]) == 1
+                                     and running(s, "decode") == 1, 120)
+            assert load.failures == [], load.failures
+            assert status["targets"]["decode"] == 1
+    finally:
+        logging.getLogger("hearth.cluster").removeHandler(lines)
+    assert any("autoscale: decode workers 1 -> 2" in line for line in lines.lines), lines.lines
+    assert any("autoscale: decode workers 2 -> 1" in line for line in lines.lines), lines.lines
+    assert any("scale-down: draining worker" in line for line in lines.lines), lines.lines
+    assert_nothing_left(cluster.address, "autoscale-test")
+
+
+def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(stack, cluster):
+    """A decode worker's KV peers are the nodes alive when it started: a prefill worker placed
+    on a node that joined later makes the controller refresh the decode workers (a new one
+    beside each, then the old one drained), so every decode worker can pull from it."""
+    import ray._private.state as state
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    stack.scale(prefill=1, decode=2)
+    new_ip = "127.0.0.6"
+    cluster.add_node(num_cpus=4, object_store_memory=STORE, node_ip_address=new_ip)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, namespace="hearth-test")
+    try:
+        # fill every other node, so the next worker can only be placed on the new one
+        blockers = []
+        for node in ray.nodes():
+            free = state.available_resources_per_node().get(node["NodeID"], {}).get("CPU", 0)
+            if node["Alive"] and node["NodeManagerAddress"] != new_ip and free >= 1:
+                group = placement_group([{"CPU": int(free),
+                                          f"node:{node['NodeManagerAddress']}": 0.001}])
+                assert group.wait(30), node
+                blockers.append(group)
+        with Load(stack.client) as load:
+            status = stack.scale(prefill=2)
+        for group in blockers:
+            remove_placement_group(group)
+    finally:
+        ray.shutdown()
+    assert load.failures == [], load.failures
+    prefill_hosts = {w["host"] for w in status["workers"] if w["role"] == "prefill"}
+    assert new_ip in prefill_hosts
+    decode = [w for w in status["workers"] if w["role"] == "decode"]
+    assert len(decode) == 2 and all(w["state"] == "running" for w in decode)
+    assert all(prefill_hosts <= set(w["kv_peers"]) for w in decode), status
+    assert "KV peers: worker" in stack.log()
+    stack.scale(prefill=1)
