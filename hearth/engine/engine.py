@@ -35,7 +35,7 @@ from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
 from hearth.engine.speculative.speculator import make_speculator
 from hearth.engine.stats import EngineStats
 from hearth.engine.stops import check_resume, check_resumed, check_tokens
-from hearth.engine.step import StepBuilder, StepTokens, to_step_tokens
+from hearth.engine.step import Executor, StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
@@ -64,11 +64,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint=None,
                  connector_factory: ConnectorFactory | None = None,
                  store_factory: StoreFactory | None = None,
-                 prebuilt: BuiltModel | None = None) -> None:
+                 prebuilt: BuiltModel | None = None, executor: Executor | None = None) -> None:
         """`connector_factory` (from the server, by role) enables KV export/import;
         `store_factory` the KV tiers below the pool (when `config.kv_offload` names one);
         `prebuilt` a model already built for this checkpoint and formats (`build_model_for`),
-        which this engine then shares instead of building its own (T = P = 1 only)."""
+        which this engine then shares instead of building its own (T = P = 1 only);
+        `executor` runs the steps instead of the one `make_executor` would make (the engine's
+        unit tier drives the engine over a scripted executor this way)."""
         from hearth.models.loader import load_checkpoint
 
         t0 = time.monotonic()
@@ -83,7 +85,7 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         torch.manual_seed(mc.seed)
         # ModelRunner in this process, or the driver of T x P rank processes (same interface).
-        self.executor = make_executor(config, self.checkpoint, prebuilt)
+        self.executor: Executor = executor or make_executor(config, self.checkpoint, prebuilt)
         num_blocks = self.executor.num_blocks
         self.step_builder = StepBuilder(cc.block_size, self.arch.vocab_size)
         self.speculator = make_speculator(config, self.arch.vocab_size)
@@ -459,8 +461,7 @@ class LLMEngine:
             num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
             num_forced_tokens=self.counters["forced"],
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
-            moe_expert_tokens=(self.executor.expert_load()
-                               if hasattr(self.executor, "expert_load") else {}),
+            moe_expert_tokens=self.executor.expert_load(),
             **self._spec_stats(),
         )
 

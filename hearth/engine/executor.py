@@ -23,6 +23,7 @@ import torch
 from hearth.config import CacheConfig, EngineConfig, ParallelConfig
 from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank
 from hearth.engine.runner import DTYPES, KV_DTYPES, ModelRunner
+from hearth.engine.step import Executor
 from hearth.models.arch import ModelArch
 from hearth.models.layers import use_lowp_prefill
 from hearth.models.moe import use_lowp_expert_prompts
@@ -204,7 +205,8 @@ def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
     return BuiltModel(model, checkpoint, _formats(config, dtype, quantization, kernels), kernels)
 
 
-def make_executor(config: EngineConfig, checkpoint, prebuilt: BuiltModel | None = None):
+def make_executor(config: EngineConfig, checkpoint,
+                  prebuilt: BuiltModel | None = None) -> Executor:
     """`prebuilt`: a model from `build_model_for` with the same checkpoint and formats (else a
     ValueError); None builds one."""
     pc = config.parallel

@@ -23,13 +23,13 @@ computed count only covers accepted tokens, so the prefix cache never registers 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import numpy as np
 import torch
 
 from hearth.engine.kv.cache import cdiv
-from hearth.engine.parallel.layout import split_micro_batches
 from hearth.engine.request import Logprob, Request
 
 
@@ -197,3 +197,51 @@ def to_step_tokens(result: SampleResult, requests: list[Request],
                 lps.append(Logprob(token, got.logprobs[j], top))
         out.append(StepTokens(req, list(got.token_ids), lps, len(row.draft_token_ids)))
     return out
+
+
+def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[int]:
+    """Cut a step's requests (in order) into <= num_micro_batches contiguous groups of about
+    equal token count; returns the number of requests in each group (no empty groups).
+
+    A request is never split, so one long prefill alone in a step is one micro-batch.
+    """
+    n = len(num_tokens)
+    m = max(1, min(num_micro_batches, n))
+    total = sum(num_tokens)
+    sizes, count, acc, cut = [], 0, 0, 1
+    for i, tokens in enumerate(num_tokens):
+        count += 1
+        acc += tokens
+        remaining_requests = n - i - 1
+        remaining_groups = m - len(sizes) - 1
+        # Close the group once it reaches its share, or when every later request must start
+        # a group of its own to reach m groups.
+        if remaining_groups > 0 and (acc * m >= total * cut
+                                     or remaining_requests == remaining_groups):
+            sizes.append(count)
+            count, cut = 0, cut + 1
+    sizes.append(count)
+    return [s for s in sizes if s]
+
+
+class Executor(Protocol):
+    """What the engine needs of whatever runs its steps: `ModelRunner` (hearth/engine/runner.py,
+    the model in this process) or `ParallelExecutor` (hearth/engine/parallel/executor.py, the
+    T x P rank set driven by messages). `make_executor` (executor.py) picks one."""
+
+    num_blocks: int  # KV blocks each rank's cache holds (the engine's pool mirrors them)
+    num_micro_batches: int  # how many pieces `StepBuilder` cuts a step into (pipeline stages)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The one KV tensor `[layers, planes, num_blocks, block_size, heads, dim]` that PD
+        transfer and the KV tiers read and write (one process only: a rank set raises)."""
+        ...
+
+    def execute(self, cmd: StepCommand) -> SampleResult: ...
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since start per MoE layer; {} when not counted."""
+        ...
+
+    def close(self) -> None: ...

@@ -2,10 +2,10 @@
 
 import pytest
 
-from hearth.engine.parallel.layout import (check_parallel_shape, kv_bytes_per_block_per_rank,
-                                           split_layers, split_micro_batches)
+from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank, split_layers
 from hearth.engine.parallel.messages import SampleRow, StepCommand
 from hearth.engine.parallel.stage import micro_batches
+from hearth.engine.step import split_micro_batches
 from hearth.models.arch import ModelArch
 from hearth.ops.distributed import RankLayout
 

@@ -155,6 +155,10 @@ class ParallelExecutor:
                            "pipeline_parallel_size=1: with T x P ranks the KV cache is spread "
                            "over processes (see docs/parallelism.md)")
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Not counted across ranks (the ranks run the torch expert reference)."""
+        return {}
+
     def block_view(self, block_id: int) -> torch.Tensor:
         return self.kv_cache[:, :, block_id]
 

@@ -73,28 +73,3 @@ def kv_bytes_per_block_per_rank(arch: ModelArch, tp_size: int, pp_size: int, blo
     max_layers = max(end - start for start, end in split_layers(arch.num_layers, pp_size))
     planes, heads, dim = arch.kv_cache_layout(tp_size)
     return planes * max_layers * block_size * heads * (dim * itemsize + row_extra_bytes)
-
-
-def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[int]:
-    """Cut a step's requests (in order) into <= num_micro_batches contiguous groups of about
-    equal token count; returns the number of requests in each group (no empty groups).
-
-    A request is never split, so one long prefill alone in a step is one micro-batch.
-    """
-    n = len(num_tokens)
-    m = max(1, min(num_micro_batches, n))
-    total = sum(num_tokens)
-    sizes, count, acc, cut = [], 0, 0, 1
-    for i, tokens in enumerate(num_tokens):
-        count += 1
-        acc += tokens
-        remaining_requests = n - i - 1
-        remaining_groups = m - len(sizes) - 1
-        # Close the group once it reaches its share, or when every later request must start
-        # a group of its own to reach m groups.
-        if remaining_groups > 0 and (acc * m >= total * cut
-                                     or remaining_requests == remaining_groups):
-            sizes.append(count)
-            count, cut = 0, cut + 1
-    sizes.append(count)
-    return [s for s in sizes if s]
