@@ -10,6 +10,8 @@ so `hearth up` without `--cluster` never loads Ray. The pieces:
   * `controller.py` — `Controller`: places workers (one placement group each), replaces the
     dead, scales to the registry's targets, drains before it stops a worker;
   * `autoscaler.py` — `Autoscaler`: a role's target from the router's open requests;
+  * `peer_refresh.py` — decode workers replaced when a prefill worker serves on a node that
+    joined after them (their KV allow-list is fixed at start);
   * `deploy.py` — `up_cluster` (what `hearth up --cluster` runs) and `scale`;
   * `deployment.py` — the Python API: `hearth.cluster.deploy(...)` -> `Deployment` (the same
     controller and router as `hearth up --cluster`, the router in a thread of the caller).

@@ -19,6 +19,7 @@ the target it returns (hearth/cluster/controller.py).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from hearth.cluster.cluster_config import AutoscaleConfig
 
@@ -57,3 +58,13 @@ class Autoscaler:
     def forget(self, role: str) -> None:
         """No reading this round (the router's view is stale): clocks start over."""
         self._since.pop(role, None)
+
+
+def open_requests_by_role(in_flight: dict[str, int], role_of_url: dict[str, str]) -> Counter:
+    """The router's open requests per worker URL, summed per role (unknown URLs: workers
+    already gone, left out)."""
+    num_open: Counter = Counter()
+    for url, count in in_flight.items():
+        if url in role_of_url:
+            num_open[role_of_url[url]] += count
+    return num_open

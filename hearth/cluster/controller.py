@@ -18,11 +18,8 @@ One thread in the `hearth up --cluster` process reconciles every `interval_secon
   * autoscaling (optional, hearth/cluster/autoscaler.py): an autoscaled role's target follows
     the requests the router reports open on its workers; the target moves, and the scaling
     above (drains included) does the rest;
-  * KV peers: a decode worker may pull KV only from the nodes alive when it started (its
-    `--kv-peers`, fixed for its process). When a prefill worker serves on a node that a decode
-    worker does not trust (the node joined later), that decode worker is refreshed: a new one
-    is started beside it and, once it serves, the old one drains (one at a time; a refresh that
-    cannot be placed is retried later, and is never counted as a failure);
+  * KV peers (hearth/cluster/peer_refresh.py): a decode worker that cannot pull from a serving
+    prefill worker's node (it joined later) is replaced by a new one, started beside it first;
   * cleanup: a worker that ends leaves no actor and no placement group behind; `stop()` ends
     every worker, then the registry.
 The router is the source of truth for routing (its health checks); this is the source of truth
@@ -35,13 +32,14 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 from urllib.parse import urlsplit
 
-from hearth.cluster.autoscaler import Autoscaler
+from hearth.cluster.autoscaler import Autoscaler, open_requests_by_role
 from hearth.cluster.cluster_config import ClusterConfig
+from hearth.cluster.peer_refresh import give_up_refresh, refresh_peers
 from hearth.cluster.registry import ROLES, registry_actor
 from hearth.cluster.worker_actor import worker_actor_class
 from hearth.config import EngineConfig
@@ -215,7 +213,7 @@ class Controller:
             # could leave no node with room for a worker of many ranks.
             for role in sorted(wanted, key=lambda r: -self._num_ranks(r)):
                 self._add(role)
-            self._refresh_peers()
+            refresh_peers(self.workers, self._add, self._drain, time.monotonic())
             self._progress_drains(router_view)
             ray.get(self.registry.set_status.remote(self.state(detail=True)))
 
@@ -223,11 +221,8 @@ class Controller:
         """Move each autoscaled role's target (in `targets` too) as the router's load asks."""
         _, in_flight, ack_time = router_view
         fresh = time.time() - ack_time < ROUTER_VIEW_MAX_AGE_SECONDS
-        role_of = {w.record["url"]: w.role for w in self.workers.values() if w.record}
-        num_open = Counter()
-        for url, count in in_flight.items():
-            if url in role_of:
-                num_open[role_of[url]] += count
+        num_open = open_requests_by_role(
+            in_flight, {w.record["url"]: w.role for w in self.workers.values() if w.record})
         for role in self.cluster.autoscale.ranges:
             if not fresh:
                 self.autoscaler.forget(role)
@@ -246,40 +241,6 @@ class Controller:
                          targets[role], new, num_open[role])
                 targets[role] = new
 
-    def _refresh_peers(self) -> None:
-        """Replace, one at a time, a decode worker that cannot pull from a serving prefill
-        worker's node (it joined after that decode worker started)."""
-        prefill_hosts = {w.host for w in self.workers.values()
-                         if w.role == "prefill" and w.state == "running"}
-        refreshing = False
-        for worker in list(self.workers.values()):
-            if worker.refresh_of not in self.workers:  # its predecessor is gone anyway
-                worker.refresh_of = None
-            if worker.replaced_by is None:
-                continue
-            successor = self.workers.get(worker.replaced_by)
-            if successor is None:  # could not be placed or started: try again later
-                worker.replaced_by = None
-            elif successor.state == "running" and worker.state == "running":
-                log.info("KV peers: worker %s serves; draining %s", successor.name, worker.name)
-                successor.refresh_of = None  # a worker like any other from now on
-                self._drain(worker)
-            else:
-                refreshing = True
-        if refreshing:
-            return
-        now = time.monotonic()
-        for worker in self.workers.values():
-            missing = prefill_hosts - worker.peers
-            if (worker.role == "decode" and worker.state == "running" and missing
-                    and worker.replaced_by is None and now >= worker.refresh_after):
-                successor = self._add("decode")
-                successor.refresh_of, worker.replaced_by = worker.name, successor.name
-                log.info("KV peers: worker %s does not trust %s (joined later); starting %s "
-                         "to take its place", worker.name, ", ".join(sorted(missing)),
-                         successor.name)
-                return
-
     def _collect(self, ray) -> None:
         """Starts that finished, workers that ended."""
         for worker in list(self.workers.values()):
@@ -294,7 +255,7 @@ class Controller:
                         log.warning("KV peers: no room for %s to take %s's place; retrying "
                                     "later", worker.name, worker.refresh_of)
                         self._remove(worker)
-                        self._give_up_refresh(worker)
+                        give_up_refresh(self.workers, worker, self._retry_refresh_at())
                     else:
                         self._failed(worker, "its placement group could not be placed in "
                                              f"{self.cluster.start_timeout_seconds:.0f}s")
@@ -392,12 +353,8 @@ class Controller:
                 worker.state = "stopping"
                 worker.stop_ref = worker.actor.stop.remote()
 
-    def _give_up_refresh(self, worker: Worker) -> None:
-        """`worker` (removed) will not take its predecessor's place: that one serves on."""
-        old = self.workers.get(worker.refresh_of)
-        if old is not None:
-            old.replaced_by = None
-            old.refresh_after = time.monotonic() + self.cluster.start_timeout_seconds
+    def _retry_refresh_at(self) -> float:
+        return time.monotonic() + self.cluster.start_timeout_seconds
 
     def _failed(self, worker: Worker, why: str) -> None:
         now = time.monotonic()
@@ -411,7 +368,7 @@ class Controller:
                             f"{self.cluster.failure_window_seconds:.0f}s; last: {worker.name}: {why}")
             log.error("giving up: %s", self.gave_up)
         elif worker.refresh_of is not None:  # its predecessor still serves: targets unchanged
-            self._give_up_refresh(worker)
+            give_up_refresh(self.workers, worker, self._retry_refresh_at())
         elif self.cluster.replace_dead_workers:
             self.num_replaced += 1  # the next reconcile starts a replacement (targets)
         else:
