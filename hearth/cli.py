@@ -4,8 +4,8 @@ The flags are declared and mapped onto configs in hearth/flags.py (the one modul
 flags and the environment they fall back to); this module is the console script's entry point
 (`hearth = "hearth.cli:main"`, also `python -m hearth.cli`): `main` parses, then hands the
 configs to the layer that runs them: `serve` (hearth/server/launch.py), `route`
-(hearth/router/launch.py), `up` (hearth/router/up.py, or with `--cluster` hearth/cluster/deploy.py),
-`scale` (hearth/cluster/deploy.py), the offline `LLM` or the engine
+(hearth/router/launch.py), `up` (hearth/router/up.py, or with `--cluster` hearth/cluster/commands.py),
+`scale` (hearth/cluster/commands.py), the offline `LLM` or the engine
 benchmark. Under torchrun every rank but 0 serves the driver's steps instead (`_serve_rank`).
 `hearth up` starts its workers as `python -m hearth.cli serve ...` (`worker_command`).
 """
@@ -55,7 +55,7 @@ def cmd_route(a: argparse.Namespace) -> int:
 
 def cmd_up(a: argparse.Namespace) -> int:
     if a.cluster is not None:  # Ray is imported only on this path
-        from hearth.cluster.deploy import up_cluster
+        from hearth.cluster.commands import up_cluster
 
         return up_cluster(cluster_config(a), up_config(a), engine_config(a),
                           up_worker_server_config(a), router_config(a))
@@ -66,7 +66,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_scale(a: argparse.Namespace) -> int:
-    from hearth.cluster.deploy import scale
+    from hearth.cluster.commands import scale
 
     targets = {role: n for role, n in (("prefill", a.prefill), ("decode", a.decode),
                                        ("both", a.workers)) if n is not None}

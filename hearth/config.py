@@ -116,7 +116,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill/decode disaggregation of one worker (read by `hearth.disagg`, not the engine)."""
+    """Prefill/decode disaggregation of one worker (read by `hearth.kv_transfer`, not the engine)."""
 
     role: Role = Role.BOTH  # both (monolithic) | prefill (exports KV) | decode (imports KV)
     transport: str = "tcp"  # tcp (hearth's own) | mooncake (Mooncake Transfer Engine)
@@ -127,6 +127,8 @@ class KVTransferConfig:
     # KV servers a decode worker may connect to: "host:port" or "host" (any port); empty:
     # loopback only. Descriptors naming any other peer are not contacted (recompute instead).
     peers: tuple[str, ...] = ()
+    # ... plus the entries of this file, re-read when it changes (hearth/kv_transfer/peers.py)
+    peers_file: str | None = None
     lease_seconds: float = 30.0  # how long exported blocks wait for the decode side
     # Leased blocks past this fraction of the pool end the oldest leases first, so exports
     # whose decode hop never comes cannot starve new prefills.

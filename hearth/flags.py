@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="how long exported KV blocks wait for the decode worker")
     kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
                     "comma-separated host:port or host (default: loopback only)")
+    kv.add_argument("--kv-peers-file", default=None, metavar="PATH",
+                    help="more KV peers, one entry per line or comma-separated, read again "
+                         "whenever the file changes (hearth up --cluster writes it)")
     sp = p.add_argument_group("speculative decoding (docs/speculative.md)")
     # The server drafts by default (EngineConfig's default stays off, for the library): on agent
     # traffic, which repeats itself and its prompts, suffix drafts cut the replay's wall time, and
@@ -176,7 +179,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         kv_transfer=KVTransferConfig(role=a.role, transport=a.kv_transport, host=a.kv_host,
                                      port=a.kv_port, advertise_host=a.kv_advertise_host,
                                      secret=a.kv_secret or "", lease_seconds=a.kv_lease_seconds,
-                                     peers=tuple(p for p in a.kv_peers.split(",") if p.strip())),
+                                     peers=tuple(p for p in a.kv_peers.split(",") if p.strip()),
+                                     peers_file=a.kv_peers_file),
         speculative=SpeculativeConfig(method=a.speculative_method,
                                       num_speculative_tokens=a.num_speculative_tokens,
                                       max_batch=a.speculative_max_batch,
@@ -278,6 +282,7 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--role": kv.role, "--kv-transport": kv.transport, "--kv-host": kv.host,
         "--kv-port": kv.port, "--kv-advertise-host": kv.advertise_host,
         "--kv-lease-seconds": kv.lease_seconds, "--kv-peers": ",".join(kv.peers),
+        "--kv-peers-file": kv.peers_file,
         "--kv-offload-dir": e.kv_offload.directory, "--kv-offload-gb": e.kv_offload.max_gb,
         "--kv-offload-shared": e.kv_offload.shared,
         "--kv-offload-host-gb": e.kv_offload.host_gb,

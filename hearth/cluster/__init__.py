@@ -10,20 +10,16 @@ so `hearth up` without `--cluster` never loads Ray. The pieces:
   * `controller.py` — `Controller`: places workers (one placement group each), replaces the
     dead, scales to the registry's targets, drains before it stops a worker;
   * `autoscaler.py` — `Autoscaler`: a role's target from the router's open requests;
-  * `peer_refresh.py` — decode workers replaced when a prefill worker serves on a node that
-    joined after them (their KV allow-list is fixed at start);
-  * `deploy.py` — `up_cluster` (what `hearth up --cluster` runs) and `scale`;
+  * `commands.py` — `up_cluster` (what `hearth up --cluster` runs) and `scale`;
   * `deployment.py` — the Python API: `hearth.cluster.deploy(...)` -> `Deployment` (the same
     controller and router as `hearth up --cluster`, the router in a thread of the caller).
 See docs/deploy.md.
 """
 
 
-def __getattr__(name):
-    # `hearth.cluster.deploy(...)` without importing anything heavy (or Ray) before it is called:
-    # the module hearth/cluster/deploy.py is callable (it forwards to deployment.deploy).
-    if name == "deploy":
-        import importlib
+def deploy(*args, **kwargs):
+    """The Python API: `hearth.cluster.deploy(model=..., prefill=, decode=, ...)` -> a running
+    `Deployment` (hearth/cluster/deployment.py has the arguments). Ray loads only now."""
+    from hearth.cluster.deployment import deploy as deploy_on_ray
 
-        return importlib.import_module("hearth.cluster.deploy")
-    raise AttributeError(name)
+    return deploy_on_ray(*args, **kwargs)

@@ -18,8 +18,10 @@ One thread in the `hearth up --cluster` process reconciles every `interval_secon
   * autoscaling (optional, hearth/cluster/autoscaler.py): an autoscaled role's target follows
     the requests the router reports open on its workers; the target moves, and the scaling
     above (drains included) does the rest;
-  * KV peers (hearth/cluster/peer_refresh.py): a decode worker that cannot pull from a serving
-    prefill worker's node (it joined later) is replaced by a new one, started beside it first;
+  * KV peers: every worker's `--kv-peers-file` lists the cluster's alive nodes; when the node
+    set changes (a node joins or leaves) each worker's file is rewritten (`set_peers`), and a
+    decode worker reads it again before its next pull, so prefill workers on a node that joined
+    later are trusted without restarting anyone;
   * cleanup: a worker that ends leaves no actor and no placement group behind; `stop()` ends
     every worker, then the registry.
 The router is the source of truth for routing (its health checks); this is the source of truth
@@ -39,7 +41,6 @@ from urllib.parse import urlsplit
 
 from hearth.cluster.autoscaler import Autoscaler, open_requests_by_role
 from hearth.cluster.cluster_config import ClusterConfig
-from hearth.cluster.peer_refresh import give_up_refresh, refresh_peers
 from hearth.cluster.registry import ROLES, registry_actor
 from hearth.cluster.worker_actor import worker_actor_class
 from hearth.config import EngineConfig
@@ -48,6 +49,7 @@ from hearth.server.server_config import ServerConfig
 log = logging.getLogger("hearth.cluster")
 
 HEAD_RESOURCE = "node:__internal_head__"  # every Ray cluster's head node has one of it
+PEER_SYNC_SECONDS = 1.0  # how often the alive nodes are compared with the workers' peers
 ROUTER_VIEW_MAX_AGE_SECONDS = 5.0  # an older acknowledgement: the router's load is unknown
 
 
@@ -66,9 +68,6 @@ class Worker:
     drain_version: int = -1
     drain_since: float = 0.0
     peers: frozenset[str] = frozenset()  # the node addresses its KV import may connect to
-    replaced_by: str | None = None  # the worker started to take its place (a peer refresh)
-    refresh_of: str | None = None  # the worker whose place this one takes
-    refresh_after: float = 0.0  # a refresh that could not be placed is retried after this
 
     def view(self) -> dict:
         return {"name": self.name, "role": self.role, "state": self.state,
@@ -80,7 +79,8 @@ class Worker:
 
     def detail(self) -> dict:
         """`view()` plus addresses: for the registry's status (`hearth scale`), not /health."""
-        return {**self.view(), "host": self.host, "kv_peers": sorted(self.peers)}
+        return {**self.view(), "host": self.host, "kv_peers": sorted(self.peers),
+                "log": self.record.get("log"), "peers_file": self.record.get("peers_file")}
 
 
 class Controller:
@@ -97,6 +97,8 @@ class Controller:
         self.failures: deque[float] = deque()
         self.num_replaced = 0
         self._ids = itertools.count()
+        self._nodes: tuple[str, ...] = ()  # the alive nodes' addresses the workers were told
+        self._next_peer_sync = 0.0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop_router: Callable[[], None] = lambda: None
@@ -202,8 +204,7 @@ class Controller:
             wanted = []
             for role in ROLES:
                 live = [w for w in self.workers.values() if w.role == role
-                        and w.state in ("placing", "starting", "running")
-                        and w.replaced_by not in self.workers]  # a refreshed one: its successor
+                        and w.state in ("placing", "starting", "running")]
                 wanted += [role] * (targets.get(role, 0) - len(live))
                 extra = len(live) - targets.get(role, 0)
                 if extra > 0:  # newest first: those still starting go before serving ones
@@ -213,7 +214,7 @@ class Controller:
             # could leave no node with room for a worker of many ranks.
             for role in sorted(wanted, key=lambda r: -self._num_ranks(r)):
                 self._add(role)
-            refresh_peers(self.workers, self._add, self._drain, time.monotonic())
+            self._sync_peers()
             self._progress_drains(router_view)
             ray.get(self.registry.set_status.remote(self.state(detail=True)))
 
@@ -251,14 +252,8 @@ class Controller:
                     worker.start_ref = worker.actor.start.remote(self.cluster.start_timeout_seconds)
                     worker.wait_ref = worker.actor.wait.remote()
                 elif time.monotonic() - worker.started > self.cluster.start_timeout_seconds:
-                    if worker.refresh_of is not None:  # no room for a refresh: not a failure
-                        log.warning("KV peers: no room for %s to take %s's place; retrying "
-                                    "later", worker.name, worker.refresh_of)
-                        self._remove(worker)
-                        give_up_refresh(self.workers, worker, self._retry_refresh_at())
-                    else:
-                        self._failed(worker, "its placement group could not be placed in "
-                                             f"{self.cluster.start_timeout_seconds:.0f}s")
+                    self._failed(worker, "its placement group could not be placed in "
+                                         f"{self.cluster.start_timeout_seconds:.0f}s")
                 continue
             if worker.state == "starting":
                 done, _ = ray.wait([worker.start_ref], timeout=0)
@@ -299,7 +294,7 @@ class Controller:
         bundle = {k: v for k, v in bundle.items() if v}
         group = placement_group([bundle or {"CPU": 0.001}], strategy="STRICT_PACK",
                                 name=f"{self.cluster.name}-{name}")
-        peers = _cluster_peers()
+        peers = self._nodes or _cluster_peers()
         actor = worker_actor_class().options(
             name=f"{self.cluster.name}-{name}", namespace=self.cluster.namespace,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -353,8 +348,23 @@ class Controller:
                 worker.state = "stopping"
                 worker.stop_ref = worker.actor.stop.remote()
 
-    def _retry_refresh_at(self) -> float:
-        return time.monotonic() + self.cluster.start_timeout_seconds
+    def _sync_peers(self) -> None:
+        """Every `PEER_SYNC_SECONDS`: if the alive nodes changed, rewrite each live worker's
+        KV peers file (fire and forget: a worker that is gone is collected elsewhere)."""
+        now = time.monotonic()
+        if now < self._next_peer_sync:
+            return
+        self._next_peer_sync = now + PEER_SYNC_SECONDS
+        nodes = _cluster_peers()
+        if nodes == self._nodes:
+            return
+        if self._nodes:
+            log.info("KV peers: cluster nodes now %s", ", ".join(nodes))
+        self._nodes = nodes
+        for worker in self.workers.values():
+            if worker.state in ("placing", "starting", "running", "draining"):
+                worker.actor.set_peers.remote(list(nodes))
+                worker.peers = frozenset(nodes)
 
     def _failed(self, worker: Worker, why: str) -> None:
         now = time.monotonic()
@@ -367,8 +377,6 @@ class Controller:
             self.gave_up = (f"{len(self.failures)} worker failures within "
                             f"{self.cluster.failure_window_seconds:.0f}s; last: {worker.name}: {why}")
             log.error("giving up: %s", self.gave_up)
-        elif worker.refresh_of is not None:  # its predecessor still serves: targets unchanged
-            give_up_refresh(self.workers, worker, self._retry_refresh_at())
         elif self.cluster.replace_dead_workers:
             self.num_replaced += 1  # the next reconcile starts a replacement (targets)
         else:

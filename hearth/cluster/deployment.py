@@ -1,6 +1,6 @@
 """The Python API of a cluster deployment: `hearth.cluster.deploy(...)` -> `Deployment`.
 
-The same deployment as `hearth up --cluster` (hearth/cluster/deploy.py's `start` and
+The same deployment as `hearth up --cluster` (hearth/cluster/commands.py's `start` and
 `serve_router`: one controller, the router fed by discovery), run inside the caller's process:
 the router serves from a background thread and the call returns once it answers. Ray is
 imported only when `deploy` runs; if this call connected to Ray it also disconnects on
@@ -41,7 +41,7 @@ class Deployment:
                                         name="hearth-router", daemon=True)
 
     def _serve(self, worker_api_key: str) -> None:
-        from hearth.cluster.deploy import serve_router
+        from hearth.cluster.commands import serve_router
 
         try:
             self.exit_code = serve_router(self.controller, self.router, worker_api_key)
@@ -79,7 +79,7 @@ class Deployment:
               workers: int | None = None, wait: bool = True, timeout: float = 600.0) -> dict:
         """Set the targets of the roles given (as `hearth scale`); with `wait`, return once the
         deployment serves exactly them. ValueError for targets the registry refuses."""
-        from hearth.cluster.deploy import set_targets
+        from hearth.cluster.commands import set_targets
 
         if self.controller.registry is None:
             raise RuntimeError("this deployment was shut down")
@@ -130,7 +130,7 @@ def deploy(model: str | None = None, *, prefill: int = 1, decode: int = 1, worke
     arguments override them. Raises RuntimeError (with nothing left on the cluster) if the
     workers or the router do not come up within the startup timeout.
     """
-    from hearth.cluster.deploy import start
+    from hearth.cluster.commands import start
 
     engine = engine or EngineConfig()
     if model is not None:

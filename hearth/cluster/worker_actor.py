@@ -4,7 +4,8 @@ The controller creates one per worker, inside the worker's own placement group, 
 
   * `start()` fetches the secrets from the registry (a method call: never a command line, never
     a runtime_env Ray would show), picks a free port on its node's address, starts `hearth
-    serve` there (KV transfer server bound on the same address, peers = the cluster's nodes),
+    serve` there (KV transfer server bound on the same address; its KV peers, the cluster's
+    nodes, in a `--kv-peers-file` that `set_peers` rewrites as nodes come and go),
     waits until `/health` answers, registers the worker and returns its record;
   * `wait()` returns the process's exit status when it ends (the controller keeps one call of it
     outstanding per worker: it returns on a crash, and raises RayActorError when the actor, or
@@ -52,9 +53,10 @@ class WorkerProcess:
         self.name, self.role = name, role
         self.engine, self.server, self.worker_args = engine, server, worker_args
         self.registry_name, self.namespace = registry_name, namespace
-        self.threads, self.peers = threads, peers
+        self.threads, self.peers = threads, tuple(peers)
         self.log_dir = log_dir
         self.log_path: Path | None = None
+        self.peers_path: Path | None = None  # the worker's --kv-peers-file (set_peers rewrites)
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
         self._lock = threading.Lock()
@@ -65,7 +67,7 @@ class WorkerProcess:
         from hearth.flags import serve_argv
 
         kv = replace(self.engine.kv_transfer, role=Role.parse(self.role), secret="", host=host,
-                     peers=self.peers)
+                     peers=(), peers_file=str(self.peers_path))
         engine = replace(self.engine, kv_transfer=kv)
         server = replace(self.server, host=host, port=port, api_key=None)
         return [sys.executable, "-m", "hearth.cli", "serve", *serve_argv(engine, server),
@@ -102,6 +104,8 @@ class WorkerProcess:
         with self._lock:
             if self._stopping:
                 raise RuntimeError(f"worker {self.name} was stopped before it started")
+            self.peers_path = self.log_path.with_suffix(".peers")
+            self._write_peers()
             with open(self.log_path, "a") as log_file:
                 self.process = subprocess.Popen(self._command(host, port),
                                                 env=self._environment(secrets),
@@ -117,7 +121,23 @@ class WorkerProcess:
                                f"the end of {self.log_path}:\n{tail}") from None
         ray.get(registry.register.remote(self.name, self.role, self.url, node))
         return {"name": self.name, "role": self.role, "url": self.url, "node": node,
-                "pid": self.process.pid, "log": str(self.log_path)}
+                "pid": self.process.pid, "log": str(self.log_path),
+                "peers_file": str(self.peers_path)}
+
+    def set_peers(self, peers: list[str]) -> None:
+        """The cluster's node addresses now: the worker (a decode worker re-reads its peers
+        file when it changes) may pull KV from prefill workers on any of them."""
+        with self._lock:
+            self.peers = tuple(peers)
+            if self.peers_path is not None:
+                self._write_peers()
+
+    def _write_peers(self) -> None:
+        """Atomically (a reader never sees half a file); under `_lock`."""
+        tmp = self.peers_path.with_suffix(".peers.tmp")
+        tmp.write_text("# KV peers of this hearth worker, kept by hearth up --cluster\n"
+                       + "".join(f"{p}\n" for p in self.peers))
+        os.replace(tmp, self.peers_path)
 
     def wait(self) -> int:
         """The worker process's exit status, once it ends."""

@@ -32,7 +32,7 @@ from hearth.kv_transfer.descriptor import (DESCRIPTOR_VERSION, KVDescriptor, che
                                       check_descriptor, check_transfer_id, tokens_hash)
 from hearth.kv_transfer.kv_memory import KVMemory
 from hearth.kv_transfer.leases import LeaseManager
-from hearth.kv_transfer.peers import PeerAllowlist, normalize_host
+from hearth.kv_transfer.peers import TrustedPeers, normalize_host
 from hearth.kv_transfer.tcp_transport import TransferClient, TransferServer
 from hearth.kv_transfer.wire import WireError
 from hearth.engine.kv.transfer_api import ConnectorEvents, ImportResult, KVCacheGeometry, KVTransfer
@@ -58,7 +58,7 @@ class DisaggConnector:
         self.memory = KVMemory(kv_cache)
         self.leases = LeaseManager(config.lease_seconds, clock, max_blocks=max(
             1, int(config.max_leased_fraction * geometry.num_blocks)))
-        self.peers = PeerAllowlist.parse(config.peers)
+        self.peers = TrustedPeers(config.peers, config.peers_file)
         self.client = TransferClient(config.secret, config.io_timeout_seconds)
         self.mooncake = None
         if config.transport == "mooncake":

@@ -8,6 +8,12 @@ connects only to peers on its allowlist (`--kv-peers`), checked before any socke
     entry "host"        any port on that host
     no entries          loopback only: 127.0.0.0/8, ::1 and "localhost", any port
 
+`--kv-peers-file PATH` adds the entries of a file (comma- or line-separated, `#` comments),
+read again whenever the file changes, so a deployment that gains nodes widens the list of a
+running worker by rewriting the file (`hearth up --cluster` does, for every decode worker). A
+file that cannot be read or parsed later keeps the last good list (logged); at start it is an
+error.
+
 Hosts are compared as written, never resolved: an IP literal matches the same address in any
 spelling ("::1" == "0:0::1"), a name matches the same name (case-insensitive). A peer named by
 a name is trusted as far as name resolution is.
@@ -16,7 +22,12 @@ a name is trusted as far as name resolution is.
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
+import threading
 from dataclasses import dataclass
+
+log = logging.getLogger("hearth.kv_transfer")
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -84,3 +95,52 @@ class PeerAllowlist:
             return "loopback only (no --kv-peers given)"
         pairs = (f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.addresses)
         return ", ".join(sorted([*self.hosts, *pairs]))
+
+
+def read_peers_file(path: str) -> list[str]:
+    """The entries of a peers file; OSError if unreadable (ValueError comes from parsing)."""
+    with open(path) as f:
+        text = f.read()
+    lines = (line.split("#", 1)[0] for line in text.splitlines())
+    return [e.strip() for line in lines for e in line.split(",") if e.strip()]
+
+
+class TrustedPeers:
+    """A decode worker's allowlist: the static entries plus those of a peers file, re-read when
+    the file's (mtime, size, inode) changes. Thread-safe (transfer threads ask it)."""
+
+    def __init__(self, entries: tuple[str, ...] | list[str], path: str | None = None) -> None:
+        self.entries, self.path = tuple(entries), path
+        self._lock = threading.Lock()
+        self._stamp: tuple | None = None
+        self._list = PeerAllowlist.parse(self.entries)  # ValueError: a bad --kv-peers entry
+        if path is not None:
+            self._stamp = self._stat()
+            self._list = PeerAllowlist.parse([*self.entries, *read_peers_file(path)])
+
+    def _stat(self) -> tuple:
+        st = os.stat(self.path)
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def current(self) -> PeerAllowlist:
+        if self.path is None:
+            return self._list
+        with self._lock:
+            try:
+                stamp = self._stat()
+                if stamp != self._stamp:
+                    self._list = PeerAllowlist.parse([*self.entries, *read_peers_file(self.path)])
+                    self._stamp = stamp
+                    log.info("KV peers now: %s (from %s)", self._list.describe(), self.path)
+            except (OSError, ValueError) as exc:
+                if self._stamp is not None:  # say it once per change
+                    log.warning("KV peers file %s: %s; keeping %s", self.path, exc,
+                                self._list.describe())
+                self._stamp = None
+            return self._list
+
+    def allows(self, host: str, port: int) -> bool:
+        return self.current().allows(host, port)
+
+    def describe(self) -> str:
+        return self.current().describe()

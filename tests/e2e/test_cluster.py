@@ -409,13 +409,14 @@ def test_autoscaler_follows_load_up_and_drains_back(cluster):
 
 
 def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(stack, cluster):
-    """A decode worker's KV peers are the nodes alive when it started: a prefill worker placed
-    on a node that joined later makes the controller refresh the decode workers (a new one
-    beside each, then the old one drained), so every decode worker can pull from it."""
+    """Every worker's KV peers file lists the cluster's alive nodes and is rewritten when a node
+    joins: decode workers that started before the node trust a prefill worker placed on it at
+    once (no restart), and the requests under load all succeed."""
     import ray._private.state as state
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    stack.scale(prefill=1, decode=2)
+    before = stack.scale(prefill=1, decode=2)
+    decode_before = sorted(w["name"] for w in before["workers"] if w["role"] == "decode")
     new_ip = "127.0.0.6"
     cluster.add_node(num_cpus=4, object_store_memory=STORE, node_ip_address=new_ip)
     cluster.wait_for_nodes()
@@ -432,15 +433,20 @@ def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(s
                 blockers.append(group)
         with Load(stack.client) as load:
             status = stack.scale(prefill=2)
+            time.sleep(2.0)  # requests through both prefill workers (the load keeps going)
         for group in blockers:
             remove_placement_group(group)
     finally:
         ray.shutdown()
-    assert load.failures == [], load.failures
+    assert load.failures == [] and load.done > 0, load.failures
     prefill_hosts = {w["host"] for w in status["workers"] if w["role"] == "prefill"}
     assert new_ip in prefill_hosts
     decode = [w for w in status["workers"] if w["role"] == "decode"]
-    assert len(decode) == 2 and all(w["state"] == "running" for w in decode)
+    assert sorted(w["name"] for w in decode) == decode_before  # nobody was restarted
+    assert all(w["state"] == "running" for w in decode)
     assert all(prefill_hosts <= set(w["kv_peers"]) for w in decode), status
-    assert "KV peers: worker" in stack.log()
+    for worker in decode:  # what the worker itself reads
+        entries = Path(worker["peers_file"]).read_text().split()
+        assert new_ip in entries, (worker, entries)
+        assert "not a trusted KV peer" not in Path(worker["log"]).read_text()
     stack.scale(prefill=1)

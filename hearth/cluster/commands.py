@@ -11,10 +11,8 @@ owned by this driver, non-detached, and each `hearth serve` dies with its actor)
 targets; with `wait`, it returns once the controller reports them reached.
 
 `start` and `serve_router` are the two halves of `up_cluster` that the Python API shares
-(hearth/cluster/deployment.py: the same controller, the router in a thread). This module is
-also that API: `hearth.cluster.deploy(...)` calls `deployment.deploy` (the module is callable),
-so `from hearth.cluster.deploy import up_cluster` and `hearth.cluster.deploy(model=...)` both
-work. Nothing here imports Ray until a function runs.
+(hearth/cluster/deployment.py: the same controller, the router in a thread; reached as
+`hearth.cluster.deploy(...)`). Nothing here imports Ray until a function runs.
 """
 
 from __future__ import annotations
@@ -22,9 +20,7 @@ from __future__ import annotations
 import logging
 import secrets
 import signal
-import sys
 import time
-import types
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -153,16 +149,3 @@ def _reached(status: dict) -> bool:
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-class _CallableModule(types.ModuleType):
-    """`hearth.cluster.deploy(...)`: the Python API, under the name of the module that holds
-    the code it shares with `hearth up --cluster`."""
-
-    def __call__(self, *args, **kwargs):
-        from hearth.cluster.deployment import deploy
-
-        return deploy(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
