@@ -47,6 +47,10 @@ class ModelConfig:
     # float32 (exact) | bfloat16 | auto (bfloat16 where the CPU runs AMX tiles, else float32).
     prefill_dtype: str = "float32"
     max_model_len: int | None = None  # None: the model's own context length
+    # An HF rope_scaling object as JSON text, replacing the checkpoint's (linear | llama3 |
+    # yarn; hearth/models/rope_scaling.py); the context grows to what it scales to. None: as
+    # the checkpoint says.
+    rope_scaling: str | None = None
     served_model_name: str | None = None
     tokenizer: str | None = None  # override: folder with tokenizer.json
     seed: int = 0
@@ -59,8 +63,9 @@ class CacheConfig:
     num_blocks: int | None = None  # explicit override of the budget (tests)
     enable_prefix_caching: bool = True
     # model (the model dtype: exact) | auto (bfloat16 for a float32 model on hearth's CPU
-    # kernels, else the model dtype; the CLI's default) | float32 | bfloat16 | float16 | int8
-    # (int8 values with a float32 scale per token and head: hearth/ops/kv_quant.py)
+    # kernels, else the model dtype; the CLI's default) | float32 | bfloat16 | float16 | int8 |
+    # fp8 (int8 or fp8 e4m3 values with a float32 scale per token and head:
+    # hearth/ops/kv_quant.py)
     kv_cache_dtype: str = "model"
 
 

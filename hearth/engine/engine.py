@@ -71,18 +71,19 @@ class LLMEngine:
         which this engine then shares instead of building its own (T = P = 1 only);
         `executor` runs the steps instead of the one `make_executor` would make (the engine's
         unit tier drives the engine over a scripted executor this way)."""
-        from hearth.models.loader import load_checkpoint
+        from hearth.models.loader import load_checkpoint, with_rope_scaling
+        from hearth.models.rope_scaling import context_length
 
         t0 = time.monotonic()
         self.config = config
         mc, cc = config.model, config.cache
-        self.checkpoint = (checkpoint or (prebuilt.checkpoint if prebuilt else None)
-                           or load_checkpoint(mc.model))
+        checkpoint = (checkpoint or (prebuilt.checkpoint if prebuilt else None)
+                      or load_checkpoint(mc.model))
+        self.checkpoint = with_rope_scaling(checkpoint, mc.rope_scaling)
         self.arch = self.checkpoint.arch
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         self.model_name = mc.served_model_name or self.checkpoint.name
-        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
-                                 self.arch.max_position_embeddings)
+        self.max_model_len = context_length(self.arch, mc.max_model_len)
         torch.manual_seed(mc.seed)
         # ModelRunner in this process, or the driver of T x P rank processes (same interface).
         self.executor: Executor = executor or make_executor(config, self.checkpoint, prebuilt)

@@ -61,9 +61,10 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
     if cc.kv_cache_dtype not in ("auto", "model") and cc.kv_cache_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype: unsupported {cc.kv_cache_dtype!r}; "
                          f"choose from auto, model, {', '.join(KV_DTYPES)}")
-    if cc.kv_cache_dtype == "int8" and checkpoint is not None and checkpoint.arch.mla is not None:
-        raise ValueError("kv_cache_dtype int8: not supported for MLA models (DeepSeek's latent "
-                         "cache); use bfloat16 or model")
+    if (cc.kv_cache_dtype in KV_DTYPES and kv_quant.is_scaled(KV_DTYPES[cc.kv_cache_dtype])
+            and checkpoint is not None and checkpoint.arch.mla is not None):
+        raise ValueError(f"kv_cache_dtype {cc.kv_cache_dtype}: not supported for MLA models "
+                         f"(DeepSeek's latent cache); use bfloat16 or model")
     kernels = None
     if (mc.cpu_kernels != "off" and pc.device == "cpu" and dtype == torch.float32
             and pc.world_size == 1):  # rank processes do not load the kernels yet
@@ -78,7 +79,7 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
         kv_dtype = dtype
     elif cc.kv_cache_dtype == "auto":
         kv_dtype = torch.bfloat16 if kernels is not None else dtype
-    else:  # int8: rows of int8 values with a float32 scale each (hearth/ops/kv_quant.py)
+    else:  # int8 / fp8: rows of 8-bit values with a float32 scale each (hearth/ops/kv_quant.py)
         kv_dtype = KV_DTYPES[cc.kv_cache_dtype]
     quantization = mc.quantization
     if quantization == "auto":
@@ -228,9 +229,12 @@ def make_executor(config: EngineConfig, checkpoint,
                            pc.device, config.model.seed, prebuilt.kernels)
     if prebuilt is not None:
         raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
+    if config.model.rope_scaling is not None:  # the ranks open the checkpoint as it is
+        raise ValueError("rope_scaling: not yet supported with tensor/pipeline parallelism")
     if quantization != "none" or kv_dtype != dtype:
-        raise ValueError("quantization and a KV cache dtype other than the model's are not yet "
-                         "supported with tensor/pipeline parallelism")
+        raise ValueError(f"quantization and a KV cache dtype other than the model's are not yet "
+                         f"supported with tensor/pipeline parallelism (quantization "
+                         f"{quantization}, kv_cache_dtype {config.cache.kv_cache_dtype})")
     from hearth.engine.parallel.executor import ParallelExecutor
 
     return ParallelExecutor(config, checkpoint, num_blocks)

@@ -19,8 +19,9 @@ from hearth.ops.attention import build_attention_metadata
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# KV cache dtypes beyond the model dtypes: int8 rows with a float32 scale each (kv_quant.py).
-KV_DTYPES = {**DTYPES, "int8": torch.int8}
+# KV cache dtypes beyond the model dtypes: int8 or fp8 (e4m3) rows with a float32 scale each
+# (kv_quant.py).
+KV_DTYPES = {**DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 class ModelRunner:
@@ -33,7 +34,7 @@ class ModelRunner:
         arch = model.arch
         self.vocab_size = arch.vocab_size
         planes, heads, dim = arch.kv_cache_layout(model.tp.size)
-        dim = kv_quant.row_width(dim, dtype)  # int8: the values, then the row's scale
+        dim = kv_quant.row_width(dim, dtype)  # int8 / fp8: the values, then the row's scale
         # The CPU kernels read only slots that were written; the torch path attends over whole
         # gathered blocks (masked), where garbage could be NaN, so it gets zeros. Skipping the
         # fill saves ~0.3 s of a cold start per GB (fresh pages come zeroed from the OS anyway).

@@ -13,13 +13,14 @@ tokenizes but never runs the model.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource
 
 __all__ = ["BUILTIN_MODELS", "Checkpoint", "Shard", "TokenizerSource", "load_checkpoint",
-           "load_tokenizer_source", "resolve_builtin"]
+           "load_tokenizer_source", "resolve_builtin", "with_rope_scaling"]
 
 # Built-in name -> (Python package that ships the file, file name, pip requirement)
 BUILTIN_MODELS = {
@@ -41,6 +42,21 @@ def load_checkpoint(model: str) -> Checkpoint:
     from hearth.models.hf_loader import HFCheckpoint
 
     return HFCheckpoint(path)
+
+
+def with_rope_scaling(checkpoint: Checkpoint, rope_scaling: str | None) -> Checkpoint:
+    """`checkpoint` with `--rope-scaling` (JSON text) applied to its arch
+    (hearth/models/rope_scaling.py): a shallow copy over the same open file, so a checkpoint
+    shared by several engines keeps its own arch. None, or a checkpoint this already made with
+    the same text: `checkpoint` itself."""
+    if rope_scaling is None or getattr(checkpoint, "rope_scaling_override", None) == rope_scaling:
+        return checkpoint
+    from hearth.models import rope_scaling as rope
+
+    scaled = copy.copy(checkpoint)
+    scaled.arch = rope.with_rope_scaling(checkpoint.arch, rope_scaling)
+    scaled.rope_scaling_override = rope_scaling
+    return scaled
 
 
 def load_tokenizer_source(model: str) -> TokenizerSource:

@@ -22,9 +22,9 @@ cached prefix or not) are one kernel call each over the cache in place too (flas
 ~1.35x torch's CPU flash kernel on a 2k-token prompt), and only the other builds take the
 SDPA loop.
 
-The cache may be narrower than the model: bfloat16, or int8 rows with a float32 scale each
-(`kv_quant.py`: the cache's last dimension is then head_dim + 4). The kernels read both in
-place; the torch paths widen what they gather.
+The cache may be narrower than the model: bfloat16, or int8 / fp8 (e4m3) rows with a float32
+scale each (`kv_quant.py`: the cache's last dimension is then head_dim + 4). The kernels read
+them in place; the torch paths widen what they gather.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     rounded or quantized to its format."""
     k, v = kv_quant.to_cache(k, k_cache.dtype), kv_quant.to_cache(v, v_cache.dtype)
     num_kv_heads, width = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
+    kv_quant.copy_rows(k_cache.view(-1, num_kv_heads, width), k, slot_mapping)
+    kv_quant.copy_rows(v_cache.view(-1, num_kv_heads, width), v, slot_mapping)
 
 
 def paged_attention(
@@ -152,7 +152,7 @@ def paged_attention(
     kv_written: bool = False,  # the caller already wrote this step's K/V (fused RoPE + write)
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
-    The cache may hold a narrower dtype than q (bfloat16 or int8 KV): it is widened where it is read, and
+    The cache may hold a narrower dtype than q (bfloat16, int8 or fp8 KV): it is widened where it is read, and
     a prompt attending to its own fresh keys rounds them the same way first, so a token's
     attention reads the same K/V whether it was computed now or earlier (prefix hit, recompute
     after preemption, PD import). q may be bfloat16 over a float32 cache (a many-row step of
@@ -170,7 +170,8 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     prefill_kernel = (use_kernel and q.dtype == torch.float32
                       and kernels.fast_prefill_attention(q.shape[1], num_kv_heads, head_dim))
-    amx_kernel = (use_kernel and q.dtype == torch.bfloat16 and k_cache.dtype != torch.int8
+    amx_kernel = (use_kernel and q.dtype == torch.bfloat16
+                  and not kv_quant.is_scaled(k_cache.dtype)
                   and kernels.amx_prefill_attention(head_dim))
     for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                             meta.prefill_context_lens, meta.prefill_block_tables):

@@ -1,7 +1,7 @@
-"""`--kv-cache-dtype int8` on the real default model: accuracy at a long-ish context, greedy
+"""`--kv-cache-dtype int8|fp8` on the real default model: accuracy at a long-ish context, greedy
 sanity, and the paths that move KV (PD transfer over TCP, a disk tier) carrying the scales.
 
-The int8 format keeps a float32 scale inside every row (hearth/ops/kv_quant.py), so a block's
+Both formats keep a float32 scale inside every row (hearth/ops/kv_quant.py), so a block's
 bytes are the whole of its KV: an imported or loaded block must equal the exported or evicted
 one byte for byte, and a worker with another KV dtype must refuse the descriptor.
 """
@@ -27,6 +27,8 @@ from hearth.ops.cpu_kernels import available_variants
 from tests.model.test_formats import NUM_NEW, agreement, teacher_forced_logits
 
 pytestmark = pytest.mark.skipif(not available_variants(), reason="CPU kernels not built")
+# --kv-cache-dtype -> (the cache's torch dtype, the name KV descriptors carry)
+SCALED = {"int8": (torch.int8, "int8"), "fp8": (torch.float8_e4m3fn, "fp8_e4m3")}
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_greedy.json").read_text())
 CASES = GOLDEN["cases"]
@@ -69,30 +71,41 @@ def long_reference(models):
     # int8 KV see docs/formats.md
     ({"quantization": "none", "kv_cache_dtype": "int8"}, 0.94, 2e-3),
     ({"quantization": "gguf", "kv_cache_dtype": "int8"}, 0.94, 2e-3),
+    # fp8 measured 0.94 / 8.1e-3 (none), 0.94 / 8.4e-3 (gguf): ~9x int8's KL
+    ({"quantization": "none", "kv_cache_dtype": "fp8"}, 0.9, 2e-2),
+    ({"quantization": "gguf", "kv_cache_dtype": "fp8"}, 0.9, 2e-2),
 ])
-def test_int8_kv_agrees_with_fp32_at_long_context(models, long_reference, fmt, min_top1,
-                                                  max_kl):
-    """The prompt runs as one prefill chunk over the int8 cache (prefill_attention reading its
-    own quantized K/V), then every continuation token is a decode step (decode_attention)."""
+def test_scaled_kv_agrees_with_fp32_at_long_context(models, long_reference, fmt, min_top1,
+                                                    max_kl):
+    """The prompt runs as one prefill chunk over the int8 / fp8 cache (prefill_attention reading
+    its own quantized K/V), then every continuation token is a decode step (decode_attention)."""
     fast = runner(models, **fmt)
     top1, kl = agreement(long_reference, lambda tokens, n: teacher_forced_logits(fast, tokens, n))
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 
 
-def test_greedy_int8_kv_stays_with_the_reference_and_the_pool_is_whole(models):
+# measured, tokens of the 40 equal to the fp32 golden output per case: int8 6 of 8 cases all
+# 40, the others 21 and 31; fp8 [40, 40, 31, 2, 27, 2, 40, 9] (two cases flip a near-tie at
+# their third token: fp8's KL is ~7x int8's, test_formats)
+@pytest.mark.parametrize("kv_cache_dtype, min_prefix, min_whole", [("int8", 16, 5),
+                                                                   ("fp8", 2, 3)])
+def test_greedy_scaled_kv_stays_with_the_reference_and_the_pool_is_whole(
+        models, kv_cache_dtype, min_prefix, min_whole):
     """Chunked prompts (32 tokens a step: chunks over a cached prefix) and batched decodes over
-    the int8 cache: each case follows the fp32 golden output for its first 16 tokens at least
-    (measured: 6 of 8 cases all 40, the others 21 and 31; int8 rounding can flip a near-tie
-    later, as bf16 KV can), and every block returns to the pool."""
-    llm = models.llm(kv_cache_dtype="int8", max_num_batched_tokens=32)
+    the int8 / fp8 cache: each case follows the fp32 golden output for its first `min_prefix`
+    tokens at least, `min_whole` cases all the way (rounding can flip a near-tie, as bf16 KV
+    can), and every block returns to the pool."""
+    llm = models.llm(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32)
     outs = llm.generate([c["prompt_ids"] for c in CASES], greedy(GOLDEN["num_new"]))
     agree = []
     for case, out in zip(CASES, outs):
         want = case["output_ids"]
         agree.append(next((i for i, (a, b) in enumerate(zip(out.token_ids, want)) if a != b),
                           len(want)))
-    assert min(agree) >= 16 and sum(a == len(c["output_ids"]) for a, c in zip(agree, CASES)) >= 5, agree
+    print(f"{kv_cache_dtype}: tokens equal to the fp32 golden output per case: {agree}")
+    whole = sum(a == len(c["output_ids"]) for a, c in zip(agree, CASES))
+    assert min(agree) >= min_prefix and whole >= min_whole, agree
     assert llm.engine.kv_pool_is_whole()
 
 
@@ -110,23 +123,27 @@ def run(engine) -> dict:
     return outs
 
 
-def test_pd_moves_int8_blocks_with_their_scales_and_refuses_another_dtype(models):
-    """Prefill and decode workers both int8, over TCP: the decode side computes none of the
-    prompt, its imported blocks equal the prefill side's byte for byte (values and scales),
-    and its greedy tokens equal a monolithic int8 engine's. A bfloat16 decode worker refuses
-    the same descriptor before any block moves. Pools whole on every side."""
-    prefill = make_pd_engine(models, "prefill", "int8")
-    decode = make_pd_engine(models, "decode", "int8")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_pd_moves_scaled_blocks_with_their_scales_and_refuses_another_dtype(models,
+                                                                           kv_cache_dtype):
+    """Prefill and decode workers both int8 (or both fp8), over TCP: the decode side computes
+    none of the prompt, its imported blocks equal the prefill side's byte for byte (values and
+    scales), and its greedy tokens equal a monolithic engine's of the same format. A bfloat16
+    decode worker refuses the same descriptor before any block moves. Pools whole on every
+    side."""
+    torch_dtype, name = SCALED[kv_cache_dtype]
+    prefill = make_pd_engine(models, "prefill", kv_cache_dtype)
+    decode = make_pd_engine(models, "decode", kv_cache_dtype)
     bf16 = make_pd_engine(models, "decode", "bfloat16")
-    mono = models.llm(kv_cache_dtype="int8", num_blocks=96)
+    mono = models.llm(kv_cache_dtype=kv_cache_dtype, num_blocks=96)
     try:
         ids = CASES[1]["prompt_ids"] + CASES[2]["prompt_ids"]  # 3+ full blocks
         prefill.add_request("a", ids, greedy(1), KVTransfer("prefill", transfer_id="t-a"))
         first = run(prefill)["a"][-1]
         d = first.kv_descriptor
-        assert d.dtype == "int8" and d.head_dim == 64 + 4
+        assert d.dtype == name and d.head_dim == 64 + 4
         spec = KVTransfer("decode", descriptor=d, first_token_id=first.new_token_ids[0])
-        with pytest.raises(ValueError, match="int8, this worker's bfloat16"):
+        with pytest.raises(ValueError, match=f"{name}, this worker's bfloat16"):
             bf16.add_request("a", ids, greedy(8), spec)
         assert bf16.kv_pool_is_whole() and not bf16.has_unfinished()
         before = decode.stats().num_computed_prompt_tokens
@@ -139,7 +156,8 @@ def test_pd_moves_int8_blocks_with_their_scales_and_refuses_another_dtype(models
         for h in d.block_hashes:  # both sides keep the prompt's full blocks cached
             src = prefill.executor.kv_cache[:, :, prefill.pool.get_cached(h).block_id]
             dst = decode.executor.kv_cache[:, :, decode.pool.get_cached(h).block_id]
-            assert src.dtype == torch.int8 and torch.equal(src, dst)
+            assert src.dtype == torch_dtype
+            assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8))
         assert prefill.stats().num_leases_active == 0
         assert prefill.kv_pool_is_whole() and decode.kv_pool_is_whole()
     finally:
@@ -147,11 +165,12 @@ def test_pd_moves_int8_blocks_with_their_scales_and_refuses_another_dtype(models
             engine.close()
 
 
-def test_a_disk_tier_loads_int8_blocks_back_byte_for_byte(models, tmp_path):
-    """An int8 engine whose 20-block pool cannot hold two ~200-token prompts: the second pushes
-    the first out to the disk tier, and running the first again loads its full blocks back
-    (counted as cached) with the bytes they were evicted with, so the output repeats."""
-    config = replace(models.config(num_blocks=20, kv_cache_dtype="int8"),
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_disk_tier_loads_scaled_blocks_back_byte_for_byte(models, tmp_path, kv_cache_dtype):
+    """An int8 (fp8) engine whose 20-block pool cannot hold two ~200-token prompts: the second
+    pushes the first out to the disk tier, and running the first again loads its full blocks
+    back (counted as cached) with the bytes they were evicted with, so the output repeats."""
+    config = replace(models.config(num_blocks=20, kv_cache_dtype=kv_cache_dtype),
                      kv_offload=KVOffloadConfig(directory=str(tmp_path / "kv")))
     engine = models.engine(config, store_factory=make_store)
     a = [t for i in (0, 1, 2, 3) for t in CASES[i]["prompt_ids"]]
@@ -167,8 +186,8 @@ def test_a_disk_tier_loads_int8_blocks_back_byte_for_byte(models, tmp_path):
         assert engine.kv_pool_is_whole()
         return [t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens
 
-    def block(h):  # [layers, 2, block_size, heads, 68] int8 of the block cached under h
-        return engine.executor.kv_cache[:, :, engine.pool.get_cached(h).block_id]
+    def block(h):  # [layers, 2, block_size, heads, 68] bytes of the block cached under h
+        return engine.executor.kv_cache[:, :, engine.pool.get_cached(h).block_id].view(torch.uint8)
 
     try:
         first, _ = run_one("a1", a)

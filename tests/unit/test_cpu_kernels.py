@@ -21,6 +21,8 @@ from hearth.ops.attention import build_attention_metadata, paged_attention, writ
 from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels, pack_ggml
 
 VARIANTS = available_variants()
+SCALED_KV = [torch.int8, torch.float8_e4m3fn]  # rows of 8-bit values + a float32 scale (kv_quant)
+CACHE_DTYPES = [torch.float32, torch.bfloat16, *SCALED_KV]
 
 
 def test_some_build_is_usable():
@@ -203,26 +205,31 @@ def test_norms_and_silu_in_bf16(kernels, x_dtype, out_dtype):
         kernels.ops.silu_mul(gu.half())
 
 
+@pytest.mark.parametrize("kv_dtype", SCALED_KV)
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv_into_int8_rows_as_kv_quant_writes_them(kernels, qkv_dtype):
-    """An int8 cache gets, per token and KV head, exactly the bytes `kv_quant.quantize` makes of
-    k and v as qkv holds them after RoPE (values, then the float32 scale): the fused write and
-    the torch path store the same cache. An all-zero row stores scale 0."""
+def test_rope_write_kv_into_scaled_rows_as_kv_quant_writes_them(kernels, qkv_dtype, kv_dtype):
+    """An int8 or fp8 cache gets, per token and KV head, exactly the bytes `kv_quant.quantize`
+    makes of k and v as qkv holds them after RoPE (values, then the float32 scale): the fused
+    write and the torch path store the same cache. Rows span 8 decades of magnitude (fp8's
+    subnormal codes); an all-zero row stores scale 0."""
     gen = torch.Generator().manual_seed(8)
     heads, kv_heads, dim, tokens = 4, 2, 64, 7
     rope = RotaryEmbedding(dim, 64, 10000.0, None)
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(qkv_dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    qkv *= torch.logspace(-8, 0, qkv.shape[1]).roll(tokens)  # small values beside large ones
+    qkv = qkv.to(qkv_dtype)
     qkv[2, (heads + kv_heads) * dim :] = 0  # token 2's V rows
     positions, slots = torch.tensor([0, 1, 2, 33, 60, 5, 6]), torch.tensor([3, 9, 0, 14, 7, 8, 1])
-    kc = torch.zeros(2, 8, kv_heads, dim + 4, dtype=torch.int8)
+    kc = torch.zeros(2, 8, kv_heads, dim + 4, dtype=kv_dtype)
     vc = torch.zeros_like(kc)
     kernels.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, kc, vc, slots, heads,
                               kv_heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)
     flat_k, flat_v = kc.view(-1, kv_heads, dim + 4), vc.view(-1, kv_heads, dim + 4)
-    assert torch.equal(flat_k[slots], kv_quant.quantize(k))
-    assert torch.equal(flat_v[slots], kv_quant.quantize(v))
+    as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731 (fp8 has no torch.equal)
+    assert torch.equal(as_bytes(flat_k[slots]), as_bytes(kv_quant.quantize(k, kv_dtype)))
+    assert torch.equal(as_bytes(flat_v[slots]), as_bytes(kv_quant.quantize(v, kv_dtype)))
     assert kv_quant.dequantize(flat_v[slots[2]]).abs().max() == 0
     with pytest.raises(RuntimeError, match="head_dim \\+ 4"):
         kernels.ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, kc[..., :dim].contiguous(),
@@ -260,6 +267,14 @@ def random_cache(gen, shape, dtype) -> torch.Tensor:
     return kv_quant.to_cache(torch.randn(*shape, generator=gen), dtype)
 
 
+def assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal caches (float32: to assert_close's tolerance); fp8 rows as bytes, since a row's
+    scale bytes read as e4m3 values can be NaN."""
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    torch.testing.assert_close(got, want)
+
+
 def scattered_block_tables(context_lens, block_size, num_blocks, gen) -> list[list[int]]:
     """One block table per request, over a random permutation of the pool (never adjacent)."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -271,7 +286,7 @@ def scattered_block_tables(context_lens, block_size, num_blocks, gen) -> list[li
     return tables
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("split", [16, 512])  # many context splits, and one
 # head_dim 16 takes the generic loops; 64 and 128 the AVX-512 ones (with 9 query heads per KV
 # head: more than the 8 whose outputs stay in registers).
@@ -301,7 +316,7 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, block_size = 9, 3, 64, 16
@@ -320,7 +335,7 @@ def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (18, 2, 128)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads, kv_heads, dim,
@@ -370,7 +385,7 @@ def masked_attention_reference(q, kc, vc, table, context_len, scale):
     return torch.einsum("hqk,khd->qhd", p, v).float()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 # head_dim 16 takes the plain loops; 64 and 128 the AVX-512 tiles, with 1, 3, 4 and 5 query
 # heads per KV head (5: a query tile of 9 positions, not a power of two).
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (4, 4, 64), (9, 3, 64), (8, 2, 128),
@@ -489,9 +504,34 @@ def test_amx_prefill_attention_through_paged_attention(kernels):
     torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
 
 
-def test_attention_kernels_refuse_int8_rows_without_their_scale(kernels):
+@pytest.mark.parametrize("dim", [16, 64])  # the generic loops, the AVX-512 ones
+def test_every_fp8_code_widens_exactly_in_both_attention_kernels(kernels, dim):
+    """A one-token context: attention returns that token's V row, so each of the 254 finite
+    e4m3 codes (subnormals, both zeros, +-448), times its row's scale, must come back exactly
+    as torch widens it -- through decode_attention and prefill_attention alike."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # 0x7F / 0xFF are e4m3's NaNs
+    rows = torch.cat([codes, torch.zeros(2, dtype=torch.uint8)]).reshape(-1, dim)  # a request each
+    n = rows.shape[0]
+    scales = torch.tensor([1.0, 0.37, 3e-3, 1e4] * n)[:n]
+    vc = torch.cat([rows, scales[:, None].view(torch.uint8)], -1).view(torch.float8_e4m3fn)
+    vc = vc.reshape(n, 1, 1, dim + 4)  # [blocks, block_size 1, one KV head, dim + 4]
+    want = kv_quant.dequantize(vc[:, 0])  # [n, 1, dim]
+    kc = torch.zeros_like(vc)
+    q = torch.randn(n, 1, dim)
+    one = torch.ones(n, dtype=torch.int32)
+    tables = torch.arange(n, dtype=torch.int32)[:, None]
+    got = kernels.ops.decode_attention(q, kc, vc, tables, one, 1.0, 512, 1, one)
+    assert torch.equal(got, want)
+    for i in range(n):
+        got = kernels.ops.prefill_attention(q[i : i + 1], kc, vc, tables[i], 1, 1.0, 1)
+        assert torch.equal(got, want[i : i + 1])
+
+
+@pytest.mark.parametrize("kv_dtype", SCALED_KV)
+def test_attention_kernels_refuse_scaled_rows_without_their_scale(kernels, kv_dtype):
     q = torch.zeros(1, 2, 64)
-    narrow = torch.zeros(2, 16, 1, 64, dtype=torch.int8)  # head_dim wide: no room for a scale
+    narrow = torch.zeros(2, 16, 1, 64, dtype=kv_dtype)  # head_dim wide: no room for a scale
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="head shapes"):
         kernels.ops.decode_attention(q, narrow, narrow, torch.zeros(1, 1, dtype=torch.int32), one,
@@ -517,7 +557,7 @@ def test_short_query_kernel_rejects_bad_metadata(kernels):
            torch.tensor([3, 2], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, *SCALED_KV])
 def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
     """A step of short queries (1 + k tokens per request, as a speculative verify step) through
     the fused decoder layers (all layers in one `decode_layers` call, and one `decode_layer`
@@ -568,8 +608,8 @@ def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
         ref, _ = model(ids, positions, meta, module_kv)
     torch.testing.assert_close(fused_all, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(all_kv, module_kv)
-    torch.testing.assert_close(layer_kv, module_kv)
+    assert_same_cache(all_kv, module_kv)
+    assert_same_cache(layer_kv, module_kv)
 
 
 def test_decode_layers_rejects_mismatched_lists(kernels):
@@ -604,7 +644,7 @@ def decode_layer_by_ops(ops, args, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("int8_act", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("has_residual", [False, True])
 @pytest.mark.parametrize("query_lens,context_lens", [([1], [7]), ([1, 1, 1], [3, 40, 700]),
                                                      ([3, 1, 5], [9, 1200, 20])])
@@ -646,8 +686,8 @@ def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cac
     got_out, got_res = kernels.ops.decode_layer(*a[:21], a[21], threads, *a[22:])
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_res, want_res, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(kc, ref_kc, rtol=0, atol=0)
-    torch.testing.assert_close(vc, ref_vc, rtol=0, atol=0)
+    assert_same_cache(kc.view(torch.uint8), ref_kc.view(torch.uint8))  # the same bytes
+    assert_same_cache(vc.view(torch.uint8), ref_vc.view(torch.uint8))
 
 
 @pytest.mark.parametrize("width,cache_dtype", [(320, torch.float32), (576, torch.bfloat16),

@@ -1,5 +1,5 @@
-"""--kv-cache-dtype: how `model`, `auto` and explicit choices resolve (int8 included), what the
-pool holds, and bad ones refused."""
+"""--kv-cache-dtype: how `model`, `auto` and explicit choices resolve (int8 and fp8 included),
+what the pool holds, and bad ones refused."""
 
 from types import SimpleNamespace
 
@@ -36,23 +36,29 @@ def test_the_engine_default_is_the_exact_model_dtype():
     assert CacheConfig().kv_cache_dtype == "model"
 
 
-def test_int8_resolves_on_any_path_and_mla_refuses_it():
-    assert kv_dtype("int8", cpu_kernels="off") == torch.int8  # torch path: correct, slower
+SCALED = [("int8", torch.int8), ("fp8", torch.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("choice, dtype", SCALED)
+def test_scaled_formats_resolve_on_any_path_and_mla_refuses_them(choice, dtype):
+    assert kv_dtype(choice, cpu_kernels="off") == dtype  # torch path: correct, slower
     if available_variants():
-        assert kv_dtype("int8") == torch.int8
+        assert kv_dtype(choice) == dtype
     mla = SimpleNamespace(arch=SimpleNamespace(mla=object()))
-    with pytest.raises(ValueError, match="int8: not supported for MLA"):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype {choice}: not supported for MLA"):
         executor.resolve_formats(EngineConfig(model=ModelConfig(quantization="none",
                                                                 cpu_kernels="off"),
-                                              cache=CacheConfig(kv_cache_dtype="int8")), mla)
+                                              cache=CacheConfig(kv_cache_dtype=choice)), mla)
 
 
-def test_int8_pool_holds_32_17ths_of_the_bf16_tokens():
+@pytest.mark.parametrize("choice, dtype", SCALED)
+def test_scaled_pool_holds_32_17ths_of_the_bf16_tokens(choice, dtype):
     arch = SimpleNamespace(num_layers=30, kv_cache_layout=lambda tp: (2, 3, 64))
     cache = CacheConfig(kv_cache_memory_gb=1.0)
     bf16 = executor.num_kv_blocks(cache, arch, ParallelConfig(), torch.bfloat16)
-    int8 = executor.num_kv_blocks(cache, arch, ParallelConfig(), torch.int8)
-    assert int8 == 2**30 // (2 * 30 * 16 * 3 * 68) and int8 / bf16 == pytest.approx(32 / 17, 1e-3)
+    scaled = executor.num_kv_blocks(cache, arch, ParallelConfig(), dtype)
+    assert scaled == 2**30 // (2 * 30 * 16 * 3 * 68)
+    assert scaled / bf16 == pytest.approx(32 / 17, 1e-3)
 
 
 def test_bad_choices_are_refused():

@@ -34,6 +34,8 @@ def not_default(action: argparse.Action) -> list[str]:
         return [flag]
     if action.nargs in ("+", "*"):
         return [flag, f"v-{action.dest}", "v-2"]
+    if action.metavar == "JSON":  # --rope-scaling: checked as it is parsed
+        return [flag, '{"rope_type": "linear", "factor": 2.0}']
     if action.choices:
         return [flag, next(str(c) for c in action.choices if c != action.default)]
     if action.type is int:

@@ -1,6 +1,7 @@
 """The kv_transfer JSON extension and the descriptor: round trips and exact refusals."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -94,15 +95,23 @@ def test_descriptor_must_match_prompt_and_geometry():
         check_against(d, KVCacheGeometry(2, 64, 16, 3, 8, "bfloat16"), PROMPT)
 
 
-def test_a_descriptor_of_another_kv_dtype_is_refused_naming_both():
-    """An int8 decode worker (rows of 64 values + a 4-byte scale: head_dim 68) and a float32
-    prefill worker's descriptor: refused before any byte moves, saying which flag to align."""
-    int8 = KVCacheGeometry(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=3,
-                           head_dim=68, dtype="int8")
-    assert int8.bytes_per_block == 2 * 2 * 16 * 3 * 68
-    with pytest.raises(ValueError, match="KV layout differs.*float32, this worker's int8 "
-                                         ".*same --kv-cache-dtype"):
-        check_against(descriptor_from_json(make_descriptor()), int8, PROMPT)
+@pytest.mark.parametrize("scaled", ["int8", "fp8_e4m3"])
+def test_a_descriptor_of_another_kv_dtype_is_refused_naming_both(scaled):
+    """An int8 / fp8 decode worker (rows of 64 values + a 4-byte scale: head_dim 68) and a
+    float32 prefill worker's descriptor: refused before any byte moves, saying which flag to
+    align. So is the other scaled format's, though its blocks have the very same size."""
+    geometry = KVCacheGeometry(num_layers=2, num_blocks=64, block_size=16, num_kv_heads=3,
+                               head_dim=68, dtype=scaled)
+    assert geometry.bytes_per_block == 2 * 2 * 16 * 3 * 68
+    with pytest.raises(ValueError, match=f"KV layout differs.*float32, this worker's {scaled} "
+                                         f".*same --kv-cache-dtype"):
+        check_against(descriptor_from_json(make_descriptor()), geometry, PROMPT)
+    other = "fp8_e4m3" if scaled == "int8" else "int8"
+    theirs = replace(geometry, dtype=other)
+    d = descriptor_from_json(make_descriptor(dtype=other, head_dim=68,
+                                             bytes_per_block=theirs.bytes_per_block))
+    with pytest.raises(ValueError, match=f"{other}, this worker's {scaled}"):
+        check_against(d, geometry, PROMPT)
 
 
 def test_descriptor_stays_one_type_from_export_to_the_decode_engine():

@@ -30,9 +30,13 @@ from hearth.config import Role
 if TYPE_CHECKING:  # kept torch-free at import: the router imports the hop types built on this
     import torch
 
-# int8: a row is head_dim - 4 int8 values then their float32 scale (hearth/ops/kv_quant.py), so
-# head_dim below is the row's width in bytes and the scales travel inside the blocks.
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# int8 / fp8_e4m3: a row is head_dim - 4 8-bit values then their float32 scale
+# (hearth/ops/kv_quant.py), so head_dim below is the row's width in bytes and the scales travel
+# inside the blocks.
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
+# torch dtype names that KV descriptors and tier records spell otherwise (a tier record's header
+# has 8 bytes for the name: "float8_e4m3fn" would not fit)
+_DTYPE_NAMES = {"float8_e4m3fn": "fp8_e4m3"}
 DESCRIPTOR_VERSION = 1
 
 
@@ -57,7 +61,9 @@ class KVDescriptor(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int  # KV geometry: [num_layers, planes, *, block_size, num_kv_heads, head_dim]
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16" | "int8" (head_dim then counts the scale)
+    # "float32" | "bfloat16" | "float16" | "int8" | "fp8_e4m3" (the last two: head_dim counts
+    # the scale)
+    dtype: str
     bytes_per_block: int  # planes * num_layers * block_size * num_kv_heads * head_dim * itemsize
     expires_at: float  # unix time at which the lease ends (prefill clock; a hint for the reader)
     mooncake_session: str = ""  # mooncake: "host:port" of the prefill's transfer engine
@@ -98,15 +104,16 @@ class KVCacheGeometry:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", ...
+    dtype: str  # "float32", "bfloat16", "int8", ...: torch's name (fp8 e4m3: "fp8_e4m3")
     num_planes: int = 2
 
     @classmethod
     def of(cls, kv_cache, block_size: int) -> "KVCacheGeometry":
         """The geometry of a KV tensor `[layers, planes, blocks, block_size, heads, dim]`."""
         num_layers, planes, num_blocks, _, heads, dim = kv_cache.shape
-        return cls(num_layers, num_blocks, block_size, heads, dim,
-                   str(kv_cache.dtype).removeprefix("torch."), planes)
+        name = str(kv_cache.dtype).removeprefix("torch.")
+        return cls(num_layers, num_blocks, block_size, heads, dim, _DTYPE_NAMES.get(name, name),
+                   planes)
 
     @property
     def bytes_per_chunk(self) -> int:

@@ -9,7 +9,8 @@
 //   decode_attention short queries (1..16 new tokens per request: decodes, verify steps),
 //                    causal among them, over the paged cache read in place through the block
 //                    table (no gather), split along the context for parallelism, cache in
-//                    float32, bfloat16 or int8 rows with a float32 scale each (kv_quant.py).
+//                    float32, bfloat16, or int8 / fp8 (e4m3) rows with a float32 scale each
+//                    (kv_quant.py).
 //   prefill_attention a prefill chunk (causal, after any cached prefix) over the paged cache in
 //                    place: flash-style tiles, the query heads of a kv head together.
 //   rms_norm, add_rms_norm, silu_mul, rope_write_kv, qk_norm_rope_write_kv: elementwise passes,
@@ -705,42 +706,88 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
-// The int8 KV format (hearth/ops/kv_quant.py): a row of one token and KV head is D int8 values
-// followed by the 4 bytes of its float32 scale, so rows lie D + 4 elements apart and value j is
-// q[j] * scale. Readers widen q in registers and put the scale on the score (K) or on the
-// probability (V), never on the D values.
+// The scaled KV formats (hearth/ops/kv_quant.py): a row of one token and KV head is D 8-bit
+// values -- int8, or fp8 e4m3 bytes -- followed by the 4 bytes of its float32 scale, so rows lie
+// D + 4 elements apart and value j is q[j] * scale. Readers widen q in registers and put the
+// scale on the score (K) or on the probability (V), never on the D values.
 constexpr int64_t kScaleBytes = 4;
+struct e4m3 {  // one fp8 e4m3 ("fn": no infinities) byte: sign, 4 exponent bits (bias 7), 3 mantissa
+  uint8_t bits;
+};
 template <typename KV>
 constexpr bool is_q8 = std::is_same_v<KV, int8_t>;
 template <typename KV>
-constexpr int64_t row_stride(int64_t D) { return is_q8<KV> ? D + kScaleBytes : D; }
+constexpr bool is_fp8 = std::is_same_v<KV, e4m3>;
+template <typename KV>
+constexpr bool scaled_rows = is_q8<KV> || is_fp8<KV>;
+template <typename KV>
+constexpr int64_t row_stride(int64_t D) { return scaled_rows<KV> ? D + kScaleBytes : D; }
+
+// e4m3 -> float goes through fp16: the byte's exponent and mantissa moved into an fp16's
+// (x & 0x7F) << 7, sign to bit 15, is the value / 256 exactly, subnormals included (fp16's
+// exponent bias is 8 more than e4m3's), and vcvtph2ps / F16C widen it in one instruction. The
+// readers take that 1/256 back on the row's scale (row_scale), so widening costs no multiply.
+constexpr float kFp8Unit = 256.0f;
+inline uint16_t e4m3_half_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8));
+}
+
 template <typename KV>
 inline float row_scale(const KV* row, int64_t D) {
-  if constexpr (is_q8<KV>) {
+  if constexpr (scaled_rows<KV>) {
     float s;
     std::memcpy(&s, row + D, sizeof(float));
-    return s;
+    return is_fp8<KV> ? s * kFp8Unit : s;  // (a power of two: exact)
   } else {
     return 1.0f;
   }
 }
 
-// One K or V row of D values into the int8 KV format: scale = max|x| / 127, q = x / scale
-// rounded half to even -- float32 division, exactly as hearth/ops/kv_quant.py quantizes, so the
-// fused write and the torch path store the same bytes.
-template <typename AT>
-inline void quantize_kv_row(const AT* x, int64_t D, int8_t* dst) {
+// float -> e4m3, rounded to nearest even, for |f| <= 448 (the format's largest value): the same
+// bytes as torch's .to(torch.float8_e4m3fn). Below 2^-6 (e4m3's smallest normal) the steps are
+// 2^-9: adding 2^14, whose float32 ulp is 2^-9, rounds there in hardware. Above, the float32
+// mantissa is rounded to its top 3 bits (half to even) and the exponent rebiased (127 -> 7).
+inline uint8_t float_to_e4m3(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  bits &= 0x7FFFFFFFu;
+  if (bits < (121u << 23)) {
+    float a, sum;
+    std::memcpy(&a, &bits, 4);
+    sum = a + 16384.0f;
+    uint32_t sb;
+    std::memcpy(&sb, &sum, 4);
+    return sign | static_cast<uint8_t>(sb - (141u << 23));
+  }
+  const uint32_t odd = (bits >> 20) & 1;
+  bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+  return sign | static_cast<uint8_t>(bits >> 20);
+}
+
+bool is_fp8_cache(const at::Tensor& t) { return t.scalar_type() == at::kFloat8_e4m3fn; }
+bool is_scaled_cache(const at::Tensor& t) { return t.scalar_type() == at::kChar || is_fp8_cache(t); }
+
+// One K or V row of D values into a scaled KV format: scale = max|x| / 127 (int8) or / 448
+// (fp8), q = x / scale rounded half to even -- float32 division, exactly as
+// hearth/ops/kv_quant.py quantizes, so the fused write and the torch path store the same bytes.
+template <typename KV, typename AT>
+inline void quantize_kv_row(const AT* x, int64_t D, KV* dst) {
+  constexpr float qmax = is_q8<KV> ? 127.0f : 448.0f;
   float amax = 0.0f;
   for (int64_t j = 0; j < D; ++j) amax = std::max(amax, std::fabs(act_load(x, j)));
-  const float scale = amax / 127.0f, div = std::max(scale, FLT_MIN);
-  for (int64_t j = 0; j < D; ++j)
-    dst[j] = static_cast<int8_t>(std::clamp(std::nearbyint(act_load(x, j) / div), -127.0f, 127.0f));
+  const float scale = amax / qmax, div = std::max(scale, FLT_MIN);
+  for (int64_t j = 0; j < D; ++j) {
+    const float q = std::clamp(act_load(x, j) / div, -qmax, qmax);
+    if constexpr (is_q8<KV>) dst[j] = static_cast<int8_t>(std::nearbyint(q));
+    else dst[j] = e4m3{float_to_e4m3(q)};
+  }
   std::memcpy(dst + D, &scale, sizeof(float));
 }
 
 // In place on qkv [T, (H + 2 KVH) * D] (float32 or bfloat16): rotate-half RoPE on the q and k
 // heads (in fp32, stored back in qkv's dtype); then k and v of every token, as qkv now holds
-// them, are written to their cache slot (float32, bfloat16 or int8 rows with their scale).
+// them, are written to their cache slot (float32, bfloat16, or int8 / fp8 rows with their scale).
 template <typename AT, typename KV>
 void rope_write_kv_impl(AT* qp, const float* cp, const float* sp, const int64_t* pp,
                         const int64_t* slp, KV* kc, KV* vc, int64_t T, int64_t num_heads,
@@ -765,11 +812,10 @@ void rope_write_kv_impl(AT* qp, const float* cp, const float* sp, const int64_t*
       const int64_t rs = row_stride<KV>(D);
       KV* kd = kc + slp[t] * num_kv_heads * rs;
       KV* vd = vc + slp[t] * num_kv_heads * rs;
-      if constexpr (is_q8<KV>) {
+      if constexpr (scaled_rows<KV>) {
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          // (a cast only for the compiler: this branch exists only where KV is int8_t)
-          quantize_kv_row(k + h * D, D, reinterpret_cast<int8_t*>(kd + h * rs));
-          quantize_kv_row(v + h * D, D, reinterpret_cast<int8_t*>(vd + h * rs));
+          quantize_kv_row(k + h * D, D, kd + h * rs);
+          quantize_kv_row(v + h * D, D, vd + h * rs);
         }
       } else if constexpr (std::is_same_v<AT, KV>) {
         std::memcpy(kd, k, kv_row * sizeof(KV));
@@ -793,10 +839,11 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   check_act(qkv, "rope_write_kv: qkv");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_write_kv: cache layout");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-              (is_bf16(k_cache) || k_cache.scalar_type() == at::kFloat ||
-               k_cache.scalar_type() == at::kChar), "rope_write_kv: cache dtype");
-  TORCH_CHECK(k_cache.scalar_type() != at::kChar || k_cache.size(-1) == head_dim + kScaleBytes,
-              "rope_write_kv: an int8 cache's rows are head_dim + 4 wide (values, then the scale)");
+              (is_bf16(k_cache) || k_cache.scalar_type() == at::kFloat || is_scaled_cache(k_cache)),
+              "rope_write_kv: cache dtype");
+  TORCH_CHECK(!is_scaled_cache(k_cache) || k_cache.size(-1) == head_dim + kScaleBytes,
+              "rope_write_kv: an int8 or fp8 cache's rows are head_dim + 4 wide (values, then "
+              "the scale)");
   at::Tensor pos = positions.to(at::kLong).contiguous();
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   const float* cp = cos.data_ptr<float>();
@@ -810,6 +857,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   auto with_cache = [&](auto* qp) {
     if (is_bf16(k_cache)) run(qp, act_ptr<uint16_t>(k_cache), act_ptr<uint16_t>(v_cache));
     else if (k_cache.scalar_type() == at::kChar) run(qp, act_ptr<int8_t>(k_cache), act_ptr<int8_t>(v_cache));
+    else if (is_fp8_cache(k_cache)) run(qp, act_ptr<e4m3>(k_cache), act_ptr<e4m3>(v_cache));
     else run(qp, act_ptr<float>(k_cache), act_ptr<float>(v_cache));
   };
   if (is_bf16(qkv)) with_cache(act_ptr<uint16_t>(qkv));
@@ -890,6 +938,8 @@ template <>
 inline float load_kv<uint16_t>(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
 template <>
 inline float load_kv<int8_t>(const int8_t* p, int64_t j) { return p[j]; }
+template <>  // the value / 256 (row_scale has the 256)
+inline float load_kv<e4m3>(const e4m3* p, int64_t j) { return _cvtsh_ss(e4m3_half_bits(p[j].bits)); }
 
 // max(-inf, p[0..n)): vector lanes, not one dependent scalar max per element.
 inline float max_of(const float* p, int64_t n) {
@@ -973,6 +1023,14 @@ inline __m512 load16(const uint16_t* p) {
 inline __m512 load16(const int8_t* p) {  // the int8 KV format's values, unscaled
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// the fp8 KV format's values / 256, unscaled (e4m3_half_bits, 16 lanes at once): sign-extending
+// the bytes to 16 bits and shifting left by 7 puts the sign at bit 15 and exponent + mantissa
+// at bits 13..7; the mask clears the sign's copy left at bit 14.
+inline __m512 load16(const e4m3* p) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7),
+                                          _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
 
 // Lanes 0..7: the sums of the 16 lanes of v[0..7] (a transpose-and-add tree: ~3 instructions per
 // vector instead of a horizontal reduction's ~8).
@@ -1015,8 +1073,8 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
     for (int64_t g = 0; g < KVH; ++g) {
       const KV* krow[8];
       for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0] + g * RS;
-      __m256 kscale = vscale;  // int8 rows: each token's own scale on its score
-      if constexpr (is_q8<KV>)
+      __m256 kscale = vscale;  // int8 / fp8 rows: each token's own scale on its score
+      if constexpr (scaled_rows<KV>)
         kscale = _mm256_mul_ps(vscale, _mm256_setr_ps(
             row_scale(krow[0], D), row_scale(krow[1], D), row_scale(krow[2], D), row_scale(krow[3], D),
             row_scale(krow[4], D), row_scale(krow[5], D), row_scale(krow[6], D), row_scale(krow[7], D)));
@@ -1235,7 +1293,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
                                    parts.data(), scores.data());
       return;
     }
-    if constexpr (!is_q8<KV>) {  // (MLA refuses the int8 format)
+    if constexpr (!scaled_rows<KV>) {  // (MLA refuses the int8 and fp8 formats)
       if (KVH == 1 && D % 16 == 0 && t0 < t1) {  // MLA's latent row (absorbed decode)
         const float* qg = q + qstart[b] * H * D;  // rows j * G + h: already in that order
         scores.resize(R * (t1 - t0));
@@ -1295,8 +1353,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor ctx = context_lens_in.to(at::kInt).contiguous();
   const int64_t B = ctx.numel(), T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
-  const bool q8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == (q8 ? D + kScaleBytes : D),
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == (is_scaled_cache(k_cache) ? D + kScaleBytes : D),
               "decode_attention: head shapes");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B, "decode_attention: one block table per request");
   at::Tensor qlens = query_lens_in.has_value() ? query_lens_in->to(at::kInt).contiguous()
@@ -1321,12 +1378,16 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor partial = at::empty({B * KVH * num_splits * max_q * (H / KVH) * (D + 2)}, q.options());
   at::Tensor out = at::empty_like(q);
   const int64_t max_blocks = tables.size(1);
-  if (q8) {
-    decode_attention_impl<int8_t>(
-        q.data_ptr<float>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-        tables.data_ptr<int32_t>(), cp, qp, qstart.data(), B, H, KVH, D, block_size, max_blocks,
-        static_cast<float>(scale), split, num_splits, max_q, partial.data_ptr<float>(),
-        out.data_ptr<float>(), threads);
+  auto run = [&](auto* kc, auto* vc) {
+    decode_attention_impl(q.data_ptr<float>(), kc, vc, tables.data_ptr<int32_t>(), cp, qp,
+                          qstart.data(), B, H, KVH, D, block_size, max_blocks,
+                          static_cast<float>(scale), split, num_splits, max_q,
+                          partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+  };
+  if (k_cache.scalar_type() == at::kChar) {
+    run(act_ptr<const int8_t>(k_cache), act_ptr<const int8_t>(v_cache));
+  } else if (is_fp8_cache(k_cache)) {
+    run(act_ptr<const e4m3>(k_cache), act_ptr<const e4m3>(v_cache));
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode_attention_impl<uint16_t>(
         q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
@@ -1334,7 +1395,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
         qstart.data(), B, H, KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
         num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "decode_attention: cache float32, bfloat16 or int8");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat,
+                "decode_attention: cache float32, bfloat16, int8 or float8_e4m3fn");
     decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                  v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, qp,
                                  qstart.data(), B, H, KVH, D, block_size, max_blocks,
@@ -1419,7 +1481,7 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
       if constexpr (std::is_same_v<KV, float>) {
         krow[j] = kc + off;
         vrow[j] = vc + off;
-      } else if constexpr (is_q8<KV>) {  // widened and scaled as the tile is loaded
+      } else if constexpr (scaled_rows<KV>) {  // widened and scaled as the tile is loaded
         const __m512 ks = _mm512_set1_ps(row_scale(kc + off, D)), vs = _mm512_set1_ps(row_scale(vc + off, D));
         for (int c = 0; c < DV; ++c) {
           _mm512_store_ps(kbuf + j * D + 16 * c, _mm512_mul_ps(load16(kc + off + 16 * c), ks));
@@ -1614,25 +1676,29 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   at::Tensor table =
       check_chunk_over_cache("prefill_attention", q.size(0), k_cache, v_cache, block_table_in, ctx_len);
   PrefillShape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), ctx_len, q.size(0), 0};
-  const bool q8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(s.H % s.KVH == 0 && k_cache.size(3) == (q8 ? s.D + kScaleBytes : s.D),
+  TORCH_CHECK(s.H % s.KVH == 0 && k_cache.size(3) == (is_scaled_cache(k_cache) ? s.D + kScaleBytes : s.D),
               "prefill_attention: head shapes");
   s.G = s.H / s.KVH;
   TORCH_CHECK(s.G <= kRows, "prefill_attention: more than ", kRows, " query heads per kv head");
   s.QT = kRows / s.G;
   const int32_t* tp = table.data_ptr<int32_t>();
   at::Tensor out = at::empty_like(q);
-  if (q8) {
-    prefill_attention_impl<int8_t>(q.data_ptr<float>(), k_cache.data_ptr<int8_t>(),
-                                   v_cache.data_ptr<int8_t>(), tp, s, static_cast<float>(scale),
-                                   out.data_ptr<float>(), threads);
+  if (k_cache.scalar_type() == at::kChar) {
+    prefill_attention_impl(q.data_ptr<float>(), act_ptr<const int8_t>(k_cache),
+                           act_ptr<const int8_t>(v_cache), tp, s, static_cast<float>(scale),
+                           out.data_ptr<float>(), threads);
+  } else if (is_fp8_cache(k_cache)) {
+    prefill_attention_impl(q.data_ptr<float>(), act_ptr<const e4m3>(k_cache),
+                           act_ptr<const e4m3>(v_cache), tp, s, static_cast<float>(scale),
+                           out.data_ptr<float>(), threads);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     prefill_attention_impl<uint16_t>(q.data_ptr<float>(),
                                      reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
                                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tp, s,
                                      static_cast<float>(scale), out.data_ptr<float>(), threads);
   } else {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "prefill_attention: cache float32, bfloat16 or int8");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat,
+                "prefill_attention: cache float32, bfloat16, int8 or float8_e4m3fn");
     prefill_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                                   tp, s, static_cast<float>(scale), out.data_ptr<float>(), threads);
   }

@@ -1,0 +1,113 @@
+"""--rope-scaling on a checkpoint that has none: a tiny random Llama (trained context 64) served
+through the flag at 4x that context equals transformers' forward pass with the same
+rope_scaling in its config, in float32, for linear, llama3 and yarn.
+
+The checkpoint is written by transformers offline (tests/model/test_hf_parity.py's tiny Llama)
+with a word-level tokenizer, so the engine opens the folder as `hearth generate` would; the
+flags are parsed by hearth's own parser. The prompt runs past position 64, where the scalings
+differ most, as one chunk and as chunks over a cached prefix plus single-token decodes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hearth import flags as hearth_flags
+from hearth.engine.engine import LLMEngine
+from hearth.models.random_checkpoint import _write_word_tokenizer
+from hearth.ops.attention import build_attention_metadata
+from hearth.ops.cpu_kernels import available_variants
+from tests.model.test_hf_parity import ATOL, SHAPE, hf_logits, make_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+TRAINED = SHAPE["max_position_embeddings"]  # 64
+FACTOR = 4
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": FACTOR},
+    "llama3": {"rope_type": "llama3", "factor": FACTOR, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": TRAINED},
+    "yarn": {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": TRAINED},
+}
+PROMPT = [(13 * i + 7) % 250 + 3 for i in range(3 * TRAINED + 9)]  # 201 tokens, past 3x trained
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+
+
+@pytest.fixture(scope="module")
+def unscaled(tmp_path_factory):
+    """transformers' tiny Llama without rope_scaling, saved with a tokenizer."""
+    model, folder = make_hf_model(tmp_path_factory.mktemp("rope"), "llama")
+    _write_word_tokenizer(folder / "tokenizer.json", SHAPE["vocab_size"])
+    return model, folder
+
+
+def hf_scaled(unscaled_model, scaling: dict):
+    """The same weights under transformers with `scaling` in the config (and the context it
+    scales to, as HF configs of such models say)."""
+    config = transformers.LlamaConfig(**{**SHAPE, "max_position_embeddings": TRAINED * FACTOR,
+                                         "rope_scaling": dict(scaling)})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(unscaled_model.state_dict())
+    return model.eval()
+
+
+def engine_from_flags(folder, scaling: dict, cpu_kernels: str) -> LLMEngine:
+    a = hearth_flags.build_parser().parse_args([
+        "generate", "--model", str(folder), "--rope-scaling", json.dumps(scaling),
+        "--max-model-len", str(TRAINED * FACTOR), "--cpu-kernels", cpu_kernels,
+        "--quantization", "none", "--kv-cache-dtype", "model", "--prefill-dtype", "float32",
+        "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_BLOCKS), "a prompt"])
+    return LLMEngine(hearth_flags.engine_config(a))
+
+
+@torch.inference_mode()
+def logits_in_chunks(engine: LLMEngine, chunks: list[int]) -> torch.Tensor:
+    """The prompt's logits at every position, computed `chunks[i]` tokens at a time over the
+    engine's own model and KV cache (blocks in reverse order, not the identity)."""
+    runner = runner_of(engine)
+    table = list(range(NUM_BLOCKS - 1, -1, -1))
+    out, start = [], 0
+    for n in chunks:
+        meta = build_attention_metadata([n], [start + n], [table], BLOCK_SIZE)
+        hidden, _ = runner.model(torch.tensor(PROMPT[start : start + n]),
+                                 torch.arange(start, start + n), meta, runner.kv_cache)
+        out.append(runner.model.compute_logits(hidden))
+        start += n
+    return torch.cat(out)
+
+
+def runner_of(engine: LLMEngine):
+    return engine.executor  # the in-process ModelRunner (T = P = 1)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["off", "auto"])
+@pytest.mark.parametrize("name", list(SCALINGS))
+def test_scaled_rope_by_flag_equals_transformers(unscaled, name, cpu_kernels):
+    if cpu_kernels == "auto" and not available_variants():
+        pytest.skip("hearth's CPU kernels are not built here")
+    hf_model, folder = unscaled
+    want = hf_logits(hf_scaled(hf_model, SCALINGS[name]), PROMPT)
+    # the scaling matters here: the unscaled model is far off
+    assert (hf_logits(hf_model, PROMPT) - want).abs().max() > 100 * ATOL
+    engine = engine_from_flags(folder, SCALINGS[name], cpu_kernels)
+    try:
+        assert engine.max_model_len == engine.arch.max_position_embeddings == TRAINED * FACTOR
+        whole = logits_in_chunks(engine, [len(PROMPT)])
+        torch.testing.assert_close(whole, want, atol=ATOL, rtol=0)
+        decodes = [1] * 6
+        chunked = logits_in_chunks(engine, [50, 90, len(PROMPT) - 146, *decodes])
+        torch.testing.assert_close(chunked, want, atol=ATOL, rtol=0)
+    finally:
+        engine.close()
+
+
+def test_the_unscaled_checkpoint_refuses_a_longer_max_model_len(unscaled):
+    _, folder = unscaled
+    a = hearth_flags.build_parser().parse_args([
+        "generate", "--model", str(folder), "--max-model-len", str(TRAINED * FACTOR),
+        "--cpu-kernels", "off", "--num-kv-blocks", str(NUM_BLOCKS), "a prompt"])
+    with pytest.raises(ValueError, match="max_model_len 256: the model covers 64 positions"):
+        LLMEngine(hearth_flags.engine_config(a))
