@@ -1,8 +1,8 @@
-"""The single-stream decode step at long context with a bfloat16 and an int8 KV cache, against
-the memory roofline of the bytes each step must read.
+"""The single-stream decode step at long context with a bfloat16, an int8 and an fp8 (e4m3) KV
+cache, against the memory roofline of the bytes each step must read.
 
     .venv/bin/python benchmarks/kv_int8.py [--contexts 4096 16384 32768] [--repeats 3]
-        [--json benchmarks/results/kv_int8.json]
+        [--dtypes bfloat16 int8 fp8] [--json benchmarks/results/kv_int8.json]
 
 Model: random weights of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads of
 64, MLP 1536, vocab 49,152, tied embeddings) with max_position_embeddings 32768, written once
@@ -17,7 +17,8 @@ table) plus the LM head, timed `--steps` times after 3 warm-up steps; the figure
 the median step, and the table prints min / median over `--repeats`.
 
 Bytes per step: the decode weights (Q8_0 blocks and their scales, fp32 norms) + every layer's
-K and V rows of the context (bf16: 2 x 64 x 2 bytes per head and token; int8: 2 x (64 + 4)).
+K and V rows of the context (bf16: 2 x 64 x 2 bytes per head and token; int8 and fp8:
+2 x (64 + 4), the values and their row's float32 scale).
 The memory roofline is those bytes at the machine's streaming read bandwidth (a 1 GiB sum,
 best of 5, with torch's threads).
 """
@@ -101,7 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/kv-int8-bench"))
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "int8"])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "int8", "fp8"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json", type=Path)
