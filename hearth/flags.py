@@ -32,9 +32,9 @@ from hearth.cluster.cluster_config import AutoscaleConfig, ClusterConfig
 from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
                            GuidedConfig, KVOffloadConfig, SpeculativeConfig,
                            KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
-from hearth.models.rope_scaling import parse_rope_scaling
 from hearth.router.hops import HopTimeouts
 from hearth.router.policy import POLICIES, PolicyConfig
+from hearth.api.edge import DoorwayConfig
 from hearth.router.router_config import HealthConfig, RouterConfig, SupervisorConfig, UpConfig
 from hearth.server.server_config import ServerConfig
 
@@ -52,12 +52,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
                         "kernels run here (docs/formats.md)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "model", "float32", "bfloat16", "float16", "int8", "fp8"],
+                   choices=["auto", "model", "float32", "bfloat16", "float16", "int8"],
                    help="KV cache storage: auto (default) = bfloat16 for a float32 model on "
                         "hearth's CPU kernels (half the bytes, not exact), else the model "
-                        "dtype; model = the model dtype (exact); int8 / fp8 (e4m3) = 8-bit "
-                        "values with a scale per token and head (~1.9x bf16's tokens per GB, "
-                        "not exact)")
+                        "dtype; model = the model dtype (exact); int8 = 8-bit values with a "
+                        "scale per token and head (~1.9x bf16's tokens per GB, not exact)")
     g.add_argument("--prefill-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
                    help="compute dtype of prefill chunks and large batches (steps of more than "
                         "16 rows) of a float32 model: bfloat16 runs ~3x faster prefill where the "
@@ -66,12 +65,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512amx", "avx512vnni", "avx512", "avx2", "off"],
                    help="hearth's compiled CPU kernels (built by make setup)")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--rope-scaling", type=_rope_scaling_json, default=None, metavar="JSON",
-                   help="replace the checkpoint's RoPE scaling (as vLLM's --hf-overrides "
-                        "rope_scaling), e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                        "\"original_max_position_embeddings\": 8192}': linear, llama3 or yarn "
-                        "(dynamic is refused); the context grows to original x factor, which "
-                        "--max-model-len may then ask for")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -162,15 +155,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory this worker contributes to the Mooncake Store")
 
 
-def _rope_scaling_json(text: str) -> str:
-    """--rope-scaling's value, checked here so a bad one fails before any process starts."""
-    try:
-        parse_rope_scaling(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def _first(values: list[str] | None) -> str | None:
     return values[0] if values else None
 
@@ -178,7 +162,6 @@ def _first(values: list[str] | None) -> str | None:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                          rope_scaling=a.rope_scaling,
                           served_model_name=_first(a.served_model_name), seed=a.seed,
                           quantization=a.quantization, cpu_kernels=a.cpu_kernels,
                           prefill_dtype=a.prefill_dtype),
@@ -251,6 +234,29 @@ def add_edge_args(g) -> None:
                         "http://localhost:3000, or * for any (default: none, CORS off)")
     g.add_argument("--no-access-log", action="store_true",
                    help="no log line per request (method, path, status, ms, request id)")
+    d = DoorwayConfig()
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_seconds,
+                   metavar="SECONDS", help="a request's headers must be complete this soon after "
+                                           "its first byte, else the connection is closed "
+                                           "(default: %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_seconds, metavar="SECONDS",
+                   help="a request body that sends no byte for this long gets 408 and the "
+                        "connection is closed (default: %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_seconds,
+                   metavar="SECONDS", help="an idle connection between requests is closed after "
+                                           "this (default: %(default)s)")
+    g.add_argument("--max-connections-per-ip", type=int, default=d.max_connections_per_ip,
+                   metavar="N", help="open connections one client address may hold; a request "
+                                     "on one more gets 429 (0: no cap; default: %(default)s)")
+
+
+def doorway_config(a: argparse.Namespace, max_connections_per_ip: int | None = None) -> DoorwayConfig:
+    """`add_edge_args`' timeouts and cap (`max_connections_per_ip`: instead of the flag's)."""
+    return DoorwayConfig(
+        header_timeout_seconds=a.header_timeout, body_timeout_seconds=a.body_timeout,
+        keep_alive_seconds=a.keep_alive_timeout,
+        max_connections_per_ip=(a.max_connections_per_ip if max_connections_per_ip is None
+                                else max_connections_per_ip))
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
@@ -260,7 +266,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
         max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
         tool_call_parser=a.tool_call_parser, guided_auto_tools=not a.no_guided_auto_tools,
         log_level=a.log_level, allowed_origins=tuple(a.allowed_origins),
-        access_log=not a.no_access_log)
+        access_log=not a.no_access_log, doorway=doorway_config(a))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -285,8 +291,7 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--model": m.model, "--dtype": m.dtype, "--quantization": m.quantization,
         "--kv-cache-dtype": c.kv_cache_dtype, "--cpu-kernels": m.cpu_kernels,
         "--prefill-dtype": m.prefill_dtype,
-        "--max-model-len": m.max_model_len, "--rope-scaling": m.rope_scaling,
-        "--seed": m.seed, "--block-size": c.block_size,
+        "--max-model-len": m.max_model_len, "--seed": m.seed, "--block-size": c.block_size,
         "--kv-cache-memory-gb": c.kv_cache_memory_gb, "--num-kv-blocks": c.num_blocks,
         "--no-prefix-caching": not c.enable_prefix_caching,
         "--max-num-batched-tokens": sch.max_num_batched_tokens,
@@ -318,6 +323,10 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--no-guided-auto-tools": not s.guided_auto_tools,
         "--max-body-mb": s.max_body_bytes / 2**20, "--log-level": s.log_level,
         "--allowed-origins": s.allowed_origins, "--no-access-log": not s.access_log,
+        "--header-timeout": s.doorway.header_timeout_seconds,
+        "--body-timeout": s.doorway.body_timeout_seconds,
+        "--keep-alive-timeout": s.doorway.keep_alive_seconds,
+        "--max-connections-per-ip": s.doorway.max_connections_per_ip,
     }
 
 
@@ -448,7 +457,7 @@ def router_config(a: argparse.Namespace, prefill=(), decode=(), workers=(),
         served_model_names=tuple(a.served_model_name or ()), tokenizer_model=a.model,
         log_level=a.log_level, policy=policy, max_body_bytes=int(a.max_body_mb * 2**20),
         show_worker_urls=a.show_worker_urls, allowed_origins=tuple(a.allowed_origins),
-        access_log=not a.no_access_log,
+        access_log=not a.no_access_log, doorway=doorway_config(a),
         health=HealthConfig(interval_seconds=a.health_interval, eject_seconds=a.eject_seconds,
                             max_retries=a.max_retries, timeout_seconds=a.health_timeout),
         timeouts=HopTimeouts(connect=a.connect_timeout, request=a.request_timeout,
@@ -574,10 +583,12 @@ def up_config(a: argparse.Namespace) -> UpConfig:
 
 def up_worker_server_config(a: argparse.Namespace) -> ServerConfig:
     """What every `hearth up` worker's server gets from up's flags (its address is up's choice;
-    up has no server flags of its own but the ones it shares with the router)."""
+    up has no server flags of its own but the ones it shares with the router). Its workers
+    keep the router's timeouts but no per-address cap: every hop comes from the router's."""
     return ServerConfig(served_model_names=tuple(a.served_model_name or ()),
                         max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
-                        access_log=not a.no_access_log)
+                        access_log=not a.no_access_log,
+                        doorway=doorway_config(a, max_connections_per_ip=0))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,14 @@
 """What the HTTP edge of a worker and of the router does before a request reaches a handler:
-read a bounded body, decode it as bounded JSON, check a bearer key, and run CPU work off the
-event loop.
+hold connections to time and count limits, read a bounded body, decode it as bounded JSON, check
+a bearer key, and run CPU work off the event loop.
 
 Invariants:
+  * no connection is held by a client that stalls (`DoorwayConfig`): a request's headers must
+    be complete within `header_timeout_seconds` of its first byte (of the connection, for a first
+    request), else the socket is closed; an idle kept-alive connection closes after
+    `keep_alive_seconds`; a body that sends no byte for `body_timeout_seconds` gets a 408 and
+    the connection is closed (hearth/api/middleware.py); one client address holds at most
+    `max_connections_per_ip` connections, a request on one more gets a 429 and a close;
   * a body is never held past `limit` bytes: a larger Content-Length is refused before the first
     byte is read, and a chunked body is counted as it streams in (413 either way);
   * a decoded body is plain JSON that every later step can walk and encode: no NaN/Infinity,
@@ -15,9 +21,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hmac
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from starlette.requests import Request
@@ -29,6 +38,128 @@ MAX_JSON_DEPTH = 64  # arrays/objects inside each other; OpenAI's own schema lim
 MAX_CONTENT_LENGTH_DIGITS = 19  # a Content-Length header longer than this is past any limit
 
 T = TypeVar("T")
+log = logging.getLogger("hearth.edge")
+
+
+@dataclass(frozen=True)
+class DoorwayConfig:
+    """How long a client may take and how many connections it may hold (worker and router)."""
+
+    header_timeout_seconds: float = 10.0  # a request line + headers complete within this
+    body_timeout_seconds: float = 30.0  # no byte of a body for this long: 408, connection closed
+    keep_alive_seconds: float = 5.0  # an idle connection between requests is closed after this
+    max_connections_per_ip: int = 256  # open connections from one client address; 0: no cap
+
+
+def uvicorn_config(app: Any, host: str, port: int, log_level: str, doorway: DoorwayConfig):
+    """uvicorn's Config for a hearth HTTP process, connections held to `doorway`."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                          log_config=None, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=doorway.keep_alive_seconds,  # type: ignore[arg-type]
+                          http=doorway_protocol(doorway))
+
+
+def doorway_protocol(doorway: DoorwayConfig) -> type:
+    """uvicorn's h11 protocol plus a deadline on each request's headers and a per-address cap.
+
+    uvicorn times out only idle kept-alive connections: a client that sends nothing, or half a
+    request line, holds its socket forever. Here a timer runs while h11 waits for a request's
+    headers (from the connection's start, and from the first byte of each later request) and
+    closes the socket when it fires; a trickle of bytes does not extend it. The count of open
+    connections per address is this server's own (one class per server)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    open_per_address: dict[str, int] = {}
+
+    class DoorwayProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.head_timer: asyncio.TimerHandle | None = None
+            self.address = self.client[0] if self.client else ""
+            count = open_per_address.get(self.address, 0) + 1
+            open_per_address[self.address] = count
+            if 0 < doorway.max_connections_per_ip < count:
+                log.debug("%s holds %d connections: refusing one", self.address, count)
+                self.app = too_many_connections  # its request gets a 429 and a close
+            self.head_timer = self.loop.call_later(doorway.header_timeout_seconds, self.head_late)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.cancel_head_timer()
+            count = open_per_address.pop(self.address, 1) - 1
+            if count > 0:
+                open_per_address[self.address] = count
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self.watch_head(started=True)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.watch_head(started=bool(self.conn.trailing_data[0]))  # a pipelined request
+
+        def watch_head(self, started: bool) -> None:
+            """The timer runs while a request has begun but its headers are not complete."""
+            if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+                self.cancel_head_timer()
+            elif started and self.head_timer is None:
+                self.head_timer = self.loop.call_later(doorway.header_timeout_seconds,
+                                                       self.head_late)
+
+        def cancel_head_timer(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_late(self) -> None:
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.debug("closing a connection from %s: no complete request headers within %gs",
+                          self.address, doorway.header_timeout_seconds)
+                self.transport.close()
+
+    return DoorwayProtocol
+
+
+async def too_many_connections(scope, receive, send) -> None:
+    """The raw ASGI answer to a request on a connection past its address's cap."""
+    body = json.dumps(APIError(429, "too many open connections from this address",
+                               code="too_many_connections").body()).encode()
+    await send({"type": "http.response.start", "status": 429, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def bound_heap() -> None:
+    """glibc's allocator, set so that a burst of big bodies does not stay in the process: every
+    allocation past 256 KiB is its own mapping, given back on free (a fixed threshold also
+    stops glibc raising it after each freed big buffer, which is what let 32 MiB bodies land in
+    the heap for good), and two arenas instead of eight per core for the edge's threads. No-op
+    off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+
+
+def release_heap() -> None:
+    """Give the heap's free pages back to the system (after a big body was decoded: its
+    millions of small objects leave freed but mapped pages in the arenas)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 class CpuPool:
@@ -55,12 +186,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = (request.headers.get("content-length") or "").strip()
     if declared.isdigit() and (len(declared) > MAX_CONTENT_LENGTH_DIGITS or int(declared) > limit):
         raise body_too_large(limit)
-    body = bytearray()
+    chunks: list[bytes] = []  # joined once: no growing buffer reallocated along the way
+    size = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
+        size += len(chunk)
+        if size > limit:
             raise body_too_large(limit)
-    return bytes(body)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _reject_constant(name: str) -> Any:

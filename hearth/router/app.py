@@ -192,7 +192,8 @@ def build_app(config: RouterConfig, tokenizer: Any | None = None,
                   openapi_url=None)
     app.state.router = router
     _install_error_handlers(app)
-    install_edge_middleware(app, config.allowed_origins, config.access_log)
+    install_edge_middleware(app, config.allowed_origins, config.access_log,
+                            config.doorway.body_timeout_seconds, cancel_on_disconnect=True)
 
     async def authorize(request: Request) -> None:
         check_api_key(request.headers, config.api_key)

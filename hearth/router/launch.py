@@ -29,9 +29,11 @@ def route(config: RouterConfig, supervisor=None, registry=None) -> int:
     (hearth/router/discovery.py) instead of the config's URLs."""
     import uvicorn
 
+    from hearth.api.edge import bound_heap, uvicorn_config
     from hearth.router.app import build_app
 
     setup_logging(config.log_level)
+    bound_heap()
     app = build_app(config, load_tokenizer(config.tokenizer_model),
                     supervisor_state=supervisor.state if supervisor else None, registry=registry)
     logging.getLogger("hearth.router").info(
@@ -39,9 +41,8 @@ def route(config: RouterConfig, supervisor=None, registry=None) -> int:
         config.port, *(("discovered",) * 3 if registry is not None else
                        (list(config.prefill), list(config.decode), list(config.workers))),
         config.policy.name)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-        access_log=False, log_config=None, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level,
+                                          config.doorway))
     if supervisor is not None:
         supervisor.watch(on_give_up=lambda: setattr(server, "should_exit", True))
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hearth.api.edge import DoorwayConfig
 from hearth.router.hops import HopTimeouts
 from hearth.router.policy import PolicyConfig
 
@@ -70,3 +71,5 @@ class RouterConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     timeouts: HopTimeouts = field(default_factory=HopTimeouts)
+    # clients' header/body/keep-alive timeouts and connections per address (hearth/api/edge.py)
+    doorway: DoorwayConfig = field(default_factory=DoorwayConfig)

@@ -162,7 +162,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig,
     app = FastAPI(title="hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     _install_error_handlers(app)
-    install_edge_middleware(app, server_config.allowed_origins, server_config.access_log)
+    install_edge_middleware(app, server_config.allowed_origins, server_config.access_log,
+                            server_config.doorway.body_timeout_seconds)
     auth = [Depends(_authorizer(worker))]
 
     @app.get("/health")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uvicorn
 
+from hearth.api.edge import bound_heap, uvicorn_config
 from hearth.config import EngineConfig
 from hearth.logs import setup_logging
 from hearth.server.app import build_app
@@ -21,6 +22,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, core: CoreProcess |
     """Run the worker until interrupted; exit code 1 if its engine failed or died. `core`: its
     engine-core process, if the caller spawned it already (`spawn_core`), else started here."""
     setup_logging(config.log_level)
+    bound_heap()
     server: uvicorn.Server | None = None
 
     def stop() -> None:  # the engine is gone: finish in-flight responses, then exit
@@ -28,9 +30,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig, core: CoreProcess |
             server.should_exit = True
 
     app = build_app(engine_config, config, on_fatal=stop, core=core)
-    server = _Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level.lower(),
-        access_log=False, log_config=None, timeout_graceful_shutdown=5))
+    server = _Server(uvicorn_config(app, config.host, config.port, config.log_level,
+                                    config.doorway))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down

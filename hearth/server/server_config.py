@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from hearth.api.edge import DoorwayConfig
 
 
 @dataclass(frozen=True)
@@ -21,3 +23,5 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any); (): off
     access_log: bool = True  # one line per request on the hearth.access logger
     exit_on_engine_failure: bool = True  # a worker whose engine died stops (exit code 1)
+    # header/body/keep-alive timeouts and connections per client address (hearth/api/edge.py)
+    doorway: DoorwayConfig = field(default_factory=DoorwayConfig)

@@ -132,6 +132,18 @@ def test_up_hands_every_engine_flag_to_each_worker_and_secrets_only_in_the_envir
     assert (router.prefill, router.decode, router.workers) == ((), (), ())  # up adds its workers
 
 
+def test_up_gives_workers_the_routers_doorway_timeouts_and_no_per_address_cap():
+    a = up_args("--header-timeout", "3", "--body-timeout", "4", "--keep-alive-timeout", "6",
+                "--max-connections-per-ip", "9")
+    router = hearth_flags.router_config(a).doorway
+    assert (router.header_timeout_seconds, router.body_timeout_seconds, router.keep_alive_seconds,
+            router.max_connections_per_ip) == (3, 4, 6, 9)
+    specs = worker_specs(hearth_flags.up_config(a), hearth_flags.engine_config(a),
+                         hearth_flags.up_worker_server_config(a), cli.worker_command, "k", "s")
+    for spec in specs:  # every hop comes from the router's one address: no cap on the workers
+        assert configs(spec.command[4:])[1].doorway == replace(router, max_connections_per_ip=0)
+
+
 @pytest.mark.parametrize("flags, error", [
     (("--prefill", "1", "--decode", "0"), "needs --decode >= 1 or --workers >= 1"),
     (("--prefill", "1", "--decode", "0", "--workers", "1"), "need --decode workers"),
