@@ -32,6 +32,7 @@ from hearth.cluster.cluster_config import AutoscaleConfig, ClusterConfig
 from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
                            GuidedConfig, KVOffloadConfig, SpeculativeConfig,
                            KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+from hearth.models.rope_scaling import parse_rope_scaling
 from hearth.router.hops import HopTimeouts
 from hearth.router.policy import POLICIES, PolicyConfig
 from hearth.api.edge import DoorwayConfig
@@ -52,11 +53,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
                         "kernels run here (docs/formats.md)")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "model", "float32", "bfloat16", "float16", "int8"],
+                   choices=["auto", "model", "float32", "bfloat16", "float16", "int8", "fp8"],
                    help="KV cache storage: auto (default) = bfloat16 for a float32 model on "
                         "hearth's CPU kernels (half the bytes, not exact), else the model "
-                        "dtype; model = the model dtype (exact); int8 = 8-bit values with a "
-                        "scale per token and head (~1.9x bf16's tokens per GB, not exact)")
+                        "dtype; model = the model dtype (exact); int8 / fp8 (e4m3) = 8-bit "
+                        "values with a scale per token and head (~1.9x bf16's tokens per GB, "
+                        "not exact)")
     g.add_argument("--prefill-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
                    help="compute dtype of prefill chunks and large batches (steps of more than "
                         "16 rows) of a float32 model: bfloat16 runs ~3x faster prefill where the "
@@ -65,6 +67,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512amx", "avx512vnni", "avx512", "avx2", "off"],
                    help="hearth's compiled CPU kernels (built by make setup)")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--rope-scaling", type=_rope_scaling_json, default=None, metavar="JSON",
+                   help="replace the checkpoint's RoPE scaling (as vLLM's --hf-overrides "
+                        "rope_scaling), e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 8192}': linear, llama3 or yarn "
+                        "(dynamic is refused); the context grows to original x factor, which "
+                        "--max-model-len may then ask for")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
@@ -155,6 +163,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory this worker contributes to the Mooncake Store")
 
 
+def _rope_scaling_json(text: str) -> str:
+    """--rope-scaling's value, checked here so a bad one fails before any process starts."""
+    try:
+        parse_rope_scaling(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _first(values: list[str] | None) -> str | None:
     return values[0] if values else None
 
@@ -162,6 +179,7 @@ def _first(values: list[str] | None) -> str | None:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
+                          rope_scaling=a.rope_scaling,
                           served_model_name=_first(a.served_model_name), seed=a.seed,
                           quantization=a.quantization, cpu_kernels=a.cpu_kernels,
                           prefill_dtype=a.prefill_dtype),
@@ -291,7 +309,8 @@ def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
         "--model": m.model, "--dtype": m.dtype, "--quantization": m.quantization,
         "--kv-cache-dtype": c.kv_cache_dtype, "--cpu-kernels": m.cpu_kernels,
         "--prefill-dtype": m.prefill_dtype,
-        "--max-model-len": m.max_model_len, "--seed": m.seed, "--block-size": c.block_size,
+        "--max-model-len": m.max_model_len, "--rope-scaling": m.rope_scaling,
+        "--seed": m.seed, "--block-size": c.block_size,
         "--kv-cache-memory-gb": c.kv_cache_memory_gb, "--num-kv-blocks": c.num_blocks,
         "--no-prefix-caching": not c.enable_prefix_caching,
         "--max-num-batched-tokens": sch.max_num_batched_tokens,
