@@ -28,7 +28,7 @@ import os
 from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
-from hearth.cluster.cluster_config import AutoscaleConfig, ClusterConfig
+from hearth.cluster.cluster_config import STAGE_STRATEGIES, AutoscaleConfig, ClusterConfig
 from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
                            GuidedConfig, KVOffloadConfig, SpeculativeConfig,
                            KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
@@ -534,6 +534,10 @@ def add_cluster_args(p: argparse.ArgumentParser, full: bool = True) -> None:
                        ("both", "--workers-tp")):
         g.add_argument(flag, type=int, default=None, metavar="T",
                        help=f"tensor parallel size of the {role} workers (default: -tp)")
+    g.add_argument("--stage-placement", default="pack",
+                   choices=[x.lower().replace("_", "-") for x in STAGE_STRATEGIES],
+                   help="how a worker's pipeline stages (-pp > 1) are placed: pack (one node if "
+                        "it has room), spread, strict-spread (each stage on its own node)")
     g.add_argument("--no-replace", action="store_true",
                    help="do not replace a worker that dies (its role's target drops by one)")
     g.add_argument("--drain-timeout", type=float, default=c.drain_timeout_seconds,
@@ -576,6 +580,7 @@ def cluster_config(a: argparse.Namespace) -> ClusterConfig:
         address=a.cluster, name=a.cluster_name, cpus_per_rank=a.cpus_per_rank,
         gpus_per_rank=a.gpus_per_rank, memory_per_rank_bytes=int(a.memory_per_rank_gb * 2**30),
         threads_per_worker=a.threads_per_worker, role_tensor_parallel=tp,
+        stage_strategy=a.stage_placement.upper().replace("-", "_"),
         replace_dead_workers=not a.no_replace, drain_timeout_seconds=a.drain_timeout,
         autoscale=autoscale)
 

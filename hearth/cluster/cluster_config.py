@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 REGISTRY_SUFFIX = "-registry"
+STAGE_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
 ROLES = ("prefill", "decode", "both")
 
 
@@ -53,6 +54,10 @@ class ClusterConfig:
     # Per-role tensor parallelism (None: the engine's -tp). PD roles need T = 1 (the KV transfer
     # reads one process's cache), so this is mostly for monolithic workers (`--workers`).
     role_tensor_parallel: dict[str, int] = field(default_factory=dict, hash=False)
+    # A worker of P > 1 pipeline stages gets one bundle per stage (T ranks each, packed on one
+    # node); this Ray strategy places the bundles: PACK (one node if it has room, else several),
+    # SPREAD (several nodes if they have room), STRICT_SPREAD (each stage on its own node).
+    stage_strategy: str = "PACK"
     replace_dead_workers: bool = True  # a worker (or node) that dies is started again elsewhere
     max_failures: int = 5  # worker deaths or failed starts within failure_window_seconds ...
     failure_window_seconds: float = 300.0  # ... after which the deployment stops (exit 1)
@@ -68,6 +73,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0 or self.memory_per_rank_bytes < 0:
             raise ValueError("cluster resources per rank must be >= 0")
+        if self.stage_strategy not in STAGE_STRATEGIES:
+            raise ValueError(f"stage placement {self.stage_strategy!r}: one of "
+                             f"{', '.join(s.lower().replace('_', '-') for s in STAGE_STRATEGIES)}")
         for role, tp in self.role_tensor_parallel.items():
             if role not in ROLES or tp < 1:
                 raise ValueError(f"tensor parallel size for {role!r}: {tp} (roles: prefill, "

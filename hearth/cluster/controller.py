@@ -2,8 +2,9 @@
 
 One thread in the `hearth up --cluster` process reconciles every `interval_seconds`:
 
-  * placement: each worker gets its own placement group, one bundle of T ranks' resources
-    (`cpus_per_rank` x T logical CPUs, GPUs, memory) packed on one node (STRICT_PACK: a worker's
+  * placement: each worker gets its own placement group, one bundle per pipeline stage of T
+    ranks' resources (`cpus_per_rank` x T logical CPUs, GPUs, memory; the stages placed by
+    `stage_strategy`, so P > 1 stages may span nodes), each bundle on one node (a stage's
     ranks share its node's memory), and a `WorkerProcess` actor scheduled into it. A group Ray
     cannot place yet (no node has room) waits; the worker counts as starting meanwhile;
   * scaling: fewer live workers of a role than its target: start more; more: drain the newest.
@@ -80,7 +81,8 @@ class Worker:
     def detail(self) -> dict:
         """`view()` plus addresses: for the registry's status (`hearth scale`), not /health."""
         return {**self.view(), "host": self.host, "kv_peers": sorted(self.peers),
-                "log": self.record.get("log"), "peers_file": self.record.get("peers_file")}
+                "log": self.record.get("log"), "peers_file": self.record.get("peers_file"),
+                "stage_nodes": self.record.get("stage_nodes") or []}
 
 
 class Controller:
@@ -286,13 +288,18 @@ class Controller:
         name = f"{role}-{next(self._ids)}"
         engine = self._engine_for(role)
         ranks = self._num_ranks(role)
-        bundle = {"CPU": self.cluster.cpus_per_rank * ranks}
+        stages = engine.parallel.pipeline_parallel_size
+        per_stage = ranks // stages  # T ranks, on one node
+        bundle = {"CPU": self.cluster.cpus_per_rank * per_stage}
         if self.cluster.gpus_per_rank:
-            bundle["GPU"] = self.cluster.gpus_per_rank * ranks
+            bundle["GPU"] = self.cluster.gpus_per_rank * per_stage
         if self.cluster.memory_per_rank_bytes:
-            bundle["memory"] = self.cluster.memory_per_rank_bytes * ranks
-        bundle = {k: v for k, v in bundle.items() if v}
-        group = placement_group([bundle or {"CPU": 0.001}], strategy="STRICT_PACK",
+            bundle["memory"] = self.cluster.memory_per_rank_bytes * per_stage
+        bundle = {k: v for k, v in bundle.items() if v} or {"CPU": 0.001}
+        # One bundle per pipeline stage: a stage's ranks share a node; stages may not (the
+        # rank set meets over the network, hearth/cluster/worker_actor.py).
+        group = placement_group([bundle] * stages,
+                                strategy="STRICT_PACK" if stages == 1 else self.cluster.stage_strategy,
                                 name=f"{self.cluster.name}-{name}")
         peers = self._nodes or _cluster_peers()
         actor = worker_actor_class().options(
@@ -303,8 +310,8 @@ class Controller:
                  self.cluster.namespace, self.cluster.threads_per_worker, peers, self.log_dir)
         worker = self.workers[name] = Worker(name, role, actor, group, time.monotonic(),
                                              peers=frozenset(peers))
-        log.info("placing worker %s (%s, %d rank%s, %s)", name, role, ranks,
-                 "" if ranks == 1 else "s", bundle)
+        log.info("placing worker %s (%s, %d rank%s, %d x %s)", name, role, ranks,
+                 "" if ranks == 1 else "s", stages, bundle)
         return worker
 
     def _num_ranks(self, role: str) -> int:

@@ -57,6 +57,9 @@ class WorkerProcess:
         self.log_dir = log_dir
         self.log_path: Path | None = None
         self.peers_path: Path | None = None  # the worker's --kv-peers-file (set_peers rewrites)
+        self.stages: list = []  # StageProcesses actors of pipeline stages 1.. (P > 1)
+        self.local_ranks: list[subprocess.Popen] = []  # stage 0's ranks 1..T-1 (P > 1)
+        self.stage_nodes: list[str] = []  # the Ray node of each stage (P > 1)
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
         self._lock = threading.Lock()
@@ -95,22 +98,17 @@ class WorkerProcess:
         host = ray.util.get_node_ip_address()
         node = ray.get_runtime_context().get_node_id()
         port = free_port(host)
-        prctl = self._prctl
-
-        def preexec() -> None:  # in the child before exec: die with this actor
-            prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
         self.log_path = _log_dir(self.log_dir) / f"hearth-{self.name}.log"
+        env = self._environment(secrets)
         with self._lock:
             if self._stopping:
                 raise RuntimeError(f"worker {self.name} was stopped before it started")
             self.peers_path = self.log_path.with_suffix(".peers")
             self._write_peers()
-            with open(self.log_path, "a") as log_file:
-                self.process = subprocess.Popen(self._command(host, port),
-                                                env=self._environment(secrets),
-                                                stdout=log_file, stderr=subprocess.STDOUT,
-                                                preexec_fn=preexec, start_new_session=True)
+            command = self._command(host, port)
+            if self._num_stages > 1:
+                env = self._start_rank_set(command, env, host)
+            self.process = _spawn(command, env, self.log_path, self._prctl)
         self.url = f"http://{host}:{port}"
         try:
             wait_ready(self.url, self.process, timeout)
@@ -122,7 +120,46 @@ class WorkerProcess:
         ray.get(registry.register.remote(self.name, self.role, self.url, node))
         return {"name": self.name, "role": self.role, "url": self.url, "node": node,
                 "pid": self.process.pid, "log": str(self.log_path),
-                "peers_file": str(self.peers_path)}
+                "peers_file": str(self.peers_path), "stage_nodes": self.stage_nodes}
+
+    @property
+    def _num_stages(self) -> int:
+        return self.engine.parallel.pipeline_parallel_size
+
+    def _start_rank_set(self, command: list[str], env: dict[str, str], host: str) -> dict:
+        """T x P ranks over the worker's placement group, one bundle per pipeline stage: this
+        node runs stage 0 (rank 0 is the `hearth serve` driver, started by the caller with the
+        returned environment), a `StageProcesses` actor in bundle s runs stage s's T ranks. They
+        meet as a torchrun rank set would (RANK, WORLD_SIZE, MASTER_ADDR/PORT: the driver hosts
+        the rendezvous store on this node). Under `_lock`."""
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        tp = self.engine.parallel.tensor_parallel_size
+        world = tp * self._num_stages
+        rendezvous = {"WORLD_SIZE": str(world), "MASTER_ADDR": host,
+                      "MASTER_PORT": str(free_port(host))}
+        rank_env = {k: v for k, v in env.items() if k not in SECRET_VARIABLES}
+        group = get_current_placement_group()
+        self.stage_nodes = [ray.get_runtime_context().get_node_id()]
+        for stage in range(1, self._num_stages):
+            context = ray.get_runtime_context()
+            actor = stage_actor_class().options(
+                name=f"{context.get_actor_name()}-stage{stage}", namespace=self.namespace,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=stage)).remote()
+            self.stages.append(actor)
+            ranks = list(range(stage * tp, (stage + 1) * tp))
+            self.stage_nodes.append(ray.get(actor.start.remote(
+                command, {**rank_env, **rendezvous}, ranks, f"{self.name}-stage{stage}",
+                self.log_dir)))
+        for rank in range(1, tp):  # stage 0's other tensor-parallel ranks, on this node
+            log_path = self.log_path.with_name(f"hearth-{self.name}-rank{rank}.log")
+            self.local_ranks.append(_spawn(command, {**rank_env, **rendezvous, "RANK": str(rank),
+                                                     "LOCAL_RANK": str(rank)},
+                                           log_path, self._prctl))
+        return {**env, **rendezvous, "RANK": "0", "LOCAL_RANK": "0"}
 
     def set_peers(self, peers: list[str]) -> None:
         """The cluster's node addresses now: the worker (a decode worker re-reads its peers
@@ -149,15 +186,19 @@ class WorkerProcess:
         with self._lock:
             self._stopping = True
             process = self.process
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.terminate()
+        code = _end(process, grace) if process is not None else None
+        for rank in self.local_ranks:  # the driver's end ends them too; these are the stragglers
+            _end(rank, 5.0)
+        if self.stages:
+            import ray
+
             try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        return process.wait()
+                ray.get([stage.stop.remote() for stage in self.stages], timeout=30)
+            except Exception:  # noqa: BLE001 - a stage's node is gone: its ranks died with it
+                pass
+            for stage in self.stages:
+                ray.kill(stage)
+        return code
 
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
@@ -185,3 +226,59 @@ def worker_actor_class():
     import ray
 
     return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(WorkerProcess)
+
+
+SECRET_VARIABLES = ("HEARTH_API_KEY", "HEARTH_KV_SECRET")  # the driver's alone
+
+
+def _spawn(command: list[str], env: dict[str, str], log_path: Path, prctl) -> subprocess.Popen:
+    """A child that dies with this actor (PR_SET_PDEATHSIG), output appended to `log_path`."""
+    def preexec() -> None:  # in the child before exec
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    with open(log_path, "a") as log_file:
+        return subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                preexec_fn=preexec, start_new_session=True)
+
+
+def _end(process: subprocess.Popen, grace: float) -> int:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
+
+
+class StageProcesses:
+    """The ranks of one pipeline stage (1 and up) of a worker, on its bundle's node; created and
+    owned by the worker's `WorkerProcess` (so they die with it, and it with its node)."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def start(self, command: list[str], env: dict[str, str], ranks: list[int], name: str,
+              log_dir: str | None) -> str:
+        """Start the ranks (same `hearth serve` argv as the driver: under RANK > 0 it serves
+        the driver's steps instead); returns this node's id."""
+        import ray
+
+        folder = _log_dir(log_dir)
+        for local, rank in enumerate(ranks):
+            self.processes.append(_spawn(command, {**env, "RANK": str(rank),
+                                                   "LOCAL_RANK": str(local)},
+                                         folder / f"hearth-{name}-rank{rank}.log", self._prctl))
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        for process in self.processes:
+            _end(process, 5.0)
+
+
+def stage_actor_class():
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0)(StageProcesses)
+

@@ -9,7 +9,11 @@ Loop invariant: between two engine steps every command that has arrived is appli
 or a new request waits at most one step; with no work the loop blocks on the socket (no spin).
 An exception that escapes `engine.step()` (the engine isolates per-request failures itself) ends
 the requests in flight with an error and the loop goes on: one bad request never takes the
-process down. The process exits when the server closes the socket or sends Shutdown.
+process down. The one exception is a lost rank (`RankFailedError`: a tensor/pipeline-parallel
+rank died or stopped answering): the rank set cannot step again, so the requests in flight end
+with the error and the process exits (code 3); the server then stops too, and a supervisor
+(`hearth up`, a cluster controller) replaces the worker. The process also exits when the server
+closes the socket or sends Shutdown.
 
 A guided request whose grammar is still compiling gets its AddResult only when the compile ends
 (the engine's `admissions`): a bad or too-slow grammar is then a rejection (a 400), and the
@@ -45,6 +49,8 @@ if TYPE_CHECKING:
     from hearth.engine.kv.transfer_api import ConnectorFactory
 
 log = logging.getLogger("hearth.core")
+
+IDLE_WAKE_SECONDS = 1.0  # an idle core looks at its rank set this often
 
 class EngineCore:
     """Applies commands to the engine and reports its outputs over the channel."""
@@ -101,6 +107,8 @@ class EngineCore:
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            if _rank_set_lost(exc):
+                self._end_all(exc)  # raises RankSetLost: this process exits
             log.exception("engine step failed; ending the %d requests in flight",
                           len(self.live_request_ids))
             outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
@@ -110,6 +118,19 @@ class EngineCore:
                 self.live_request_ids.discard(output.request_id)
         if outputs:
             self.channel.send(StepOutputs(outputs, self.engine.stats()))
+
+    def _end_all(self, exc: Exception) -> None:
+        """The rank set is lost: every request in flight ends with the error, then RankSetLost
+        (no abort or step: the ranks cannot run one)."""
+        log.error("rank set lost; ending the %d requests in flight and exiting: %s",
+                  len(self.live_request_ids), exc)
+        failed = [RequestOutput(rid, [], "", finished=True, finish_reason="error",
+                                error=f"{type(exc).__name__}: {exc}")
+                  for rid in sorted(self.live_request_ids)]
+        self.live_request_ids.clear()
+        if failed:
+            self.channel.send(StepOutputs(failed, self.engine.stats()))
+        raise RankSetLost(str(exc)) from exc
 
     def _answer_deferred(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send the deferred AddResults of requests whose grammar wait ended (a rejection
@@ -148,18 +169,38 @@ class EngineCore:
             busy = self.engine.has_unfinished()
             for message in self._pending_messages(wait=not busy):
                 self.handle(message)
+            # A rank lost while idle: exit now, not on the next request (the heartbeat set it).
+            failure = self.engine.fatal_error()
+            if failure:
+                self._end_all(_rank_failed_error(failure))
             if self.running and self.engine.has_unfinished():
                 self.step()
 
     def _pending_messages(self, wait: bool):
-        """Messages already arrived (or, with `wait`, block for at least one)."""
-        timeout = None if wait else 0.0
+        """Messages already arrived (or, with `wait`, block up to IDLE_WAKE_SECONDS for one)."""
+        timeout = IDLE_WAKE_SECONDS if wait else 0.0
         while True:
             readable, _, _ = select.select([self.channel], [], [], timeout)
             if not readable:
                 return
             yield self.channel.recv()
             timeout = 0.0
+
+
+class RankSetLost(RuntimeError):
+    """The engine's rank set is gone: the core process exits (see the module doc)."""
+
+
+def _rank_set_lost(exc: BaseException) -> bool:
+    from hearth.ops.distributed import RankFailedError  # torch: loaded with the engine by now
+
+    return isinstance(exc, RankFailedError)
+
+
+def _rank_failed_error(failure: str) -> Exception:
+    from hearth.ops.distributed import RankFailedError
+
+    return RankFailedError(failure)
 
 
 ConnectorChoice = Callable[["EngineConfig"], "ConnectorFactory | None"]
@@ -203,5 +244,7 @@ def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None 
         core.serve()
     except (EOFError, ConnectionError):
         log.info("server closed the engine socket; exiting")
+    except RankSetLost:
+        return 3
     return 0
 

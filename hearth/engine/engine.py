@@ -483,6 +483,11 @@ class LLMEngine:
         """tier -> (stored, evicted) hashes of the lower KV tiers since `cursor` (same cursor)."""
         return self.pool.tier_events_since(cursor)
 
+    def fatal_error(self) -> str | None:
+        """Why this engine can never step again (its rank set is lost), else None; the engine
+        core exits on it (hearth/engine/core_process.py)."""
+        return getattr(self.executor, "failure", None)  # only a rank set can lose ranks
+
     def kv_pool_is_whole(self) -> bool:
         if self.pd is not None:
             self.pd.poll()

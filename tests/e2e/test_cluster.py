@@ -450,3 +450,58 @@ def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(s
         assert new_ip in entries, (worker, entries)
         assert "not a trusted KV peer" not in Path(worker["log"]).read_text()
     stack.scale(prefill=1)
+
+
+def rank_pids(rank: int) -> list[int]:
+    """This machine's `hearth serve` processes started as rank `rank` of a rank set."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"hearth.cli\0serve" in cmdline and f"RANK={rank}".encode() in environ:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_replaced(cluster):
+    """A monolithic worker of P=2 pipeline stages, each on its own node (strict-spread): the
+    two stages meet as a torchrun rank set would; its greedy tokens equal one process's; when
+    the second stage's rank dies, the worker ends (its driver exits, not a server that only
+    answers errors) and the controller replaces it."""
+    import hearth.cluster
+    from hearth.cluster.cluster_config import ClusterConfig
+    from hearth.engine.llm import LLM, make_engine_config
+    from hearth.engine.sampling_params import SamplingParams
+
+    prompt = "The three primary colors are"
+    llm = LLM(config=make_engine_config(MODEL))
+    reference = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0,
+                                                      ignore_eos=True))[0]
+    llm.engine.close()
+    engine = make_engine_config(MODEL, pipeline_parallel_size=2)
+    with hearth.cluster.deploy(prefill=0, decode=0, workers=1, address=cluster.address,
+                               name="pp-test", engine=engine,
+                               cluster=ClusterConfig(stage_strategy="STRICT_SPREAD"),
+                               worker_args=SERVE_FLAGS) as deployment:
+        (worker,) = deployment.status()["workers"]
+        assert len(worker["stage_nodes"]) == 2 and len(set(worker["stage_nodes"])) == 2, worker
+        reply = api_client(deployment).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == reference.text
+        (stage1,) = rank_pids(1)
+        os.kill(stage1, signal.SIGKILL)
+        status = wait_for_status(deployment, lambda s: [w["name"] for w in s["workers"]
+                                                       if w["state"] == "running"]
+                                 not in ([], [worker["name"]]), timeout=240)
+        (new,) = [w for w in status["workers"] if w["state"] == "running"]
+        assert new["name"] != worker["name"] and len(set(new["stage_nodes"])) == 2
+        again = api_client(deployment).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True})
+        assert again.choices[0].text == reference.text
+    assert_nothing_left(cluster.address, "pp-test")
+    assert rank_pids(1) == []

@@ -54,6 +54,9 @@ class ScriptedEngine:
         if self.requests.pop(request_id, None) is not None:
             self.aborted.append(request_id)
 
+    def fatal_error(self):
+        return None
+
     def has_unfinished(self):
         return bool(self.requests) or bool(self.aborted)
 
