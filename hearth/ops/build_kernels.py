@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
@@ -119,18 +121,23 @@ def probe(variant: str, path: Path) -> bool:
     return proc.returncode == 0 and proc.stdout.strip() == "ok"
 
 
+def build_and_probe(variant: str) -> dict:
+    try:
+        path = compile_variant(variant)
+    except (subprocess.CalledProcessError, OSError) as e:
+        print(f"hearth kernels: {variant} build failed: {e}", file=sys.stderr)
+        return {"usable": False, "path": None}
+    return {"usable": probe(variant, path), "path": path.name}
+
+
 def main() -> int:
-    results = {}
-    for variant in VARIANTS:
-        try:
-            path = compile_variant(variant)
-        except (subprocess.CalledProcessError, OSError) as e:
-            print(f"hearth kernels: {variant} build failed: {e}", file=sys.stderr)
-            results[variant] = {"usable": False, "path": None}
-            continue
-        ok = probe(variant, path)
-        results[variant] = {"usable": ok, "path": path.name}
-        print(f"hearth kernels: {variant}: {'usable' if ok else 'NOT usable on this CPU'}")
+    # The variants compile (and probe, each in its own child) side by side: g++ is one thread.
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        results = dict(zip(VARIANTS, pool.map(build_and_probe, VARIANTS)))
+    for variant, result in results.items():
+        if result["path"] is not None:
+            print(f"hearth kernels: {variant}: "
+                  f"{'usable' if result['usable'] else 'NOT usable on this CPU'}")
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     PROBE_FILE.write_text(json.dumps({"key": build_key(), "variants": results}, indent=1))
     return 0 if any(v["usable"] for v in results.values()) else 1
