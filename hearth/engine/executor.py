@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -51,9 +52,27 @@ def num_kv_blocks(cache: CacheConfig, arch: ModelArch, parallel: ParallelConfig,
     return max(4, int(cache.kv_cache_memory_gb * 2**30) // per_block)
 
 
-def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torch.dtype, str, object]:
-    """(model dtype, KV cache dtype, quantization, CpuKernels or None) with every 'auto' decided
-    for this machine and checkpoint."""
+class Formats(NamedTuple):
+    """What `resolve_formats` decided for this machine and checkpoint (no 'auto' left)."""
+
+    dtype: torch.dtype  # the model's weights and activations
+    kv_dtype: torch.dtype  # the KV cache (int8 / fp8 rows carry their scales)
+    quantization: str  # none | gguf | q8_0 ... (hearth/models/quant.py)
+    kernels: CpuKernels | None  # hearth's CPU kernel build, or None (plain torch)
+
+
+class ModelFormats(NamedTuple):
+    """What a built model was built for: a prebuilt model serves an engine only if equal."""
+
+    dtype: torch.dtype
+    quantization: str
+    kernel_variant: str | None
+    device: str
+    prefill_dtype: torch.dtype
+
+
+def resolve_formats(config: EngineConfig, checkpoint) -> Formats:
+    """The formats with every 'auto' decided for this machine and checkpoint."""
     mc, cc, pc = config.model, config.cache, config.parallel
     if mc.dtype not in DTYPES:
         raise ValueError(f"dtype: unsupported {mc.dtype!r}; choose from {', '.join(DTYPES)}")
@@ -92,7 +111,7 @@ def resolve_formats(config: EngineConfig, checkpoint) -> tuple[torch.dtype, torc
         raise ValueError(f"quantization {quantization!r} needs hearth's CPU kernels in float32 "
                          f"on the CPU (device={pc.device}, dtype={mc.dtype}, kernels "
                          f"{'off' if mc.cpu_kernels == 'off' else 'not built: run make setup'})")
-    return dtype, kv_dtype, quantization, kernels
+    return Formats(dtype, kv_dtype, quantization, kernels)
 
 
 PREFILL_DTYPES = ("float32", "bfloat16", "auto")
@@ -157,15 +176,14 @@ class BuiltModel:
 
     model: torch.nn.Module
     checkpoint: object  # the Checkpoint it was built from
-    # dtype, quantization, kernels, device, prefill dtype
-    formats: tuple[torch.dtype, str, str | None, str, torch.dtype]
+    formats: ModelFormats
     kernels: CpuKernels | None  # the build the model calls (its runner tunes their threads)
 
 
-def _formats(config: EngineConfig, dtype: torch.dtype, quantization: str,
-             kernels: CpuKernels | None) -> tuple[torch.dtype, str, str | None, str, torch.dtype]:
-    return (dtype, quantization, kernels.variant if kernels else None, config.parallel.device,
-            resolve_prefill_dtype(config))
+def _model_formats(config: EngineConfig, formats: Formats) -> ModelFormats:
+    return ModelFormats(formats.dtype, formats.quantization,
+                        formats.kernels.variant if formats.kernels else None,
+                        config.parallel.device, resolve_prefill_dtype(config))
 
 
 def build_model_for(config: EngineConfig, checkpoint) -> BuiltModel:
@@ -175,7 +193,7 @@ def build_model_for(config: EngineConfig, checkpoint) -> BuiltModel:
     return _build(config, checkpoint, resolve_formats(config, checkpoint))
 
 
-def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
+def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
     """The single-process model for `formats`, what `resolve_formats` decided."""
     mc, pc = config.model, config.parallel
     dtype, kv_dtype, quantization, kernels = formats
@@ -203,7 +221,7 @@ def _build(config: EngineConfig, checkpoint, formats: tuple) -> BuiltModel:
     log.info("formats: weights %s (decode: %s, prefill: %s), KV cache %s, CPU kernels %s",
              mc.dtype, quantization, str(prefill_dtype).removeprefix("torch."),
              str(kv_dtype).removeprefix("torch."), kernels.variant if kernels else "off")
-    return BuiltModel(model, checkpoint, _formats(config, dtype, quantization, kernels), kernels)
+    return BuiltModel(model, checkpoint, _model_formats(config, formats), kernels)
 
 
 def make_executor(config: EngineConfig, checkpoint,
@@ -212,29 +230,28 @@ def make_executor(config: EngineConfig, checkpoint,
     ValueError); None builds one."""
     pc = config.parallel
     formats = resolve_formats(config, checkpoint)
-    dtype, kv_dtype, quantization, kernels = formats
     resolve_prefill_dtype(config)  # a bad or unsupported choice fails before anything is built
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size,
                          pc.pipeline_parallel_size, pc.enable_expert_parallel)
-    num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, kv_dtype)
+    num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, formats.kv_dtype)
     if pc.world_size == 1:
         if prebuilt is None:
             prebuilt = _build(config, checkpoint, formats)  # formats resolved once
         elif prebuilt.checkpoint is not checkpoint:
             raise ValueError("prebuilt model: built from another checkpoint")
-        elif prebuilt.formats != _formats(config, dtype, quantization, kernels):
+        elif prebuilt.formats != _model_formats(config, formats):
             raise ValueError(f"prebuilt model: built for {prebuilt.formats}, this engine's "
-                             f"formats are {_formats(config, dtype, quantization, kernels)}")
-        return ModelRunner(prebuilt.model, num_blocks, config.cache.block_size, kv_dtype,
+                             f"formats are {_model_formats(config, formats)}")
+        return ModelRunner(prebuilt.model, num_blocks, config.cache.block_size, formats.kv_dtype,
                            pc.device, config.model.seed, prebuilt.kernels)
     if prebuilt is not None:
         raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
     if config.model.rope_scaling is not None:  # the ranks open the checkpoint as it is
         raise ValueError("rope_scaling: not yet supported with tensor/pipeline parallelism")
-    if quantization != "none" or kv_dtype != dtype:
+    if formats.quantization != "none" or formats.kv_dtype != formats.dtype:
         raise ValueError(f"quantization and a KV cache dtype other than the model's are not yet "
                          f"supported with tensor/pipeline parallelism (quantization "
-                         f"{quantization}, kv_cache_dtype {config.cache.kv_cache_dtype})")
+                         f"{formats.quantization}, kv_cache_dtype {config.cache.kv_cache_dtype})")
     from hearth.engine.parallel.executor import ParallelExecutor
 
     return ParallelExecutor(config, checkpoint, num_blocks)

@@ -8,6 +8,8 @@ and projects to logits; in between, hidden states and residuals pass through.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 from torch import nn
 
@@ -96,6 +98,35 @@ class LlamaMLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
+class FusedLayer(NamedTuple):
+    """One decoder layer's short-query steps as one `decode_layer` kernel call."""
+
+    op: Callable  # kernels.ops.decode_layer
+    weights: list[torch.Tensor]  # qs, d, m of qkv, o, gate_up, down (in that order)
+    qtypes: list[int]  # the four linears' quantization types
+    kernels: object  # the CpuKernels build
+    int8_act: bool  # 8-bit activations (VNNI) in some linear
+
+
+class FusedModel(NamedTuple):
+    """Every decoder layer of a short-query step as one `decode_layers` kernel call."""
+
+    op: Callable  # kernels.ops.decode_layers
+    norms: list[torch.Tensor]  # input and post-attention norm weights, layer by layer
+    weights: list[torch.Tensor]  # FusedLayer.weights of every layer
+    qtypes: list[int]
+    kernels: object
+    int8_act: bool
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inter: int
+    scale: float
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
                  mlp: nn.Module, attn: nn.Module | None = None):
@@ -122,11 +153,12 @@ class LlamaDecoderLayer(nn.Module):
             self._fused = None
             return False
         weights = [t for m in linears for t in (m.qweight.qs, m.qweight.d, m.qweight.m)]
-        self._fused = (kernels.ops.decode_layer, weights, [m.qweight.qtype for m in linears],
-                       kernels, any(m.qweight.int8_act for m in linears))
+        self._fused = FusedLayer(kernels.ops.decode_layer, weights,
+                                 [m.qweight.qtype for m in linears], kernels,
+                                 any(m.qweight.int8_act for m in linears))
         return True
 
-    _fused = None
+    _fused: FusedLayer | None = None
 
     def forward(self, x, residual, positions, meta, kv_cache, act_dtype=None):
         """`act_dtype`: the dtype of the normed activations the linears and attention see (None:
@@ -135,16 +167,15 @@ class LlamaDecoderLayer(nn.Module):
         if (self._fused is not None and meta.num_short_tokens == meta.num_tokens
                 and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32
                 and act_dtype is None):
-            op, weights, types, kernels, int8_act = self._fused
-            attn = self.self_attn
-            return op(x, x if residual is None else residual, residual is not None,
-                      self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                      self.input_layernorm.eps, weights, types, attn.rotary.cos, attn.rotary.sin,
-                      positions, kv_cache[0], kv_cache[1], meta.slot_mapping,
-                      meta.short_block_table_i32, meta.short_context_lens, attn.num_heads,
-                      attn.num_kv_heads, attn.head_dim, self.mlp.inter, attn.scale,
-                      kernels.decode_split, kernels.threads.count, int8_act,
-                      meta.short_query_lens)
+            f, attn = self._fused, self.self_attn
+            return f.op(x, x if residual is None else residual, residual is not None,
+                        self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                        self.input_layernorm.eps, f.weights, f.qtypes, attn.rotary.cos,
+                        attn.rotary.sin, positions, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                        meta.short_block_table_i32, meta.short_context_lens, attn.num_heads,
+                        attn.num_kv_heads, attn.head_dim, self.mlp.inter, attn.scale,
+                        f.kernels.decode_split, f.kernels.threads.count, f.int8_act,
+                        meta.short_query_lens)
         if residual is None:
             residual, normed = x, self.input_layernorm(x, act_dtype)
         else:
@@ -206,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
             return self.norm.add_forward(hidden, residual)[0], None
         return hidden, residual
 
-    _fused_all = None
+    _fused_all: FusedModel | None = None
 
     def enable_fused_decode(self) -> bool:
         """Fuse each layer's short-query steps (`LlamaDecoderLayer.enable_fused_decode`); when
@@ -217,32 +248,32 @@ class LlamaForCausalLM(nn.Module):
         if not all([layer.enable_fused_decode() for layer in self.layers]):
             return False
         fused = [layer._fused for layer in self.layers]
-        if not fused or any(f[4] != fused[0][4] for f in fused):
+        if not fused or any(f.int8_act != fused[0].int8_act for f in fused):
             return True  # nothing to run, or mixed activation formats: one call per layer
-        kernels, int8_act = fused[0][3], fused[0][4]
+        kernels = fused[0].kernels
         first = self.layers[0]
         attn = first.self_attn
-        self._fused_all = (
+        self._fused_all = FusedModel(
             kernels.ops.decode_layers,
             [n for layer in self.layers
              for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)],
-            [t for f in fused for t in f[1]], [t for f in fused for t in f[2]], kernels,
-            int8_act, first.input_layernorm.eps, attn.rotary.cos, attn.rotary.sin,
+            [t for f in fused for t in f.weights], [t for f in fused for t in f.qtypes], kernels,
+            fused[0].int8_act, first.input_layernorm.eps, attn.rotary.cos, attn.rotary.sin,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.inter, attn.scale)
         return True
 
     def _decode_layers(self, hidden, residual, positions, meta, kv_caches):
-        (op, norms, weights, types, kernels, int8_act, eps, cos, sin, heads, kv_heads, head_dim,
-         inter, scale) = self._fused_all
+        f = self._fused_all
         if isinstance(kv_caches, torch.Tensor):  # [layers, 2, blocks, ...]: two views per layer
             k_caches, v_caches = kv_caches[:, 0].unbind(0), kv_caches[:, 1].unbind(0)
         else:
             k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
-        return op(hidden, hidden if residual is None else residual, residual is not None, norms,
-                  eps, weights, types, cos, sin, positions, k_caches, v_caches, meta.slot_mapping,
-                  meta.short_block_table_i32, meta.short_context_lens, heads, kv_heads, head_dim,
-                  inter, scale, kernels.decode_split, kernels.threads.count, int8_act,
-                  meta.short_query_lens)
+        return f.op(hidden, hidden if residual is None else residual, residual is not None,
+                    f.norms, f.eps, f.weights, f.qtypes, f.cos, f.sin, positions, k_caches,
+                    v_caches, meta.slot_mapping, meta.short_block_table_i32,
+                    meta.short_context_lens, f.num_heads, f.num_kv_heads, f.head_dim, f.inter,
+                    f.scale, f.kernels.decode_split, f.kernels.threads.count, f.int8_act,
+                    meta.short_query_lens)
 
     def use_kernels(self, kernels) -> None:
         """Route norms, RoPE + cache writes, SiLU-mul, decode attention and MoE experts through

@@ -581,11 +581,12 @@ def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
             lin.set_quantized(pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(lin.weight.data)), kernels)
     assert model.enable_fused_decode()
     calls = []
-    op, *rest = model._fused_all
-    model._fused_all = (lambda *a, _op=op: calls.append("all") or _op(*a), *rest)
+    op = model._fused_all.op
+    model._fused_all = model._fused_all._replace(
+        op=lambda *a, _op=op: calls.append("all") or _op(*a))
     for layer in model.layers:
-        op, *rest = layer._fused
-        layer._fused = (lambda *a, _op=op: calls.append("layer") or _op(*a), *rest)
+        op = layer._fused.op
+        layer._fused = layer._fused._replace(op=lambda *a, _op=op: calls.append("layer") or _op(*a))
     block_size, num_blocks = 16, 24
     context_lens, query_lens = [40, 7, 100], [5, 7, 3]  # one request with nothing cached before
     gen = torch.Generator().manual_seed(6)

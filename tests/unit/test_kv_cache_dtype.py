@@ -14,7 +14,7 @@ from hearth.ops.cpu_kernels import available_variants
 def kv_dtype(choice: str, **model) -> torch.dtype:
     config = EngineConfig(model=ModelConfig(quantization="none", **model),
                           cache=CacheConfig(kv_cache_dtype=choice))
-    return executor.resolve_formats(config, checkpoint=None)[1]
+    return executor.resolve_formats(config, checkpoint=None).kv_dtype
 
 
 def test_model_is_the_model_dtype_and_explicit_choices_stand():
