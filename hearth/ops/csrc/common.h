@@ -1,0 +1,68 @@
+// Shared by every kernel family: ggml block constants, bf16/fp8 conversions, the task pool,
+// ISA helpers.
+//
+// A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
+// namespace hearth::(anonymous), after the headers listed before it there.
+
+constexpr int64_t kQK = 32;  // elements per ggml block
+// ggml type ids
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (as torch's .to(bfloat16))
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  // A select, not a branch, so loops over it vectorize; NaN stays a (quiet) NaN.
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+
+// exp(x) for x <= 0 (softmax after max subtraction) and moderate positive x: 2^n * p(f),
+// a degree-6 polynomial on [-0.5, 0.5] in log2 units (relative error ~2e-7). Plain float and
+// integer ops so `omp simd` loops vectorize it.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  x = std::min(x, 88.0f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = (y - n) * 0.69314718055994531f;
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// Run f(0..n-1) on torch's OpenMP threads, each thread taking the next task from a shared
+// counter. at::parallel_for splits statically, so one thread preempted by another process (the
+// HTTP server, a neighbour) stalls the whole op at the barrier; here the other threads take over
+// its remaining tasks.
+// `threads` <= 1 runs the tasks on the calling thread: no parallel region, so no barrier that a
+// preempted thread can hold up (the engine picks this per step when another process competes
+// for the cores; hearth/engine/thread_tuner.py).
+template <typename F>
+void parallel_tasks(int64_t n, const F& f, int64_t threads) {
+  if (n <= 1 || threads <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel
+  {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      f(i);
+  }
+}

@@ -1,0 +1,501 @@
+// Decode attention over the paged cache (short queries, split along the context).
+//
+// A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
+// namespace hearth::(anonymous), after the headers listed before it there.
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention over the paged cache.
+//
+//   work item = (request b, context split s); split s covers tokens [s*S, (s+1)*S) of request
+//   b, every KV head g and, per head, the G = H / KVH query heads (times the request's new
+//   tokens) that share it. Each item writes a partial (max, sum, unnormalized out) per query
+//   row; a second pass merges the splits.
+
+// f(t, slot) for tokens t in [t0, t1), slot = t's row in the cache (block table[t / bs] at
+// offset t % bs), reading the table once per block: an integer division per token read had
+// been a fifth of decode attention's time.
+template <typename F>
+inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t t0, int64_t t1,
+                          const F& f) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t blk = t / block_size, end = std::min(t1, (blk + 1) * block_size);
+    const int64_t base = static_cast<int64_t>(table[blk]) * block_size - blk * block_size;
+    for (; t < end; ++t) f(t, base + t);
+  }
+}
+
+template <typename KV>
+inline float load_kv(const KV* p, int64_t j);
+template <>
+inline float load_kv<float>(const float* p, int64_t j) { return p[j]; }
+template <>
+inline float load_kv<uint16_t>(const uint16_t* p, int64_t j) { return bf16_to_float(p[j]); }
+template <>
+inline float load_kv<int8_t>(const int8_t* p, int64_t j) { return p[j]; }
+template <>  // the value / 256 (row_scale has the 256)
+inline float load_kv<e4m3>(const e4m3* p, int64_t j) { return _cvtsh_ss(e4m3_half_bits(p[j].bits)); }
+
+// max(-inf, p[0..n)): vector lanes, not one dependent scalar max per element.
+inline float max_of(const float* p, int64_t n) {
+  int64_t i = 0;
+  float mx = -INFINITY;
+#if defined(__AVX512F__)
+  __m512 v = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(p + i));
+  mx = _mm512_reduce_max_ps(v);
+#elif defined(__AVX2__)
+  __m256 v = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(p + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int j = 0; j < 8; ++j) mx = std::max(mx, lanes[j]);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, p[i]);
+  return mx;
+}
+
+// Scores [R, n] -> exp(score - max) in place; part[r] gets (max, sum of exp) per query row.
+// Row r sees only the first lim[r] tokens (causal among a request's new tokens): the rest of
+// its scores become 0; a row that sees none gets (-inf, 0).
+inline void softmax_scores(float* scores, int64_t n, int64_t R, const int64_t* lim, float* part,
+                           int64_t pstride) {
+  for (int64_t h = 0; h < R; ++h) {
+    float* sc = scores + h * n;
+    const int64_t m = std::max<int64_t>(0, std::min(n, lim[h]));
+    float mx = max_of(sc, m);
+    float sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < m; ++i) {
+      sc[i] = fast_exp(sc[i] - mx);
+      sum += sc[i];
+    }
+    for (int64_t i = m; i < n; ++i) sc[i] = 0;
+    part[h * pstride] = mx;
+    part[h * pstride + 1] = sum;
+  }
+}
+
+// One work item: query heads [g*G, (g+1)*G) of request b over context tokens [t0, t1).
+// Writes per head: part[h] = (max score, sum of exp, unnormalized output[D]).
+template <typename KV>
+void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* off, int64_t t0,
+                    int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D,
+                    float scale, const int64_t* lim, float* part, float* scores) {
+  const int64_t n = t1 - t0, pstride = D + 2, rs = row_stride<KV>(D);
+  for (int64_t t = t0; t < t1; ++t) {
+    const KV* k = kc + off[t - t0] + g * rs;
+    const float ks = scale * row_scale(k, D);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qg + h * D;
+      float dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < D; ++j) dot += qh[j] * load_kv(k, j);
+      scores[h * n + (t - t0)] = dot * ks;
+    }
+  }
+  softmax_scores(scores, n, G, lim, part, pstride);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t j = 0; j < D; ++j) part[h * pstride + 2 + j] = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const KV* v = vc + off[t - t0] + g * rs;
+    const float vs = row_scale(v, D);
+    for (int64_t h = 0; h < G; ++h) {
+      const float p = scores[h * n + (t - t0)] * vs;
+      float* o = part + h * pstride + 2;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) o[j] += p * load_kv(v, j);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const int8_t* p) {  // the int8 KV format's values, unscaled
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// the fp8 KV format's values / 256, unscaled (e4m3_half_bits, 16 lanes at once): sign-extending
+// the bytes to 16 bits and shifting left by 7 puts the sign at bit 15 and exponent + mantissa
+// at bits 13..7; the mask clears the sign's copy left at bit 14.
+inline __m512 load16(const e4m3* p) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7),
+                                          _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+
+// Lanes 0..7: the sums of the 16 lanes of v[0..7] (a transpose-and-add tree: ~3 instructions per
+// vector instead of a horizontal reduction's ~8).
+inline __m256 hsum8(const __m512* v) {
+  __m512 x[4];
+  for (int p = 0; p < 4; ++p)  // [a.L0 + a.L2, a.L1 + a.L3, b.L0 + b.L2, b.L1 + b.L3] (128-bit lanes)
+    x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 y[2];
+  for (int p = 0; p < 2; ++p)  // lane L: vector 4p + L's four partial sums
+    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane L holds [sum of v[L], sum of v[4 + L], ...]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w));
+}
+
+// One work item over every KV head at once, D = 16 * DV: the token loops are outermost, so a
+// token's K (then V) rows of all heads -- adjacent in the cache -- are read together, and the
+// cache streams in order while the scores and outputs are computed (one head at a time over the
+// whole split read each token's record three times, strided). Rows of kv head g: qgs[g] (R query
+// rows), partial results parts[g]; scores [KVH][R][n].
+// Scores: 8 tokens at a time, HB rows per pass, the 8 x HB dot products left in registers and
+// reduced together (hsum8). Outputs: per chunk of 64 tokens and head, each V row is loaded once
+// for up to VB query rows, whose outputs stay in registers over the chunk (parts[g] between).
+template <typename KV, int DV>
+void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, const int64_t* off,
+                         int64_t t0, int64_t t1, int64_t R, int64_t KVH, float scale,
+                         const int64_t* lim, float* const* parts, float* scores) {
+  constexpr int64_t D = 16 * DV, RS = row_stride<KV>(D);
+  constexpr int HB = DV <= 4 ? 3 : 2;  // HB * 8 accumulators + DV key registers fit in 32
+  const int64_t n = t1 - t0, pstride = D + 2;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    for (int64_t g = 0; g < KVH; ++g) {
+      const KV* krow[8];
+      for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0] + g * RS;
+      __m256 kscale = vscale;  // int8 / fp8 rows: each token's own scale on its score
+      if constexpr (scaled_rows<KV>)
+        kscale = _mm256_mul_ps(vscale, _mm256_setr_ps(
+            row_scale(krow[0], D), row_scale(krow[1], D), row_scale(krow[2], D), row_scale(krow[3], D),
+            row_scale(krow[4], D), row_scale(krow[5], D), row_scale(krow[6], D), row_scale(krow[7], D)));
+      const float* qg = qgs[g];
+      float* sg = scores + g * R * n;
+      for (int64_t h0 = 0; h0 < R; h0 += HB) {
+        const int64_t hn = std::min<int64_t>(HB, R - h0);
+        __m512 acc[HB][8];
+        for (int i = 0; i < 8; ++i) {
+          __m512 kv[DV];
+          for (int c = 0; c < DV; ++c) kv[c] = load16(krow[i] + 16 * c);
+          for (int hh = 0; hh < HB; ++hh) {
+            if (hh >= hn) break;
+            const float* qh = qg + (h0 + hh) * D;
+            __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
+            for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), a);
+            acc[hh][i] = a;
+          }
+        }
+        for (int hh = 0; hh < hn; ++hh)
+          _mm256_storeu_ps(sg + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), kscale));
+      }
+    }
+  }
+  for (; t < t1; ++t)
+    for (int64_t g = 0; g < KVH; ++g) {
+      const KV* k = kc + off[t - t0] + g * RS;
+      const float ks = scale * row_scale(k, D);
+      __m512 kv[DV];
+      for (int c = 0; c < DV; ++c) kv[c] = load16(k + 16 * c);
+      for (int64_t h = 0; h < R; ++h) {
+        const float* qh = qgs[g] + h * D;
+        __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));
+        for (int c = 1; c < DV; ++c) acc = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(qh + 16 * c), acc);
+        scores[(g * R + h) * n + (t - t0)] = _mm512_reduce_add_ps(acc) * ks;
+      }
+    }
+  for (int64_t g = 0; g < KVH; ++g) {
+    softmax_scores(scores + g * R * n, n, R, lim, parts[g], pstride);
+    for (int64_t h = 0; h < R; ++h)
+      for (int64_t j = 0; j < D; ++j) parts[g][h * pstride + 2 + j] = 0.0f;
+  }
+  constexpr int VB = DV <= 4 ? 6 : 3;  // VB * DV output registers + DV value registers fit in 32
+  constexpr int64_t kChunk = 64;  // 64 tokens of V, all heads: 48 KB (fp32)
+  for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
+    const int64_t c1 = std::min(t1, c0 + kChunk);
+    for (int64_t g = 0; g < KVH; ++g) {
+      const float* sg = scores + g * R * n;
+      float* part = parts[g];
+      for (int64_t h0 = 0; h0 < R; h0 += VB) {
+        const int64_t hn = std::min<int64_t>(VB, R - h0);
+        __m512 o[VB][DV];
+        for (int h = 0; h < VB; ++h) {
+          if (h >= hn) break;
+          for (int c = 0; c < DV; ++c) o[h][c] = _mm512_loadu_ps(part + (h0 + h) * pstride + 2 + 16 * c);
+        }
+        for (int64_t tt = c0; tt < c1; ++tt) {
+          const KV* v = vc + off[tt - t0] + g * RS;
+          const float vs = row_scale(v, D);
+          __m512 vv[DV];
+          for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
+          for (int h = 0; h < VB; ++h) {
+            if (h >= hn) break;
+            const __m512 p = _mm512_set1_ps(sg[(h0 + h) * n + (tt - t0)] * vs);
+            for (int c = 0; c < DV; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+          }
+        }
+        for (int h = 0; h < hn; ++h)
+          for (int c = 0; c < DV; ++c) _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * c, o[h][c]);
+      }
+    }
+  }
+}
+
+// One work item over a single wide KV head (MLA's latent row: every query head attends to the
+// same row, D = 16 * dv of any width, e.g. 320 or 576): R query rows against tokens [t0, t1).
+// Scores: for 8 tokens x HB rows the d-chunks run innermost with the 8 x HB dot products in
+// registers (the row's chunks stream from L1; no register file holds a 576-wide row), reduced
+// together by hsum8. Outputs: 64 values of D at a time for up to VB rows, over every token.
+template <typename KV>
+void attend_wide_avx512(const float* qg, const KV* kc, const KV* vc, const int64_t* off,
+                        int64_t t0, int64_t t1, int64_t R, int64_t D, float scale,
+                        const int64_t* lim, float* part, float* scores) {
+  constexpr int HB = 3;  // 3 * 8 accumulators + 3 query + 1 key registers fit in 32
+  const int64_t n = t1 - t0, pstride = D + 2, dv = D / 16;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    const KV* krow[8];
+    for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0];
+    for (int64_t h0 = 0; h0 < R; h0 += HB) {
+      const int64_t hn = std::min<int64_t>(HB, R - h0);
+      __m512 acc[HB][8];
+      for (int hh = 0; hh < HB; ++hh)
+        for (int i = 0; i < 8; ++i) acc[hh][i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < dv; ++c) {
+        __m512 qv[HB];
+        for (int hh = 0; hh < HB; ++hh)
+          qv[hh] = hh < hn ? _mm512_loadu_ps(qg + (h0 + hh) * D + 16 * c) : _mm512_setzero_ps();
+        for (int i = 0; i < 8; ++i) {
+          const __m512 k = load16(krow[i] + 16 * c);
+          for (int hh = 0; hh < HB; ++hh) acc[hh][i] = _mm512_fmadd_ps(qv[hh], k, acc[hh][i]);
+        }
+      }
+      for (int hh = 0; hh < hn; ++hh)
+        _mm256_storeu_ps(scores + (h0 + hh) * n + (t - t0), _mm256_mul_ps(hsum8(acc[hh]), vscale));
+    }
+  }
+  for (; t < t1; ++t) {
+    const KV* k = kc + off[t - t0];
+    for (int64_t h = 0; h < R; ++h) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < dv; ++c)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + h * D + 16 * c), load16(k + 16 * c), a);
+      scores[h * n + (t - t0)] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+  softmax_scores(scores, n, R, lim, part, pstride);
+  constexpr int VB = 6, VC = 4;  // 6 rows x 4 vectors of output + 4 value registers
+  for (int64_t c0 = 0; c0 < dv; c0 += VC) {
+    const int64_t cn = std::min<int64_t>(VC, dv - c0);
+    for (int64_t h0 = 0; h0 < R; h0 += VB) {
+      const int64_t hn = std::min<int64_t>(VB, R - h0);
+      __m512 o[VB][VC];
+      for (int h = 0; h < VB; ++h)
+        for (int c = 0; c < VC; ++c) o[h][c] = _mm512_setzero_ps();
+      for (int64_t tt = t0; tt < t1; ++tt) {
+        const KV* v = vc + off[tt - t0] + 16 * c0;
+        __m512 vv[VC];
+        for (int c = 0; c < VC; ++c) vv[c] = c < cn ? load16(v + 16 * c) : _mm512_setzero_ps();
+        for (int h = 0; h < VB; ++h) {
+          if (h >= hn) break;
+          const __m512 p = _mm512_set1_ps(scores[(h0 + h) * n + (tt - t0)]);
+          for (int c = 0; c < VC; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+        }
+      }
+      for (int h = 0; h < hn; ++h)
+        for (int c = 0; c < cn; ++c)
+          _mm512_storeu_ps(part + (h0 + h) * pstride + 2 + 16 * (c0 + c), o[h][c]);
+    }
+  }
+}
+#endif
+
+// Merge the splits of query head h of request b into out[b, h].
+inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, int64_t D, float* o) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < num_splits; ++s) mx = std::max(mx, base[s * stride]);
+  for (int64_t j = 0; j < D; ++j) o[j] = 0;
+  float denom = 0;
+  for (int64_t s = 0; s < num_splits; ++s) {
+    const float* p = base + s * stride;
+    if (p[1] == 0) continue;
+    const float w = fast_exp(p[0] - mx);
+    denom += w * p[1];
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) o[j] += w * p[2 + j];
+  }
+  const float inv = denom > 0 ? 1.0f / denom : 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) o[j] *= inv;
+}
+
+// Request b has query_lens[b] new tokens (rows query_start[b]... of q), the last ones of its
+// context: query j sits at position ctx - qlen + j and sees tokens [0, ctx - qlen + j].
+// Work item = (request, context split) over every KV head and every query of the request.
+template <typename KV>
+void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* tables,
+                           const int32_t* ctx, const int32_t* qlen, const int64_t* qstart,
+                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                           int64_t max_blocks, float scale, int64_t split, int64_t num_splits,
+                           int64_t max_q, float* partial, float* out, int64_t threads) {
+  const int64_t G = H / KVH, pstride = D + 2, RG = max_q * G;  // RG: rows per (item, kv head)
+  auto part_at = [&](int64_t b, int64_t g, int64_t s) {
+    return partial + ((b * KVH + g) * num_splits + s) * RG * pstride;
+  };
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(ctx[b]) * qlen[b];
+  // One task per (request, context split), covering every KV head: a token's K/V rows of all
+  // heads are adjacent in the cache, so the heads read the split's bytes from DRAM once (one
+  // task per head re-read each cache line per head: 9 GB/s instead of ~20 at 6k tokens).
+  auto item_fn = [&](int64_t item) {
+    thread_local std::vector<float> scores, qbuf;
+    thread_local std::vector<int64_t> lim, offs;
+    const int64_t b = item / num_splits, s = item % num_splits, ql = qlen[b];
+    const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split), R = ql * G;
+    offs.resize(std::max<int64_t>(0, t1 - t0));  // each token's offset in the cache (all heads)
+    for_each_slot(tables + b * max_blocks, block_size, t0, t1,
+                  [&](int64_t t, int64_t slot) { offs[t - t0] = slot * KVH * row_stride<KV>(D); });
+    lim.resize(R);
+    for (int64_t j = 0; j < ql; ++j)
+      for (int64_t h = 0; h < G; ++h) lim[j * G + h] = ctx[b] - ql + j + 1 - t0;
+#if defined(__AVX512F__)
+    if ((D == 64 || D == 128) && t0 < t1) {
+      thread_local std::vector<const float*> qgs;
+      thread_local std::vector<float*> parts;
+      qgs.resize(KVH);
+      parts.resize(KVH);
+      if (ql > 1) qbuf.resize(KVH * R * D);
+      for (int64_t g = 0; g < KVH; ++g) {
+        parts[g] = part_at(b, g, s);
+        const float* qg = q + (qstart[b] * H + g * G) * D;
+        if (ql > 1) {  // the request's queries for kv head g, row j * G + h
+          for (int64_t j = 0; j < ql; ++j)
+            std::memcpy(qbuf.data() + (g * R + j * G) * D, qg + j * H * D, G * D * sizeof(float));
+          qg = qbuf.data() + g * R * D;
+        }
+        qgs[g] = qg;
+      }
+      scores.resize(KVH * R * (t1 - t0));
+      if (D == 64)
+        attend_heads_avx512<KV, 4>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, scale, lim.data(),
+                                   parts.data(), scores.data());
+      else
+        attend_heads_avx512<KV, 8>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, scale, lim.data(),
+                                   parts.data(), scores.data());
+      return;
+    }
+    if constexpr (!scaled_rows<KV>) {  // (MLA refuses the int8 and fp8 formats)
+      if (KVH == 1 && D % 16 == 0 && t0 < t1) {  // MLA's latent row (absorbed decode)
+        const float* qg = q + qstart[b] * H * D;  // rows j * G + h: already in that order
+        scores.resize(R * (t1 - t0));
+        attend_wide_avx512<KV>(qg, kc, vc, offs.data(), t0, t1, R, D, scale, lim.data(),
+                               part_at(b, 0, s), scores.data());
+        return;
+      }
+    }
+#endif
+    for (int64_t g = 0; g < KVH; ++g) {
+      float* part = part_at(b, g, s);
+      if (t0 >= t1) {
+        for (int64_t h = 0; h < R; ++h) part[h * pstride] = -INFINITY, part[h * pstride + 1] = 0;
+        continue;
+      }
+      const float* qg = q + (qstart[b] * H + g * G) * D;
+      if (ql > 1) {  // the request's queries for kv head g, row j * G + h
+        qbuf.resize(R * D);
+        for (int64_t j = 0; j < ql; ++j)
+          std::memcpy(qbuf.data() + j * G * D, qg + j * H * D, G * D * sizeof(float));
+        qg = qbuf.data();
+      }
+      scores.resize(R * (t1 - t0));
+      attend_generic<KV>(qg, kc, vc, offs.data(), t0, t1, R, KVH, g, D, scale,
+                 lim.data(), part, scores.data());
+    }
+  };
+  auto merge_fn = [&](int64_t b) {
+    for (int64_t j = 0; j < qlen[b]; ++j)
+      for (int64_t h = 0; h < H; ++h)
+        merge_splits(part_at(b, h / G, 0) + (j * G + h % G) * pstride, num_splits, RG * pstride, D,
+                     out + ((qstart[b] + j) * H + h) * D);
+  };
+  const int64_t items = B * num_splits;
+  // A short context is less work than waking the thread team: run it on this thread.
+  if (total * H * D < (1 << 18)) {
+    for (int64_t i = 0; i < items; ++i) item_fn(i);
+    for (int64_t b = 0; b < B; ++b) merge_fn(b);
+    return;
+  }
+  parallel_tasks(items, item_fn, threads);
+  parallel_tasks(B, merge_fn, threads);
+}
+
+// q [T, H, D] float32: the new tokens of B requests, packed in request order; caches
+// [num_blocks, block_size, KVH, D] (int8: D + 4, kv_quant.py); block_tables [B, max_blocks] int32; context_lens [B] int32;
+// query_lens [B] int32 (each 1 when absent: one decode token per request). Returns [T, H, D].
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                            const at::Tensor& context_lens_in, double scale, int64_t split,
+                            int64_t threads, const std::optional<at::Tensor>& query_lens_in) {
+  at::Tensor q = q_in.contiguous();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "decode_attention: q float32 [T, H, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
+              "decode_attention: cache [num_blocks, block_size, KVH, D]");
+  at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  at::Tensor ctx = context_lens_in.to(at::kInt).contiguous();
+  const int64_t B = ctx.numel(), T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == (is_scaled_cache(k_cache) ? D + kScaleBytes : D),
+              "decode_attention: head shapes");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B, "decode_attention: one block table per request");
+  at::Tensor qlens = query_lens_in.has_value() ? query_lens_in->to(at::kInt).contiguous()
+                                               : at::ones({B}, ctx.options());
+  TORCH_CHECK(qlens.numel() == B, "decode_attention: one query length per request");
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  const int32_t* qp = qlens.data_ptr<int32_t>();
+  std::vector<int64_t> qstart(B);
+  int64_t max_ctx = 1, max_q = 1, rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qp[b] >= 1 && qp[b] <= cp[b], "decode_attention: query length outside [1, context]");
+    TORCH_CHECK(static_cast<int64_t>(cp[b]) <= tables.size(1) * block_size,
+                "decode_attention: context longer than its block table");
+    qstart[b] = rows;
+    rows += qp[b];
+    max_ctx = std::max<int64_t>(max_ctx, cp[b]);
+    max_q = std::max<int64_t>(max_q, qp[b]);
+  }
+  TORCH_CHECK(rows == T, "decode_attention: q has ", T, " rows, the query lengths sum to ", rows);
+  split = std::max<int64_t>(split, block_size);
+  const int64_t num_splits = (max_ctx + split - 1) / split;
+  at::Tensor partial = at::empty({B * KVH * num_splits * max_q * (H / KVH) * (D + 2)}, q.options());
+  at::Tensor out = at::empty_like(q);
+  const int64_t max_blocks = tables.size(1);
+  auto run = [&](auto* kc, auto* vc) {
+    decode_attention_impl(q.data_ptr<float>(), kc, vc, tables.data_ptr<int32_t>(), cp, qp,
+                          qstart.data(), B, H, KVH, D, block_size, max_blocks,
+                          static_cast<float>(scale), split, num_splits, max_q,
+                          partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+  };
+  if (k_cache.scalar_type() == at::kChar) {
+    run(act_ptr<const int8_t>(k_cache), act_ptr<const int8_t>(v_cache));
+  } else if (is_fp8_cache(k_cache)) {
+    run(act_ptr<const e4m3>(k_cache), act_ptr<const e4m3>(v_cache));
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    decode_attention_impl<uint16_t>(
+        q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+        reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, qp,
+        qstart.data(), B, H, KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
+        num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat,
+                "decode_attention: cache float32, bfloat16, int8 or float8_e4m3fn");
+    decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                                 v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, qp,
+                                 qstart.data(), B, H, KVH, D, block_size, max_blocks,
+                                 static_cast<float>(scale), split, num_splits, max_q,
+                                 partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+  }
+  return out;
+}
