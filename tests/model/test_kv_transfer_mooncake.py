@@ -79,7 +79,7 @@ def test_guarded_one_sided_read_lands_exact_blocks():
 def test_pd_greedy_over_mooncake(models):
     from hearth.config import KVTransferConfig
     from hearth.kv_transfer.connector import make_connector
-    from test_kv_transfer import CASES, decode_all, prefill_all  # same folder (rootdir mode)
+    from tests.model.test_kv_transfer import CASES, decode_all, prefill_all
 
     base = models.config(num_blocks=64)
     engines = []
