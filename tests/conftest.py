@@ -1,0 +1,34 @@
+"""Suite-wide: the time each tier took (unit, model, e2e, gpu), printed at the end of a run.
+
+`make test` must stay within its budget (issue 28: the whole suite from a fresh clone, and the
+unit tier alone); this summary says where the time goes. Wall time per tier is the sum of its
+tests' setup, call and teardown phases (module fixtures included), as pytest measures them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+_TIER_SECONDS: dict[str, float] = defaultdict(float)
+_TIER_TESTS: dict[str, int] = defaultdict(int)
+
+
+def _tier(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def pytest_runtest_logreport(report) -> None:
+    tier = _tier(report.nodeid)
+    _TIER_SECONDS[tier] += report.duration
+    if report.when == "call":
+        _TIER_TESTS[tier] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _TIER_SECONDS:
+        return
+    terminalreporter.section("time per tier")
+    for tier in sorted(_TIER_SECONDS, key=_TIER_SECONDS.get, reverse=True):
+        terminalreporter.write_line(f"{tier:>8}: {_TIER_SECONDS[tier]:7.1f} s over "
+                                    f"{_TIER_TESTS[tier]} tests")
