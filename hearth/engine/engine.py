@@ -23,30 +23,24 @@ import torch
 from hearth.config import EngineConfig
 from hearth.engine.kv.block_pool import BlockPool
 from hearth.engine.kv.transfer_api import ConnectorFactory, KVCacheGeometry, KVTransfer
-from hearth.engine.text.detokenizer import IncrementalDetokenizer
 from hearth.engine.kv.cache import KVCacheManager, cdiv
 from hearth.engine.guided.grammar_pool import GrammarPool, GrammarTicket
 from hearth.engine.kv.store_api import StoreFactory
 from hearth.engine.kv.tiers import KVTierDriver, store_namespace
 from hearth.engine.kv.transfer import KVTransferDriver
 from hearth.engine.refusals import Rejection, RequestRejected
-from hearth.engine.request import Logprob, Request, RequestOutput, RequestStatus
+from hearth.engine.request import Request, RequestOutput, RequestStatus
 from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
 from hearth.engine.speculative.speculator import make_speculator
-from hearth.engine.stats import EngineStats
-from hearth.engine.stops import check_resume, check_resumed, check_tokens
+from hearth.engine.stats import EngineCounters, EngineStats
+from hearth.engine.stops import check_resume
+from hearth.engine.output import OutputProcessor, forced_logprob
 from hearth.engine.step import Executor, StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("hearth.engine")
-
-
-def forced_logprob(token: int) -> Logprob:
-    """A jump-forward token's logprob: the grammar allowed nothing else, so under the
-    constrained distribution (the one sampled tokens' logprobs come from) its p is 1."""
-    return Logprob(token, 0.0, [(token, 0.0)])
 
 
 @dataclass
@@ -96,7 +90,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._aborted: list[Request] = []
         self._resumed: list[RequestOutput] = []  # resumed requests' first outputs, next step
         self._grammars: GrammarPool | None = None  # built on the first guided request
@@ -105,8 +99,7 @@ class LLMEngine:
         # request also had a finished "error" output in that step.
         self.admissions: list[tuple[str, Rejection | None]] = []
         # forced: output tokens appended by jump-forward, without a decode step (in generation)
-        self.counters = dict(prompt=0, cached=0, generation=0, preemptions=0, computed_prompt=0,
-                             forced=0)
+        self.counters = EngineCounters()
         self.pd: KVTransferDriver | None = None
         if connector_factory is not None:
             kv_cache = self.executor.kv_cache  # [layers, planes, num_blocks, block_size, heads, dim]
@@ -167,9 +160,7 @@ class LLMEngine:
         ticket = self.grammar_pool().submit(params.guided) if params.guided is not None else None
         if ticket is not None and ticket.is_compiled():  # a cached grammar
             req.grammar = self._grammars.matcher(ticket)
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+        self.outputs.open(request_id, params)
         if ticket is not None and req.grammar is None:
             req.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._grammar_waits[request_id] = GrammarWait(req, ticket, kv_transfer, kv_handle,
@@ -200,11 +191,10 @@ class LLMEngine:
         reported with their text. Their logprob entries, if asked, are placeholders: the
         router that resumes drops them (the client had the real ones). RequestRejected (and
         nothing kept) if the grammar refuses one or the output ends before the last."""
-        detok = self._detok[req.request_id]
         try:
-            checked = check_resumed(req, token_ids, detok, self.eos_token_ids, self.max_model_len)
+            checked = self.outputs.check_resumed(req, token_ids)
         except RequestRejected:
-            self._detok.pop(req.request_id)
+            self.outputs.drop(req.request_id)
             raise
         tokens = checked.kept + checked.forced
         for token in tokens:
@@ -213,8 +203,8 @@ class LLMEngine:
         req.output_logprobs.extend(logprobs)
         if checked.status is not None:  # it never runs: finished here, no blocks held
             req.status = checked.status
-            checked.text += detok.flush() if detok.stopped_by is None else ""
-        return self._make_output(req, tokens, checked.text, logprobs)
+            checked.text += self.outputs.final_text(req)
+        return self.outputs.output(req, tokens, checked.text, logprobs)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar is ready into the scheduler; fail those whose compile
@@ -236,7 +226,7 @@ class LLMEngine:
             except ValueError as exc:
                 rejection = Rejection.of(exc)
                 req.status, req.error = RequestStatus.FINISHED_ERROR, rejection.message
-                outputs.append(self._finish_output(req))
+                outputs.append(self.outputs.finished_output(req))
             self.admissions.append((request_id, rejection))
         return outputs
 
@@ -255,12 +245,12 @@ class LLMEngine:
         try:
             self.pd.attach(req, kv_transfer, handle)
         except ValueError:
-            self._detok.pop(req.request_id)
+            self.outputs.drop(req.request_id)
             raise
         if kv_transfer.role == "decode":
             # The prefill hop already returned the first token's text; the detokenizer still
             # needs it as context (and for stop strings that span it).
-            self._detok[req.request_id].push([kv_transfer.first_token_id])
+            self.outputs.push_context(req.request_id, [kv_transfer.first_token_id])
 
     def grammar_pool(self) -> GrammarPool:
         if self._grammars is None:
@@ -296,7 +286,7 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.poll()  # resume requests whose blocks came back from a lower tier
         # a resumed request's first output before anything else of it (an abort included)
-        outputs = self._resumed + [self._make_output(r, [], "") for r in self._aborted]
+        outputs = self._resumed + [self.outputs.output(r, [], "") for r in self._aborted]
         self._resumed, self._aborted = [], []
         self.admissions = []
         if self._grammar_waits:
@@ -308,11 +298,11 @@ class LLMEngine:
                 self.speculator.forget_missing(self.scheduler.requests)
         sched = self.scheduler.schedule()
         for req in sched.preempted:
-            self.counters["preemptions"] += 1
+            self.counters.preemptions += 1
             if cdiv(req.num_tokens + 1, self.block_size) > self.pool.num_blocks:
                 # It can never fit again, even alone: end it rather than loop forever.
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
-                outputs.append(self._finish_output(req))
+                outputs.append(self.outputs.finished_output(req))
         if self.pd is not None:
             self.pd.start_imports(sched.kv_imports)
         if self.tiers is not None:
@@ -350,7 +340,7 @@ class LLMEngine:
                 log.exception("request %s failed", req.request_id)
                 req.error = f"{type(exc).__name__}: {exc}"
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._finish_output(req))
+                outputs.append(self.outputs.finished_output(req))
         return sampled
 
     def _execute(self, sched: SchedulerOutput) -> list[StepTokens]:
@@ -365,7 +355,7 @@ class LLMEngine:
         for req, num_new in sched.scheduled:
             if req.is_finished:
                 continue
-            self.counters["computed_prompt"] += max(
+            self.counters.computed_prompt += max(
                 0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
                 - req.num_computed_tokens)
             s = by_req.get(req.request_id)
@@ -378,7 +368,7 @@ class LLMEngine:
                 log.exception("post-processing of %s failed", req.request_id)
                 req.error = f"{type(exc).__name__}: {exc}"
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._finish_output(req))
+                outputs.append(self.outputs.finished_output(req))
         return outputs
 
     def _accept_tokens(self, req: Request, num_new: int, s: StepTokens) -> RequestOutput:
@@ -387,54 +377,29 @@ class LLMEngine:
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-            self.counters["prompt"] += req.num_prompt_tokens
-            self.counters["cached"] += max(0, req.num_cached_tokens)
-        detok = self._detok[req.request_id]
-        checked = check_tokens(req, s.token_ids, detok, self.eos_token_ids, self.max_model_len)
+            self.counters.prompt += req.num_prompt_tokens
+            self.counters.cached += max(0, req.num_cached_tokens)
+        checked = self.outputs.check(req, s.token_ids)
         kept, forced, text, status = checked.kept, checked.forced, checked.text, checked.status
         self.scheduler.commit(req, num_new, kept, s.num_drafted)
         for token in forced:  # not computed yet: the next step runs them as one chunk
             req.append_token(token)
-        self.counters["generation"] += len(kept) + len(forced)
-        self.counters["forced"] += len(forced)
+        self.counters.generation += len(kept) + len(forced)
+        self.counters.forced += len(forced)
         new_lp = s.logprobs[: len(kept)] + [forced_logprob(t) for t in forced if p.logprobs is not None]
         req.output_logprobs.extend(new_lp)
         if self.speculator is not None and s.num_drafted:
             self.speculator.observe(req, s.num_drafted, len(kept) - 1 if status is None
                                     else min(s.num_drafted, len(s.token_ids) - 1))
         if status is None:
-            return self._make_output(req, kept + forced, text, new_lp)
-        if detok.stopped_by is None:
-            text += detok.flush()
+            return self.outputs.output(req, kept + forced, text, new_lp)
+        text += self.outputs.final_text(req)
         if req.kv_transfer is not None and req.kv_transfer.role == "prefill":
             self.pd.export(req)  # the prompt's blocks stay leased instead of being freed
         self.scheduler.finish(req, status)
         if self.speculator is not None:
             self.speculator.finished(req)
-        return self._make_output(req, kept + forced, text, new_lp)
-
-    def _finish_output(self, req: Request) -> RequestOutput:
-        text = self._detok[req.request_id].flush() if req.request_id in self._detok else ""
-        return self._make_output(req, [], text)
-
-    def _make_output(self, req: Request, tokens: list[int], text: str,
-                     logprobs=None) -> RequestOutput:
-        finished = req.is_finished
-        if finished:
-            self._detok.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_text=text, finished=finished,
-            finish_reason=req.status.value if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            num_output_tokens=req.num_output_tokens, new_logprobs=logprobs or [],
-            stop_reason=req.stop_reason, error=req.error, kv_descriptor=req.kv_descriptor,
-            num_transferred_tokens=req.num_transferred_tokens,
-            num_transferred_blocks=req.num_transferred_blocks,
-            num_transferred_bytes=req.num_transferred_bytes,
-            queue_seconds=(req.first_scheduled_time - req.arrival_time
-                           if finished and req.first_scheduled_time is not None else None),
-        )
+        return self.outputs.output(req, kept + forced, text, new_lp)
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -448,19 +413,19 @@ class LLMEngine:
             num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
             num_prefill_tokens_inflight=s.num_prefill_tokens_inflight(),
             num_decode_tokens_active=s.num_decode_tokens_active(),
-            num_prompt_tokens=self.counters["prompt"], num_cached_tokens=self.counters["cached"],
-            num_generation_tokens=self.counters["generation"],
-            num_preemptions=self.counters["preemptions"], kv_usage=self.kv.usage(),
+            num_prompt_tokens=self.counters.prompt, num_cached_tokens=self.counters.cached,
+            num_generation_tokens=self.counters.generation,
+            num_preemptions=self.counters.preemptions, kv_usage=self.kv.usage(),
             num_waiting_for_kv=len(s.importing),
             num_leases_active=self.pd.num_leases() if self.pd is not None else 0,
-            num_computed_prompt_tokens=self.counters["computed_prompt"],
+            num_computed_prompt_tokens=self.counters.computed_prompt,
             num_transferred_tokens=pd.get("transferred_tokens", 0),
             num_transferred_blocks=pd.get("transferred_blocks", 0),
             num_transferred_bytes=pd.get("transferred_bytes", 0),
             num_kv_transfer_failures=pd.get("transfer_failures", 0),
             num_waiting_for_grammar=len(self._grammar_waits),
             num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
-            num_forced_tokens=self.counters["forced"],
+            num_forced_tokens=self.counters.forced,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             moe_expert_tokens=self.executor.expert_load(),
             **self._spec_stats(),

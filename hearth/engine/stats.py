@@ -9,7 +9,21 @@ holds an all-zero one until the engine's first report.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
+
+
+@dataclass
+class EngineCounters:
+    """The engine's own counters since start (EngineStats carries them out)."""
+
+    prompt: int = 0  # prompt tokens of requests that got their first token
+    cached: int = 0  # of those, served from the prefix cache (or a transfer)
+    generation: int = 0  # output tokens, forced ones included
+    forced: int = 0  # appended by jump-forward, without a decode step
+    preemptions: int = 0
+    computed_prompt: int = 0  # prompt tokens this engine computed
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

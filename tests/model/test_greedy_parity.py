@@ -75,7 +75,7 @@ def test_under_preemption(models):
     # and recomputed, and must still produce the reference tokens.
     llm = models.llm(num_blocks=12)
     outs = llm.generate([c["prompt_ids"] for c in CASES], GREEDY)
-    assert llm.engine.counters["preemptions"] > 0
+    assert llm.engine.counters.preemptions > 0
     for case, out in zip(CASES, outs):
         assert_matches(case, out.token_ids)
     assert llm.engine.kv_pool_is_whole()

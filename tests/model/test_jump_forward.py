@@ -71,13 +71,13 @@ def engines(models):
 @pytest.mark.parametrize("choice", ["read_file", "edit", "required"])
 def test_jump_forward_equals_masked_decoding_in_fewer_steps(engines, choice):
     on, off = engines
-    forced_before = on.counters["forced"]
+    forced_before = on.counters.forced
     fast, slow = run(on, params(choice)), run(off, params(choice))
     assert fast["ids"] == slow["ids"]
     assert fast["text"] == slow["text"] == on.tokenizer.decode(fast["ids"])
     assert fast["finish"] == slow["finish"] == "stop"
-    num_forced = on.counters["forced"] - forced_before
-    assert off.counters["forced"] == 0
+    num_forced = on.counters.forced - forced_before
+    assert off.counters.forced == 0
     assert num_forced >= 15  # at least the wrapper <tool_call>\n{"name": ..., "arguments": {"
     assert fast["steps"] == slow["steps"] - num_forced  # one step per token not forced
     call = json.loads(fast["text"].removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))

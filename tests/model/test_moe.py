@@ -73,7 +73,7 @@ def test_engine_greedy_equals_transformers_through_chunks_hits_preemption_and_dr
             second = llm.generate(prompts, GREEDY)  # prompts now hit the prefix cache
             assert llm.engine.kv_pool_is_whole()
             if "num_blocks" in settings:
-                assert llm.engine.counters["preemptions"] > 0
+                assert llm.engine.counters.preemptions > 0
             else:  # the second round's outputs are drafted from the first's, and accepted
                 assert llm.engine.speculator.counters.num_accepted_tokens > 0
         finally:
@@ -96,7 +96,7 @@ def run_twice(llm: LLM):
     try:
         outs = llm.generate(PROMPTS, GREEDY) + llm.generate(PROMPTS, GREEDY)
         assert llm.engine.kv_pool_is_whole()
-        return outs, llm.engine.counters["preemptions"]
+        return outs, llm.engine.counters.preemptions
     finally:
         llm.engine.close()
 

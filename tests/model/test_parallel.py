@@ -48,7 +48,7 @@ def run_twice(llm: LLM, params=GREEDY):
         first = llm.generate(PROMPTS, params)
         second = llm.generate(PROMPTS, params)
         assert llm.engine.kv_pool_is_whole()
-        return first + second, llm.engine.counters["preemptions"]
+        return first + second, llm.engine.counters.preemptions
     finally:
         llm.engine.close()
 

@@ -53,7 +53,7 @@ def test_engines_sharing_a_model_equal_one_that_builds_its_own(tiny):
     assert_same(generate(a), want)
     assert_same(generate(b), want)
     assert_same(generate(a), want)  # after b ran on the same weights
-    assert a.engine.counters["preemptions"] > 0
+    assert a.engine.counters.preemptions > 0
 
 
 def test_a_prebuilt_model_for_other_formats_or_checkpoint_is_refused(tiny):

@@ -229,7 +229,7 @@ def test_refused_resumes_leave_nothing_behind(engine):
             run_to_end(engine)  # a guided one is refused when its grammar is ready
         assert info.value.param == "kv_transfer.output_token_ids"
         assert_idle(engine)
-        assert f"bad{i}" not in engine._detok
+        assert f"bad{i}" not in engine.outputs
     assert run(engine, "after", prompt, plain)["ids"] == whole["ids"]  # the engine carries on
 
 

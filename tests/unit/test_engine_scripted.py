@@ -182,7 +182,7 @@ def test_preempted_requests_finish_with_the_same_tokens(tokenizer_folder):
     engine = make_engine(tokenizer_folder, num_blocks=12, executor=ScriptedExecutor(12))
     prompts = {f"p{i}": prompt_of(10 + i, 12) for i in range(3)}
     results = run(engine, {rid: (p, greedy(16)) for rid, p in prompts.items()})
-    assert engine.counters["preemptions"] > 0
+    assert engine.counters.preemptions > 0
     for rid, p in prompts.items():
         assert results[rid]["tokens"] == expected_tokens(p, 16)
 
