@@ -82,7 +82,8 @@ class Worker:
         """`view()` plus addresses: for the registry's status (`hearth scale`), not /health."""
         return {**self.view(), "host": self.host, "kv_peers": sorted(self.peers),
                 "log": self.record.get("log"), "peers_file": self.record.get("peers_file"),
-                "stage_nodes": self.record.get("stage_nodes") or []}
+                "stage_nodes": self.record.get("stage_nodes") or [],
+                "rank_pids": self.record.get("rank_pids") or {}}
 
 
 class Controller:

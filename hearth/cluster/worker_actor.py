@@ -60,6 +60,7 @@ class WorkerProcess:
         self.stages: list = []  # StageProcesses actors of pipeline stages 1.. (P > 1)
         self.local_ranks: list[subprocess.Popen] = []  # stage 0's ranks 1..T-1 (P > 1)
         self.stage_nodes: list[str] = []  # the Ray node of each stage (P > 1)
+        self.rank_pids: dict[int, int] = {}  # rank -> process id on its node (P > 1)
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
         self._lock = threading.Lock()
@@ -120,7 +121,8 @@ class WorkerProcess:
         ray.get(registry.register.remote(self.name, self.role, self.url, node))
         return {"name": self.name, "role": self.role, "url": self.url, "node": node,
                 "pid": self.process.pid, "log": str(self.log_path),
-                "peers_file": str(self.peers_path), "stage_nodes": self.stage_nodes}
+                "peers_file": str(self.peers_path), "stage_nodes": self.stage_nodes,
+                "rank_pids": {**self.rank_pids, 0: self.process.pid} if self.rank_pids else {}}
 
     @property
     def _num_stages(self) -> int:
@@ -151,14 +153,17 @@ class WorkerProcess:
                     placement_group=group, placement_group_bundle_index=stage)).remote()
             self.stages.append(actor)
             ranks = list(range(stage * tp, (stage + 1) * tp))
-            self.stage_nodes.append(ray.get(actor.start.remote(
+            node, pids = ray.get(actor.start.remote(
                 command, {**rank_env, **rendezvous}, ranks, f"{self.name}-stage{stage}",
-                self.log_dir)))
+                self.log_dir))
+            self.stage_nodes.append(node)
+            self.rank_pids.update(pids)
         for rank in range(1, tp):  # stage 0's other tensor-parallel ranks, on this node
             log_path = self.log_path.with_name(f"hearth-{self.name}-rank{rank}.log")
             self.local_ranks.append(_spawn(command, {**rank_env, **rendezvous, "RANK": str(rank),
                                                      "LOCAL_RANK": str(rank)},
                                            log_path, self._prctl))
+            self.rank_pids[rank] = self.local_ranks[-1].pid
         return {**env, **rendezvous, "RANK": "0", "LOCAL_RANK": "0"}
 
     def set_peers(self, peers: list[str]) -> None:
@@ -260,9 +265,9 @@ class StageProcesses:
         self._prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def start(self, command: list[str], env: dict[str, str], ranks: list[int], name: str,
-              log_dir: str | None) -> str:
+              log_dir: str | None) -> tuple[str, dict[int, int]]:
         """Start the ranks (same `hearth serve` argv as the driver: under RANK > 0 it serves
-        the driver's steps instead); returns this node's id."""
+        the driver's steps instead); returns this node's id and each rank's process id."""
         import ray
 
         folder = _log_dir(log_dir)
@@ -270,7 +275,8 @@ class StageProcesses:
             self.processes.append(_spawn(command, {**env, "RANK": str(rank),
                                                    "LOCAL_RANK": str(local)},
                                          folder / f"hearth-{name}-rank{rank}.log", self._prctl))
-        return ray.get_runtime_context().get_node_id()
+        return (ray.get_runtime_context().get_node_id(),
+                {rank: process.pid for rank, process in zip(ranks, self.processes)})
 
     def stop(self) -> None:
         for process in self.processes:

@@ -452,20 +452,6 @@ def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(s
     stack.scale(prefill=1)
 
 
-def rank_pids(rank: int) -> list[int]:
-    """This machine's `hearth serve` processes started as rank `rank` of a rank set."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"hearth.cli\0serve" in cmdline and f"RANK={rank}".encode() in environ:
-            pids.append(int(entry.name))
-    return pids
-
-
 def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_replaced(cluster):
     """A monolithic worker of P=2 pipeline stages, each on its own node (strict-spread): the
     two stages meet as a torchrun rank set would; its greedy tokens equal one process's; when
@@ -492,8 +478,9 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
             model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
             extra_body={"ignore_eos": True})
         assert reply.choices[0].text == reference.text
-        (stage1,) = rank_pids(1)
-        os.kill(stage1, signal.SIGKILL)
+        ranks = {int(k): v for k, v in worker["rank_pids"].items()}  # (msgpack/JSON keys)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)  # every node of this test cluster is this machine
         status = wait_for_status(deployment, lambda s: [w["name"] for w in s["workers"]
                                                        if w["state"] == "running"]
                                  not in ([], [worker["name"]]), timeout=240)
@@ -504,4 +491,6 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
             extra_body={"ignore_eos": True})
         assert again.choices[0].text == reference.text
     assert_nothing_left(cluster.address, "pp-test")
-    assert rank_pids(1) == []
+    for pid in (*ranks.values(), *map(int, new["rank_pids"].values())):
+        assert not Path(f"/proc/{pid}").exists() or "hearth.cli" not in Path(
+            f"/proc/{pid}/cmdline").read_text(errors="replace"), pid  # every rank ended
