@@ -6,7 +6,8 @@ picks the KV connector by role there). The first message is StartEngine; the cor
 model and answers EngineReady (or EngineFailed and exits).
 
 Loop invariant: between two engine steps every command that has arrived is applied, so an abort
-or a new request waits at most one step; with no work the loop blocks on the socket (no spin).
+or a new request waits at most one step; with no work the loop blocks on the socket (no spin;
+it wakes once a second to look for a lost rank).
 An exception that escapes `engine.step()` (the engine isolates per-request failures itself) ends
 the requests in flight with an error and the loop goes on: one bad request never takes the
 process down. The one exception is a lost rank (`RankFailedError`: a tensor/pipeline-parallel
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hearth.core")
 
 IDLE_WAKE_SECONDS = 1.0  # an idle core looks at its rank set this often
+
 
 class EngineCore:
     """Applies commands to the engine and reports its outputs over the channel."""
