@@ -6,17 +6,16 @@ and only the ones that fail alone are finished with an error. Every finish path 
 KV blocks (see `_finish`).
 
 A guided request whose grammar is not cached waits outside the scheduler (no KV blocks, never
-scheduled) while the grammar pool compiles it on another thread; each step admits the ones whose
-compile ended, or fails them (bad spec, timeout). `admissions` reports those outcomes so the
-engine core can accept or reject such a request only once its grammar is known.
+scheduled) while the grammar pool compiles it on another thread (`GrammarAdmission`,
+hearth/engine/admission.py); each step admits the ones whose compile ended, or fails them (bad
+spec, timeout). `admissions` reports those outcomes so the engine core can accept or reject
+such a request only once its grammar is known.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,7 +23,8 @@ from hearth.config import EngineConfig
 from hearth.engine.kv.block_pool import BlockPool
 from hearth.engine.kv.transfer_api import ConnectorFactory, KVCacheGeometry, KVTransfer
 from hearth.engine.kv.cache import KVCacheManager, cdiv
-from hearth.engine.guided.grammar_pool import GrammarPool, GrammarTicket
+from hearth.engine.admission import GrammarAdmission
+from hearth.engine.guided.grammar_pool import GrammarPool
 from hearth.engine.kv.store_api import StoreFactory
 from hearth.engine.kv.tiers import KVTierDriver, store_namespace
 from hearth.engine.kv.transfer import KVTransferDriver
@@ -41,17 +41,6 @@ from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("hearth.engine")
-
-
-@dataclass
-class GrammarWait:
-    """A request parked until its grammar compiles, with what admission still needs."""
-
-    request: Request
-    ticket: GrammarTicket
-    kv_transfer: KVTransfer | None
-    kv_handle: Any
-    output_token_ids: list[int]
 
 
 class LLMEngine:
@@ -93,11 +82,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._aborted: list[Request] = []
         self._resumed: list[RequestOutput] = []  # resumed requests' first outputs, next step
-        self._grammars: GrammarPool | None = None  # built on the first guided request
-        self._grammar_waits: dict[str, GrammarWait] = {}
-        # (request_id, rejection or None) of each grammar wait the last step ended; a rejected
-        # request also had a finished "error" output in that step.
-        self.admissions: list[tuple[str, Rejection | None]] = []
+        self.grammars = GrammarAdmission(self._grammar_compiler, config.guided)
         # forced: output tokens appended by jump-forward, without a decode step (in generation)
         self.counters = EngineCounters()
         self.pd: KVTransferDriver | None = None
@@ -144,7 +129,7 @@ class LLMEngine:
         """Queue a request. `output_token_ids`: a resumed stream's output so far, generated
         elsewhere with the same params; they are checked and reported as this request's first
         output (see `_resume`), then computed with the prompt and sampling goes on after them."""
-        if request_id in self.scheduler.requests or request_id in self._grammar_waits:
+        if request_id in self.scheduler.requests or request_id in self.grammars:
             raise RequestRejected("request_id", f"request_id: {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
         output_token_ids = list(output_token_ids)
@@ -157,14 +142,10 @@ class LLMEngine:
                          self.pool.num_blocks * self.block_size)
         kv_handle = self._check_kv_transfer(kv_transfer, prompt_token_ids, params)
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
-        ticket = self.grammar_pool().submit(params.guided) if params.guided is not None else None
-        if ticket is not None and ticket.is_compiled():  # a cached grammar
-            req.grammar = self._grammars.matcher(ticket)
+        ticket = self.grammars.attach(req)  # a cached grammar: req.grammar set, no ticket
         self.outputs.open(request_id, params)
-        if ticket is not None and req.grammar is None:
-            req.status = RequestStatus.WAITING_FOR_GRAMMAR
-            self._grammar_waits[request_id] = GrammarWait(req, ticket, kv_transfer, kv_handle,
-                                                          output_token_ids)
+        if ticket is not None:
+            self.grammars.park(req, ticket, kv_transfer, kv_handle, output_token_ids)
             return req
         resumed = self._enqueue(req, kv_transfer, kv_handle, output_token_ids)
         if resumed is not None:
@@ -184,6 +165,11 @@ class LLMEngine:
                 return resumed
         self.scheduler.add(req)
         return resumed
+
+    def _enqueue_admitted(self, wait) -> RequestOutput | None:
+        """A parked request whose grammar compiled (hearth/engine/admission.py)."""
+        return self._enqueue(wait.request, wait.kv_transfer, wait.kv_handle,
+                             wait.output_token_ids)
 
     def _resume(self, req: Request, token_ids: list[int]) -> RequestOutput:
         """Take `token_ids` as generated: checked like sampled tokens (stops, grammar, length),
@@ -206,32 +192,14 @@ class LLMEngine:
             checked.text += self.outputs.final_text(req)
         return self.outputs.output(req, tokens, checked.text, logprobs)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Move requests whose grammar is ready into the scheduler; fail those whose compile
-        failed or timed out (their outputs are the finished errors)."""
-        outputs = []
-        now = time.monotonic()
-        for request_id, wait in list(self._grammar_waits.items()):
-            if not wait.ticket.is_resolved(now):
-                continue
-            del self._grammar_waits[request_id]
-            req, rejection = wait.request, None
-            try:
-                req.grammar = self._grammars.matcher(wait.ticket)
-                req.status = RequestStatus.WAITING
-                resumed = self._enqueue(req, wait.kv_transfer, wait.kv_handle,
-                                        wait.output_token_ids)
-                if resumed is not None:
-                    outputs.append(resumed)
-            except ValueError as exc:
-                rejection = Rejection.of(exc)
-                req.status, req.error = RequestStatus.FINISHED_ERROR, rejection.message
-                outputs.append(self.outputs.finished_output(req))
-            self.admissions.append((request_id, rejection))
-        return outputs
+    @property
+    def admissions(self) -> list[tuple[str, Rejection | None]]:
+        """(request_id, rejection or None) of each grammar wait the last step ended; a
+        rejected request also had a finished "error" output in that step."""
+        return self.grammars.admissions
 
     def is_waiting_for_grammar(self, request_id: str) -> bool:
-        return request_id in self._grammar_waits
+        return request_id in self.grammars
 
     def _check_kv_transfer(self, kv_transfer, prompt_token_ids, params) -> object | None:
         if kv_transfer is None:
@@ -252,19 +220,19 @@ class LLMEngine:
             # needs it as context (and for stop strings that span it).
             self.outputs.push_context(req.request_id, [kv_transfer.first_token_id])
 
+    def _grammar_compiler(self):
+        from hearth.engine.guided.grammar import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+
     def grammar_pool(self) -> GrammarPool:
-        if self._grammars is None:
-            from hearth.engine.guided.grammar import GrammarCompiler
-            compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-            self._grammars = GrammarPool(compiler, self.config.guided)
-        return self._grammars
+        return self.grammars.pool
 
     def abort_request(self, request_id: str) -> None:
-        wait = self._grammar_waits.pop(request_id, None)
-        if wait is not None:  # never reached the scheduler: it holds no blocks
-            self._grammars.release(wait.ticket)
-            wait.request.status = RequestStatus.FINISHED_ABORTED
-            self._aborted.append(wait.request)
+        parked = self.grammars.abort(request_id)
+        if parked is not None:  # never reached the scheduler: it holds no blocks
+            parked.status = RequestStatus.FINISHED_ABORTED
+            self._aborted.append(parked)
             return
         req = self.scheduler.requests.get(request_id)
         if req is not None:
@@ -277,7 +245,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.num_unfinished > 0 or bool(self._aborted)
-                or bool(self._grammar_waits) or bool(self._resumed))
+                or len(self.grammars) > 0 or bool(self._resumed))
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -288,9 +256,8 @@ class LLMEngine:
         # a resumed request's first output before anything else of it (an abort included)
         outputs = self._resumed + [self.outputs.output(r, [], "") for r in self._aborted]
         self._resumed, self._aborted = [], []
-        self.admissions = []
-        if self._grammar_waits:
-            outputs += self._admit_compiled()
+        outputs += self.grammars.admit_resolved(self._enqueue_admitted,
+                                                self.outputs.finished_output)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
             self._num_steps += 1
@@ -312,8 +279,8 @@ class LLMEngine:
                 self.tiers.wait(0.005)  # only tier loads (maybe transfers) are in flight
             elif self.pd is not None:
                 self.pd.wait(0.005)  # only KV transfers are in flight: don't spin
-            elif self._grammar_waits:
-                self._grammars.wait(0.005)  # only compiles are in flight
+            elif len(self.grammars):
+                self.grammars.wait(0.005)  # only compiles are in flight
             return outputs
         sampled = self._execute_isolated(sched, outputs)
         outputs += self._apply_step(sched, sampled)
@@ -409,7 +376,7 @@ class LLMEngine:
         s = self.scheduler
         pd = self.pd.counters if self.pd is not None else {}
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting) + len(self._grammar_waits),
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(self.grammars),
             num_free_blocks=self.pool.num_free_blocks, num_total_blocks=self.pool.num_blocks,
             num_prefill_tokens_inflight=s.num_prefill_tokens_inflight(),
             num_decode_tokens_active=s.num_decode_tokens_active(),
@@ -423,8 +390,8 @@ class LLMEngine:
             num_transferred_blocks=pd.get("transferred_blocks", 0),
             num_transferred_bytes=pd.get("transferred_bytes", 0),
             num_kv_transfer_failures=pd.get("transfer_failures", 0),
-            num_waiting_for_grammar=len(self._grammar_waits),
-            num_grammars_compiling=self._grammars.num_in_flight if self._grammars else 0,
+            num_waiting_for_grammar=len(self.grammars),
+            num_grammars_compiling=self.grammars.num_compiling,
             num_forced_tokens=self.counters.forced,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             moe_expert_tokens=self.executor.expert_load(),
@@ -468,8 +435,7 @@ class LLMEngine:
             self.pd.close()
         if self.tiers is not None:
             self.tiers.close()  # running loads end; pending writes finish
-        if self._grammars is not None:
-            self._grammars.close()
+        self.grammars.close()
         if self.speculator is not None:
             self.speculator.close()
         self.executor.close()
