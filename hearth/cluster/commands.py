@@ -138,13 +138,25 @@ def set_targets(registry, targets: dict[str, int], wait: bool, timeout: float) -
 
 
 def _reached(status: dict) -> bool:
-    """Every role has exactly its target of serving workers and nothing is draining/starting."""
+    """Every role has exactly its target of serving workers, nothing is draining/starting, and
+    the router routes to every one of them (it learns of a new worker on its next discovery
+    round and routes to it after its first health check: a worker that runs is not yet one
+    that a request reaches)."""
     workers = status.get("workers", [])
     for role, target in status["targets"].items():
         serving = sum(w["role"] == role and w["state"] == "running" for w in workers)
         if serving != target:
             return False
-    return all(w["state"] == "running" for w in workers)
+    return all(w["state"] == "running" for w in workers) and router_routes_all(status)
+
+
+def router_routes_all(status: dict) -> bool:
+    """The router applied the registry's current worker list and routes to every running
+    worker in it (a registry status, as `hearth scale` prints it)."""
+    router = status.get("router", {})
+    names = set(router.get("routes_to", ()))
+    return router.get("applied", -1) >= status.get("version", 0) and all(
+        w["name"] in names for w in status.get("workers", []) if w["state"] == "running")
 
 
 def _raise_interrupt(signum, frame) -> None:

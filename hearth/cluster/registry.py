@@ -8,7 +8,8 @@
     when it is gone and marks it draining before a scale-down;
   * the targets (workers per role) the controller scales to: `hearth scale` sets them;
   * the router's acknowledgement: the last version it applied and the requests it has open per
-    worker URL (hearth/router/discovery.py), which is what lets a drain finish safely;
+    worker URL (hearth/router/discovery.py), which is what lets a drain finish safely, and the
+    workers it routes to (status()'s "router"), which is what `hearth scale --wait` waits for;
   * the secrets (the workers' API key and the KV-transfer secret). Workers fetch them with a
     method call when they start, so they never appear on a command line, in an environment that
     Ray shows (runtime_env), or in an actor's constructor arguments.
@@ -36,6 +37,7 @@ class WorkerRegistry:
         self._ack_version = -1
         self._in_flight: dict[str, int] = {}
         self._ack_time = 0.0
+        self._routed: list[str] = []  # the workers the router last said it routes to
         self._secrets: dict[str, str] = {}
         self._status: dict = {}
 
@@ -64,8 +66,10 @@ class WorkerRegistry:
         return self._version
 
     # ---- the router's acknowledgement -------------------------------------------------------
-    def acknowledge(self, version: int, in_flight: dict[str, int]) -> None:
+    def acknowledge(self, version: int, in_flight: dict[str, int],
+                    healthy: list[str] = ()) -> None:
         self._ack_version, self._in_flight, self._ack_time = version, dict(in_flight), time.time()
+        self._routed = sorted(healthy)
 
     def router_view(self) -> tuple[int, dict[str, int], float]:
         return self._ack_version, dict(self._in_flight), self._ack_time
@@ -109,7 +113,8 @@ class WorkerRegistry:
     def status(self) -> dict:
         """What `hearth scale` prints: targets, the controller's view of each worker."""
         return {"deployment": self.deployment, "targets": dict(self._targets),
-                "version": self._version, **self._status}
+                "version": self._version, **self._status,
+                "router": {"applied": self._ack_version, "routes_to": list(self._routed)}}
 
     # ---- secrets ----------------------------------------------------------------------------
     def set_secrets(self, secrets: dict[str, str]) -> None:
@@ -145,7 +150,9 @@ class RayRegistry:
         version, records = ray.get(self.handle.records.remote(), timeout=self.TIMEOUT)
         return version, [WorkerRecord(**r) for r in records]
 
-    def acknowledge(self, version: int, in_flight: dict[str, int]) -> None:
+    def acknowledge(self, version: int, in_flight: dict[str, int],
+                    healthy: list[str]) -> None:
         import ray
 
-        ray.get(self.handle.acknowledge.remote(version, in_flight), timeout=self.TIMEOUT)
+        ray.get(self.handle.acknowledge.remote(version, in_flight, healthy),
+                timeout=self.TIMEOUT)

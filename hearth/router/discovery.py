@@ -10,8 +10,9 @@ named Ray actor (hearth/cluster/registry.py), and tests over a plain object. The
     unhealthy until their first `/load` answers, so the health checks stay the source of truth
     for routing; removed workers leave every choice at once) and starts or stops their health
     loops;
-  * every round it acknowledges the version it applied and reports the requests it has open per
-    worker. That is how a drain knows it is safe: the controller marks a worker draining, waits
+  * every round it acknowledges the version it applied, reports the requests it has open per
+    worker and names the workers it routes to (healthy, not draining): `hearth scale --wait`
+    returns only once the router routes to every running worker, not merely once they run. That is how a drain knows it is safe: the controller marks a worker draining, waits
     until the router acknowledged a version that includes the mark, then until the router has
     no request open there, and only then stops it (hearth/cluster/controller.py);
   * a registry that cannot be read (the cluster is restarting) leaves the pool as it was: the
@@ -48,7 +49,8 @@ class Registry(Protocol):
 
     def records(self) -> tuple[int, list[WorkerRecord]]: ...
 
-    def acknowledge(self, version: int, in_flight: dict[str, int]) -> None: ...
+    def acknowledge(self, version: int, in_flight: dict[str, int],
+                    healthy: list[str]) -> None: ...
 
 
 class DiscoveryLoop:
@@ -76,7 +78,8 @@ class DiscoveryLoop:
                     for endpoint in removed:
                         log.info("worker %s at %s left", endpoint.name, endpoint.url)
                 self.applied = version
-            await asyncio.to_thread(self.registry.acknowledge, self.applied, self.pool.in_flight())
+            await asyncio.to_thread(self.registry.acknowledge, self.applied,
+                                    self.pool.in_flight(), self.pool.healthy_names())
             if self._failing:
                 log.info("the worker registry answers again")
                 self._failing = False

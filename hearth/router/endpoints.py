@@ -313,6 +313,12 @@ class EndpointPool:
         return {e.url: e.own_requests + e.own_prefill_hops
                 for e in [*self.endpoints.values(), *self.retired.values()]}
 
+    def healthy_names(self) -> list[str]:
+        """The discovered workers this router routes new requests to now (healthy, not
+        draining), by registry name."""
+        return sorted(e.name for e in self.endpoints.values()
+                      if e.name and e.healthy and not e.draining)
+
     def __iter__(self):
         return iter(self.endpoints.values())
 

@@ -366,6 +366,12 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def router_routes_all(status: dict) -> bool:
+    from hearth.cluster.commands import router_routes_all
+
+    return router_routes_all(status)
+
+
 def wait_for_status(deployment, ok, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -481,9 +487,11 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
         ranks = {int(k): v for k, v in worker["rank_pids"].items()}  # (msgpack/JSON keys)
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[1], signal.SIGKILL)  # every node of this test cluster is this machine
+        # running, and routed to by the router (its next discovery round + health check)
         status = wait_for_status(deployment, lambda s: [w["name"] for w in s["workers"]
                                                        if w["state"] == "running"]
-                                 not in ([], [worker["name"]]), timeout=240)
+                                 not in ([], [worker["name"]]) and router_routes_all(s),
+                                 timeout=240)
         (new,) = [w for w in status["workers"] if w["state"] == "running"]
         assert new["name"] != worker["name"] and len(set(new["stage_nodes"])) == 2
         again = api_client(deployment).completions.create(

@@ -18,6 +18,23 @@ def test_versions_change_with_every_change_and_only_then():
     assert r.router_view()[:2] == (3, {"http://a:1": 0})
 
 
+def test_scale_wait_returns_only_once_the_router_routes_to_every_running_worker():
+    from hearth.cluster.commands import _reached
+
+    r = WorkerRegistry("hearth")
+    r.set_targets({"decode": 1})
+    r.register("decode-0", "decode", "http://a:1", "n1")
+    r.set_status({"workers": [{"name": "decode-0", "role": "decode", "state": "running"}]})
+    assert not _reached(r.status())  # running, but the router has not seen it
+    r.acknowledge(1, {}, [])
+    assert not _reached(r.status())  # seen, not yet healthy there
+    r.acknowledge(1, {"http://a:1": 0}, ["decode-0"])
+    assert _reached(r.status())
+    assert r.status()["router"] == {"applied": 1, "routes_to": ["decode-0"]}
+    r.register("decode-1", "decode", "http://b:1", "n2")  # a newer list than it applied
+    assert not _reached(r.status())
+
+
 def test_targets_are_validated_and_merged():
     r = WorkerRegistry("hearth")
     assert r.set_targets({"prefill": 1, "decode": 2}) == {"prefill": 1, "decode": 2, "both": 0}

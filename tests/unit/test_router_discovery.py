@@ -32,8 +32,9 @@ class FakeRegistry:
     def records(self):
         return self.v, list(self.list)
 
-    def acknowledge(self, version, in_flight) -> None:
+    def acknowledge(self, version, in_flight, healthy) -> None:
         self.acks.append((version, dict(in_flight)))
+        self.healthy = list(healthy)
 
 
 def test_a_dynamic_pool_may_start_empty_a_static_one_may_not():
@@ -105,7 +106,10 @@ def test_discovery_loop_applies_versions_acknowledges_and_survives_a_lost_regist
     async def run():
         registry.set(rec("d", "decode", "http://d"))
         assert await loop.poll_once()
+        assert registry.healthy == []  # discovered, not yet routed to: no /load answered
+        pool["http://d"].healthy = True  # (what its health loop does on a first answer)
         assert not await loop.poll_once()  # same version: nothing re-read
+        assert registry.healthy == ["d"]  # routed to now: `hearth scale --wait` may return
         registry.fail = True
         assert not await loop.poll_once()  # kept what it had
         assert [e.url for e in pool] == ["http://d"]
