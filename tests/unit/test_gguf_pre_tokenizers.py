@@ -20,3 +20,9 @@ def pieces(name: str, text: str) -> list[str]:
 def test_deepseek_v3_splits_digits_in_threes_cjk_runs_and_words():
     assert pieces("deepseek-v3", "Hello world12345 你好!x  \n\nfoo") == [
         "Hello", "Ġworld", "123", "45", "Ġ", "ä½łå¥½", "!x", "ĠĠĊĊ", "foo"]
+
+
+def test_kimi_k2_splits_han_runs_from_words_and_digits_in_threes():
+    # Han runs stand alone (words exclude Han letters, not kana), a word keeps its contraction
+    assert pieces("kimi-k2", "Hello你好世界World's 12345 こんにちは世界") == [
+        "Hello", "ä½łå¥½ä¸ĸçķĮ", "World's", "Ġ", "123", "45", "ĠãģĵãĤĵãģ«ãģ¡ãģ¯", "ä¸ĸçķĮ"]

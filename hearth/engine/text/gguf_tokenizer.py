@@ -56,6 +56,24 @@ _DEEPSEEK_V3_SPLITS = (
 )
 
 
+# Kimi K2 (llama.cpp's "kimi-k2"; the pattern of the model's own tiktoken tokenizer): Han runs
+# alone, words whose letters exclude Han (character-class intersections, which the tokenizers
+# library's Oniguruma regex supports as tiktoken's does), digits in threes, punctuation runs,
+# newlines, spaces.
+_KIMI_K2_SPLIT = "|".join((
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+))
+
+
 _DIGITS_THEN_BYTES = {
     "type": "Sequence",
     "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL],
@@ -77,6 +95,8 @@ _PRE_TOKENIZERS: dict[str, tuple[dict | None, dict, bool]] = {
     **{name: (_NFC, _split_then_bytes(_QWEN2_SPLIT), False) for name in ("qwen2", "deepseek-r1-qwen")},
     "tekken": (None, _split_then_bytes(_TEKKEN_SPLIT), False),
     "deepseek-v3": (None, _split_then_bytes(*_DEEPSEEK_V3_SPLITS), False),
+    # tiktoken looks a whole piece up in the vocabulary before merging (ignore_merges)
+    "kimi-k2": (None, _split_then_bytes(_KIMI_K2_SPLIT), True),
 }
 
 
