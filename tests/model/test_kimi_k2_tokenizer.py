@@ -1,5 +1,5 @@
-"""A Kimi K2 GGUF's tokenizer (`tokenizer.ggml.pre = "kimi-k2"`) encodes as the model's own
-tiktoken tokenizer does.
+"""Kimi K2's tokenizer, from a GGUF (`tokenizer.ggml.pre = "kimi-k2"`) and from its HF folder
+(tiktoken.model, no tokenizer.json), encodes as the model's own tiktoken tokenizer does.
 
 Kimi K2 ships a tiktoken tokenizer (mergeable ranks + a split pattern with Han-excluding
 character classes); llama.cpp's converter stores it in a GGUF as a byte-level BPE vocabulary
@@ -12,12 +12,17 @@ tiktoken give the same ids on text that exercises every branch of the pattern.
 
 from __future__ import annotations
 
+import base64
+import json
+from pathlib import Path
+
 import pytest
 import regex
 
 tiktoken = pytest.importorskip("tiktoken")
 
 from hearth.engine.text.gguf_tokenizer import build_gguf_tokenizer  # noqa: E402
+from hearth.engine.text.tokenizer import Tokenizer  # noqa: E402
 from hearth.models.gguf_file import read_metadata  # noqa: E402
 from hearth.models.loader import resolve_builtin  # noqa: E402
 
@@ -76,11 +81,10 @@ def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """(tiktoken encoding, hearth's tokenizer from the converted GGUF metadata)."""
+def ranks() -> dict[bytes, int]:
+    """K2-style mergeable ranks: the default model's first merges, then whole K2 pieces."""
     source = read_metadata(resolve_builtin("smollm2-135m-instruct"))
-    to_unicode = bytes_to_unicode()
-    to_byte = {c: b for b, c in to_unicode.items()}
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
     ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
     for merge in source["tokenizer.ggml.merges"][:NUM_MERGES]:
         left, right = merge.split(" ")
@@ -97,6 +101,13 @@ def pair():
         while len(parts) > 1:
             parts = [parts[0] + parts[1], *parts[2:]]
             ranks.setdefault(parts[0], len(ranks))
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def pair(ranks):
+    """(tiktoken encoding, hearth's tokenizer from the converted GGUF metadata)."""
+    to_unicode = bytes_to_unicode()
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIALS)}
     encoding = tiktoken.Encoding("kimi-k2-test", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                  special_tokens=specials)
@@ -132,3 +143,68 @@ def test_kimi_k2_special_tokens_are_whole_and_skipped_on_decode(pair):
     ids = tokenizer.encode("a<|im_end|>b", add_special_tokens=False).ids
     assert encoding.encode("<|im_end|>", allowed_special="all")[0] in ids
     assert tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+
+
+# ---- Kimi K2's HF folder: tiktoken.model + tokenization_kimi.py, no tokenizer.json ---------------
+
+FOLDER_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>",
+                   4: "<|im_assistant|>", 7: "<|tool_calls_section_begin|>"}
+
+
+def write_kimi_folder(folder: Path, ranks: dict[bytes, int], kimi: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(),
+                                                                     key=lambda kv: kv[1])]
+    (folder / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    n = len(ranks)
+    config = {"bos_token": "[BOS]", "eos_token": "<|im_end|>",
+              "added_tokens_decoder": {str(n + i): {"content": c, "special": True}
+                                       for i, c in FOLDER_SPECIALS.items()}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if kimi:  # the remote code's presence is what names the family (its text is not read)
+        (folder / "tokenization_kimi.py").write_text("# Kimi's TikTokenTokenizer\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def kimi_folder(ranks, tmp_path_factory):
+    """(the model's own tiktoken encoding as tokenization_kimi.py builds it, hearth's Tokenizer
+    from the folder)."""
+    folder = write_kimi_folder(tmp_path_factory.mktemp("kimi"), ranks)
+    n = len(ranks)
+    specials = {FOLDER_SPECIALS.get(i - n, f"<|reserved_token_{i}|>"): i
+                for i in range(n, n + 256)}
+    encoding = tiktoken.Encoding("kimi-k2-folder", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                 special_tokens=specials)
+    return encoding, Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS + ["[BOS]<|im_user|>hi<|im_end|><|reserved_token_%d|>"])
+def test_kimi_k2_hf_folder_encodes_as_its_tiktoken(kimi_folder, ranks, text):
+    encoding, tokenizer = kimi_folder
+    text = text.replace("%d", str(len(ranks) + 200))
+    assert tokenizer.encode(text) == encoding.encode(text, allowed_special="all")
+
+
+def test_kimi_k2_hf_folder_special_ids_and_decoding(kimi_folder, ranks):
+    encoding, tokenizer = kimi_folder
+    n = len(ranks)
+    assert tokenizer.bos_token_id == n and n + 2 in tokenizer.eos_token_ids
+    assert tokenizer.vocab_size == n + 256
+    ids = encoding.encode("a<|tool_calls_section_begin|>b", allowed_special="all")
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "a<|tool_calls_section_begin|>b"
+    assert tokenizer.decode(ids) == "ab"
+
+
+def test_a_tiktoken_folder_hearth_cannot_read_is_refused_clearly(ranks, tmp_path):
+    other = write_kimi_folder(tmp_path / "other", ranks, kimi=False)
+    with pytest.raises(ValueError, match="family hearth does not know"):
+        Tokenizer.from_folder(other)
+    broken = write_kimi_folder(tmp_path / "broken", {bytes([b]): b for b in range(256)})
+    with open(broken / "tiktoken.model", "a") as f:
+        f.write("not-base64!! 256\n")
+    with pytest.raises(ValueError, match=r"tiktoken.model:257: not a 'base64-token rank' line"):
+        Tokenizer.from_folder(broken)
+    gap = write_kimi_folder(tmp_path / "gap", {**{bytes([b]): b for b in range(256)}, b"ab": 300})
+    with pytest.raises(ValueError, match="ranks are not 0..256"):
+        Tokenizer.from_folder(gap)

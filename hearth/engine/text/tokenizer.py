@@ -5,7 +5,8 @@ tokens written in the text, like `<|im_start|>`, are matched whole), and `apply_
 renders the prompt transformers would render. `eos_token_ids` holds every id that ends a turn:
 the declared EOS plus end-of-turn markers the template itself emits (`<|im_end|>`, `<|eot_id|>`...).
 
-Built from a HF folder (tokenizer.json + tokenizer_config.json), from GGUF metadata, or from a
+Built from a HF folder (tokenizer.json + tokenizer_config.json; Kimi K2's tiktoken.model through
+hearth/engine/text/tiktoken_folder.py), from GGUF metadata, or from a
 `Checkpoint`'s `tokenizer_source`. Wraps a Rust `tokenizers.Tokenizer`; no transformers import.
 """
 
@@ -24,6 +25,7 @@ from hearth.engine.text.chat_template import (
     template_mentions_tools,
 )
 from hearth.engine.text.gguf_tokenizer import build_gguf_tokenizer
+from hearth.engine.text.tiktoken_folder import is_tiktoken_folder, tiktoken_folder_metadata
 
 if TYPE_CHECKING:
     from hearth.models.checkpoint import Checkpoint, TokenizerSource
@@ -74,13 +76,16 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
-        """A HF folder: tokenizer.json, plus tokenizer_config.json / chat_template.jinja /
-        generation_config.json when present."""
+        """A HF folder: tokenizer.json (or Kimi K2's tiktoken.model), plus
+        tokenizer_config.json / chat_template.jinja / generation_config.json when present."""
         folder = Path(path)
-        if not (folder / "tokenizer.json").exists():
-            raise FileNotFoundError(f"{folder} has no tokenizer.json")
-        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
+        if is_tiktoken_folder(folder):  # Kimi K2: tiktoken ranks, no tokenizer.json
+            backend = build_gguf_tokenizer(tiktoken_folder_metadata(folder, config))
+        elif not (folder / "tokenizer.json").exists():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        else:
+            backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         template = _folder_chat_template(folder, config)
         bos_id = _token_id(backend, config.get("bos_token"))
         eos_ids = [_token_id(backend, config.get("eos_token"))]
