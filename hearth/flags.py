@@ -5,10 +5,28 @@ else: `engine_config` (hearth/config.py), `server_config` (hearth/server/server_
 `router_config` and `up_config` (hearth/router/router_config.py). The layers below take configs
 only: `serve(EngineConfig, ServerConfig)` (hearth/server/launch.py), `route(RouterConfig)`
 (hearth/router/launch.py) and `up(UpConfig, ...)` (hearth/router/up.py) parse nothing and never
-import this module. `hearth up` starts each worker as `hearth serve` with flags derived from that
-worker's configs by `serve_argv`, the same mapping read backwards (and checked by parsing it
-back), so no flag is ever forwarded by name. The sub-commands themselves (what each one runs)
-are hearth/cli.py's.
+import this module. The sub-commands themselves (what each one runs) are hearth/cli.py's.
+
+Each option is declared once, as one `Option` row: its flag, the config field it sets (a path
+such as "engine.scheduler.max_num_seqs") and, for the few whose flag value is not the field's
+value as it is, a converter each way (MB <-> bytes, a comma list <-> a tuple, `--no-X` <-> `X`).
+Everything else is read off the rows: the argparse declarations (the default is the field's own
+unless the row says otherwise), the Namespace -> config mappings, and, for `hearth serve`
+(SERVE_OPTIONS), the config -> argv mapping `serve_argv` with which `hearth up` and the cluster
+start each worker. That argv is parsed back and compared, so a setting no flag carries is an
+error, never silently dropped; tests/unit/test_serve_options.py fails when a field of
+EngineConfig or ServerConfig is neither set by a row nor listed there as flagless.
+
+The rows live in tables here, keyed by config path, in --help order, rather than as metadata on
+the config fields: the configs are read by the engine, the server and tests that never parse a
+flag, while help texts, choices and converters are the command line's business (STYLE: flags
+are read in one module). Nor is the mapping one flag -> one config: --served-model-name sets the
+engine's name and the server's list, --max-waiting sits with the engine flags but is the
+server's, and the router and `hearth up` take the engine's --model and --block-size.
+
+Still declared by hand: the cluster's and `hearth scale`'s flags (`add_cluster_args`, whose
+values are reshaped: per-role maps, MIN:MAX ranges), `hearth route`'s worker URLs and key
+(`router_config`'s arguments), and `hearth generate`'s and `hearth bench`'s own flags.
 
 The torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is read here
 too, by `torchrun_env`: under a launcher, rank 0 runs the command as the driver and every other
@@ -24,143 +42,63 @@ from __future__ import annotations
 
 import argparse
 import logging
+import operator
 import os
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
+from functools import reduce
 from pathlib import Path
+from typing import Any, Callable
 
 from hearth.cluster.cluster_config import STAGE_STRATEGIES, AutoscaleConfig, ClusterConfig
-from hearth.config import (DEFAULT_MODEL, SPECULATIVE_METHODS, CacheConfig, EngineConfig,
-                           GuidedConfig, KVOffloadConfig, SpeculativeConfig,
-                           KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+from hearth.config import DEFAULT_MODEL, SPECULATIVE_METHODS, EngineConfig
 from hearth.models.rope_scaling import parse_rope_scaling
-from hearth.router.hops import HopTimeouts
-from hearth.router.policy import POLICIES, PolicyConfig
+from hearth.router.policy import POLICIES
 from hearth.api.edge import DoorwayConfig
-from hearth.router.router_config import HealthConfig, RouterConfig, SupervisorConfig, UpConfig
+from hearth.router.router_config import RouterConfig, SupervisorConfig, UpConfig
 from hearth.server.server_config import ServerConfig
 
 SERVE_SPECULATIVE_METHOD = "suffix"  # `hearth serve` and `hearth up` workers; EngineConfig: off
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="HF checkpoint folder, .gguf file, or built-in name (default: %(default)s)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "q8_0",
-                                                                  "gguf-a8", "q8_0-a8"],
-                   help="decode-path weights: gguf = the file's own blocks (Q4_0/Q4_1/Q8_0), "
-                        "q8_0 = requantized; auto = gguf for a GGUF file when hearth's CPU "
-                        "kernels run here (docs/formats.md)")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "model", "float32", "bfloat16", "float16", "int8", "fp8"],
-                   help="KV cache storage: auto (default) = bfloat16 for a float32 model on "
-                        "hearth's CPU kernels (half the bytes, not exact), else the model "
-                        "dtype; model = the model dtype (exact); int8 / fp8 (e4m3) = 8-bit "
-                        "values with a scale per token and head (~1.9x bf16's tokens per GB, "
-                        "not exact)")
-    g.add_argument("--prefill-dtype", default="auto", choices=["float32", "bfloat16", "auto"],
-                   help="compute dtype of prefill chunks and large batches (steps of more than "
-                        "16 rows) of a float32 model: bfloat16 runs ~3x faster prefill where the "
-                        "CPU has AMX, not exact; auto (default) = bfloat16 where AMX runs, else "
-                        "float32, the exact reference (docs/formats.md)")
-    g.add_argument("--cpu-kernels", default="auto", choices=["auto", "avx512amx", "avx512vnni", "avx512", "avx2", "off"],
-                   help="hearth's compiled CPU kernels (built by make setup)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--rope-scaling", type=_rope_scaling_json, default=None, metavar="JSON",
-                   help="replace the checkpoint's RoPE scaling (as vLLM's --hf-overrides "
-                        "rope_scaling), e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                        "\"original_max_position_embeddings\": 8192}': linear, llama3 or yarn "
-                        "(dynamic is refused); the context grows to original x factor, which "
-                        "--max-model-len may then ask for")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="override the memory budget")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-waiting", type=int, default=ServerConfig.max_waiting,
-                   help="requests queued beyond the running ones before the server answers 429")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="a Mixture-of-Experts model's experts are split whole across the "
-                        "tensor-parallel ranks (EP size = TP size) instead of each expert cut "
-                        "along its width; attention stays tensor-parallel")
-    g.add_argument("--num-micro-batches", type=int, default=0,
-                   help="micro-batches per step in flight through the pipeline (0: one per stage)")
-    g.add_argument("--collective-timeout", type=float, default=60.0,
-                   help="seconds a rank waits on a peer before the step fails")
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names clients may give as `model` (the first is the one responses "
-                        "carry; default: the model's own name)")
-    kv = p.add_argument_group("prefill/decode disaggregation (docs/pd_protocol.md)")
-    kv.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
-    kv.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake"])
-    kv.add_argument("--kv-host", default="127.0.0.1",
-                    help="interface the KV transfer server binds (prefill role)")
-    kv.add_argument("--kv-port", type=int, default=0, help="KV transfer port (0: any free one)")
-    kv.add_argument("--kv-advertise-host", default=None,
-                    help="address put in KV descriptors (default: --kv-host)")
-    add_secret_args(kv, "--kv-secret",
-                    "shared secret of the KV transfer handshake (visible in ps: prefer "
-                    "$HEARTH_KV_SECRET or --kv-secret-file)",
-                    "read the KV secret from this file")
-    kv.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                    help="how long exported KV blocks wait for the decode worker")
-    kv.add_argument("--kv-peers", default="", help="KV servers a decode worker may pull from: "
-                    "comma-separated host:port or host (default: loopback only)")
-    kv.add_argument("--kv-peers-file", default=None, metavar="PATH",
-                    help="more KV peers, one entry per line or comma-separated, read again "
-                         "whenever the file changes (hearth up --cluster writes it)")
-    sp = p.add_argument_group("speculative decoding (docs/speculative.md)")
-    # The server drafts by default (EngineConfig's default stays off, for the library): on agent
-    # traffic, which repeats itself and its prompts, suffix drafts cut the replay's wall time, and
-    # greedy output is unchanged (docs/speculative.md, "Default").
-    sp.add_argument("--speculative-method", default=SERVE_SPECULATIVE_METHOD,
-                    choices=list(SPECULATIVE_METHODS),
-                    help="draft tokens from the request's own context (ngram: prompt lookup; "
-                         "suffix: plus recent outputs of other requests), verified in the same "
-                         "step; output is unchanged")
-    sp.add_argument("--num-speculative-tokens", type=int,
-                    default=SpeculativeConfig.num_speculative_tokens,
-                    help="the most draft tokens per request per step")
-    sp.add_argument("--speculative-max-batch", type=int, default=SpeculativeConfig.max_batch,
-                    help="no drafts while more requests than this decode at once")
-    sp.add_argument("--speculative-draft-model", default=None, metavar="MODEL",
-                    help="with --speculative-method draft: a small model of the same "
-                         "vocabulary that drafts greedily (GGUF path, HF folder or built-in name)")
-    sp.add_argument("--speculative-draft-num-blocks", type=int,
-                    default=SpeculativeConfig.draft_num_blocks,
-                    help="the draft model's own KV pool, in blocks")
-    p.add_argument_group("structured output").add_argument(
-        "--no-jump-forward", action="store_true",
-        help="decode the tokens a grammar forces (tool-call wrappers, keys) one step each "
-             "instead of appending them at once; the output is the same")
-    t = p.add_argument_group("KV tiers below the pool (docs/kv_tiers.md)")
-    t.add_argument("--kv-offload-dir", default=None, metavar="DIR",
-                   help="write KV blocks evicted from the pool here and load them back on a "
-                        "prefix hit (a restart finds them again)")
-    t.add_argument("--kv-offload-gb", type=float, default=KVOffloadConfig.max_gb,
-                   help="size cap of --kv-offload-dir (least recently used blocks go first)")
-    t.add_argument("--kv-offload-shared", action="store_true",
-                   help="--kv-offload-dir is shared by several workers on this machine")
-    t.add_argument("--kv-offload-host-gb", type=float, default=0.0,
-                   help="a host-memory tier above the directory (for a pool on a GPU; on the "
-                        "CPU the pool already is host memory: give it --kv-cache-memory-gb)")
-    t.add_argument("--kv-offload-load-timeout", type=float,
-                   default=KVOffloadConfig.load_timeout_seconds,
-                   help="seconds a load from the tiers may take before the rest is recomputed")
-    t.add_argument("--kv-offload-mooncake-master", default=None, metavar="HOST:PORT",
-                   help="a Mooncake Store tier (shared by every worker of the cluster) instead of "
-                        "--kv-offload-dir: its mooncake_master")
-    t.add_argument("--kv-offload-mooncake-metadata", default="", metavar="URL",
-                   help="its metadata service (default: http://MASTER_HOST:8080/metadata)")
-    t.add_argument("--kv-offload-mooncake-gb", type=float,
-                   default=KVOffloadConfig.mooncake_segment_gb,
-                   help="memory this worker contributes to the Mooncake Store")
+# ---- Option: one row per flag, read three ways -----------------------------------------------
+
+FROM_CONFIG = "<the field's default>"  # an Option's default: the config field's, via to_flag
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag and the config field it sets (hearth serve's, the router's, hearth up's)."""
+
+    flag: str  # "--max-num-seqs"; its Namespace attribute is `dest`
+    # The field, as ROOT.PATH: ROOT is engine (EngineConfig), server (ServerConfig), router
+    # (RouterConfig) or up (UpConfig), PATH the field's dotted path in it.
+    path: str
+    type: Callable[[str], Any] = str  # argparse's type=; bool: a switch (store_true)
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+    default: Any = FROM_CONFIG  # the flag's default when not the field's
+    metavar: str | None = None
+    nargs: str | None = None  # "+": a list of values
+    action: str | None = None  # "append": a list, one value per use of the flag
+    aliases: tuple[str, ...] = ()  # "-tp"
+    to_config: Callable[[Any], Any] = _same  # the flag's value -> the field's
+    to_flag: Callable[[Any], Any] = _same  # the field's value -> the flag's (serve_argv)
+    also: tuple[str, Callable[[Any], Any]] | None = None  # another field it sets: path, to_config
+    file_help: str | None = None  # a secret: has a FLAG-file twin (read_secrets); never on an argv
+    always: bool = False  # serve_argv writes it even at its default (the worker's address)
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+def _off_switch(flag: str, path: str, help: str | None = None) -> Option:
+    """`--no-X`: given, the boolean field X is False."""
+    return Option(flag, path, bool, help, to_config=operator.not_, to_flag=operator.not_)
 
 
 def _rope_scaling_json(text: str) -> str:
@@ -176,115 +114,305 @@ def _first(values: list[str] | None) -> str | None:
     return values[0] if values else None
 
 
-def engine_config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                          rope_scaling=a.rope_scaling,
-                          served_model_name=_first(a.served_model_name), seed=a.seed,
-                          quantization=a.quantization, cpu_kernels=a.cpu_kernels,
-                          prefill_dtype=a.prefill_dtype),
-        cache=CacheConfig(block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
-                          kv_cache_dtype=a.kv_cache_dtype,
-                          num_blocks=a.num_kv_blocks,
-                          enable_prefix_caching=not a.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_num_seqs=a.max_num_seqs),
-        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size,
-                                pipeline_parallel_size=a.pipeline_parallel_size, device=a.device,
-                                num_micro_batches=a.num_micro_batches,
-                                enable_expert_parallel=a.enable_expert_parallel,
-                                collective_timeout_s=a.collective_timeout,
-                                **_launcher_rendezvous(a)),
-        kv_transfer=KVTransferConfig(role=a.role, transport=a.kv_transport, host=a.kv_host,
-                                     port=a.kv_port, advertise_host=a.kv_advertise_host,
-                                     secret=a.kv_secret or "", lease_seconds=a.kv_lease_seconds,
-                                     peers=tuple(p for p in a.kv_peers.split(",") if p.strip()),
-                                     peers_file=a.kv_peers_file),
-        speculative=SpeculativeConfig(method=a.speculative_method,
-                                      num_speculative_tokens=a.num_speculative_tokens,
-                                      max_batch=a.speculative_max_batch,
-                                      draft_model=a.speculative_draft_model,
-                                      draft_num_blocks=a.speculative_draft_num_blocks),
-        kv_offload=KVOffloadConfig(directory=a.kv_offload_dir, max_gb=a.kv_offload_gb,
-                                   shared=a.kv_offload_shared, host_gb=a.kv_offload_host_gb,
-                                   load_timeout_seconds=a.kv_offload_load_timeout,
-                                   mooncake_master=a.kv_offload_mooncake_master,
-                                   mooncake_metadata=a.kv_offload_mooncake_metadata,
-                                   mooncake_segment_gb=a.kv_offload_mooncake_gb),
-        guided=GuidedConfig(jump_forward=not a.no_jump_forward),
-    )
+def _names(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(values or ())
 
 
-# ---- hearth serve: the HTTP server's own flags ----------------------------------------------
+def _names_flag(names: tuple[str, ...]) -> list[str] | None:
+    return list(names) or None
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    defaults = ServerConfig()
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default=defaults.host)
-    g.add_argument("--port", type=int, default=defaults.port)
-    add_secret_args(g, "--api-key",
-                    "require 'Authorization: Bearer KEY' (visible in ps: prefer "
-                    "$HEARTH_API_KEY or --api-key-file)",
-                    "read the API key from this file")
-    g.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
-                   help="auto (by the chat template: its tool-call markers, Llama 3 headers) | "
-                        "hermes | llama3_json | kimi_k2 | deepseek_v3 | deepseek_v31")
-    g.add_argument("--no-guided-auto-tools", action="store_true",
-                   help="do not constrain tool-call arguments under tool_choice=auto")
-    g.add_argument("--max-body-mb", type=float, default=defaults.max_body_bytes / 2**20,
-                   help="larger request bodies get 413")
-    g.add_argument("--log-level", default=defaults.log_level)
-    add_edge_args(g)
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(p for p in text.split(",") if p.strip())
 
 
-def add_secret_args(g, flag: str, help: str, file_help: str) -> None:
+def _mb_to_bytes(mb: float) -> int:
+    return int(mb * 2**20)
+
+
+def _bytes_to_mb(num_bytes: int) -> float:
+    return num_bytes / 2**20
+
+
+def _options(groups) -> tuple[Option, ...]:
+    return tuple(o for _, options in groups for o in options)
+
+
+def _default_configs() -> dict[str, Any]:
+    """Every config an Option may set, at its defaults, by the root of the Option's path."""
+    return {"engine": EngineConfig(), "server": ServerConfig(), "router": RouterConfig(),
+            "up": UpConfig()}
+
+
+def _get(configs: dict[str, Any], path: str) -> Any:
+    root, *names = path.split(".")
+    return reduce(getattr, names, configs[root])
+
+
+def _flag_default(o: Option) -> Any:
+    if o.default is not FROM_CONFIG:
+        return o.default
+    return o.to_flag(_get(_default_configs(), o.path))
+
+
+def _add_options(g, options) -> None:
+    """argparse declarations of `options` in group (or parser) `g`."""
+    for o in options:
+        if o.file_help is not None:
+            add_secret_args(g, o.flag, o.help, o.file_help)
+        elif o.type is bool:
+            g.add_argument(o.flag, *o.aliases, action="store_true", help=o.help)
+        else:
+            extra = {key: getattr(o, key) for key in ("choices", "metavar", "nargs", "action")
+                     if getattr(o, key) is not None}
+            if o.type is not str:
+                extra["type"] = o.type
+            g.add_argument(o.flag, *o.aliases, default=_flag_default(o), help=o.help, **extra)
+
+
+def _add_groups(p: argparse.ArgumentParser, groups) -> None:
+    for title, options in groups:
+        _add_options(p.add_argument_group(title), options)
+
+
+def add_secret_args(g, flag: str, help: str | None, file_help: str) -> None:
     """A secret flag and its `FLAG-file` twin, the pair `read_secrets` reads (with the
     environment variable of SECRET_ENV as the third source)."""
     g.add_argument(flag, default=None, help=help)
     g.add_argument(flag + "-file", default=None, metavar="PATH", help=file_help)
 
 
-def add_edge_args(g) -> None:
-    """The HTTP edge's flags, the same on a worker and the router (hearth/api/middleware.py)."""
-    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
-                   help="CORS: browser origins allowed to call this server, e.g. "
-                        "http://localhost:3000, or * for any (default: none, CORS off)")
-    g.add_argument("--no-access-log", action="store_true",
-                   help="no log line per request (method, path, status, ms, request id)")
-    d = DoorwayConfig()
-    g.add_argument("--header-timeout", type=float, default=d.header_timeout_seconds,
-                   metavar="SECONDS", help="a request's headers must be complete this soon after "
-                                           "its first byte, else the connection is closed "
-                                           "(default: %(default)s)")
-    g.add_argument("--body-timeout", type=float, default=d.body_timeout_seconds, metavar="SECONDS",
-                   help="a request body that sends no byte for this long gets 408 and the "
-                        "connection is closed (default: %(default)s)")
-    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_seconds,
-                   metavar="SECONDS", help="an idle connection between requests is closed after "
-                                           "this (default: %(default)s)")
-    g.add_argument("--max-connections-per-ip", type=int, default=d.max_connections_per_ip,
-                   metavar="N", help="open connections one client address may hold; a request "
-                                     "on one more gets 429 (0: no cap; default: %(default)s)")
+def _field_values(options, a: argparse.Namespace) -> dict[str, Any]:
+    """The value each of `options` gives its field(s) in `a`, by config path."""
+    values = {}
+    for o in options:
+        given = getattr(a, o.dest)
+        values[o.path] = o.to_config(given)
+        if o.also is not None:
+            path, to_config = o.also
+            values[path] = to_config(given)
+    return values
+
+
+def _kwargs(cls: type, values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """`cls`'s keyword arguments from the `values` whose paths start with `prefix`; a nested
+    config is built whole from its own paths (its other fields keep their defaults)."""
+    kwargs, nested = {}, set()
+    for path, value in values.items():
+        if path.startswith(prefix):
+            name, _, rest = path[len(prefix):].partition(".")
+            if rest:
+                nested.add(name)
+            else:
+                kwargs[name] = value
+    factories = {f.name: f.default_factory for f in fields(cls)}
+    for name in nested:
+        kwargs[name] = factories[name](**_kwargs(factories[name], values, f"{prefix}{name}."))
+    return kwargs
+
+
+# ---- hearth serve: the engine's options, then the HTTP server's -----------------------------
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+ENGINE_OPTIONS = (("engine", (
+    Option("--model", "engine.model.model",
+           help="HF checkpoint folder, .gguf file, or built-in name (default: %(default)s)"),
+    Option("--dtype", "engine.model.dtype", choices=DTYPES),
+    Option("--quantization", "engine.model.quantization",
+           choices=("auto", "none", "gguf", "q8_0", "gguf-a8", "q8_0-a8"),
+           help="decode-path weights: gguf = the file's own blocks (Q4_0/Q4_1/Q8_0), q8_0 = "
+                "requantized; auto = gguf for a GGUF file when hearth's CPU kernels run here "
+                "(docs/formats.md)"),
+    Option("--kv-cache-dtype", "engine.cache.kv_cache_dtype", default="auto",
+           choices=("auto", "model", *DTYPES, "int8", "fp8"),
+           help="KV cache storage: auto (default) = bfloat16 for a float32 model on hearth's CPU "
+                "kernels (half the bytes, not exact), else the model dtype; model = the model "
+                "dtype (exact); int8 / fp8 (e4m3) = 8-bit values with a scale per token and head "
+                "(~1.9x bf16's tokens per GB, not exact)"),
+    Option("--prefill-dtype", "engine.model.prefill_dtype", default="auto",
+           choices=("float32", "bfloat16", "auto"),
+           help="compute dtype of prefill chunks and large batches (steps of more than 16 rows) "
+                "of a float32 model: bfloat16 runs ~3x faster prefill where the CPU has AMX, not "
+                "exact; auto (default) = bfloat16 where AMX runs, else float32, the exact "
+                "reference (docs/formats.md)"),
+    Option("--cpu-kernels", "engine.model.cpu_kernels",
+           choices=("auto", "avx512amx", "avx512vnni", "avx512", "avx2", "off"),
+           help="hearth's compiled CPU kernels (built by make setup)"),
+    Option("--max-model-len", "engine.model.max_model_len", int),
+    Option("--rope-scaling", "engine.model.rope_scaling", _rope_scaling_json, metavar="JSON",
+           help="replace the checkpoint's RoPE scaling (as vLLM's --hf-overrides rope_scaling), "
+                "e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                "\"original_max_position_embeddings\": 8192}': linear, llama3 or yarn (dynamic "
+                "is refused); the context grows to original x factor, which --max-model-len may "
+                "then ask for"),
+    Option("--seed", "engine.model.seed", int),
+    Option("--block-size", "engine.cache.block_size", int),
+    Option("--kv-cache-memory-gb", "engine.cache.kv_cache_memory_gb", float),
+    Option("--num-kv-blocks", "engine.cache.num_blocks", int, "override the memory budget"),
+    _off_switch("--no-prefix-caching", "engine.cache.enable_prefix_caching"),
+    Option("--max-num-batched-tokens", "engine.scheduler.max_num_batched_tokens", int),
+    Option("--max-num-seqs", "engine.scheduler.max_num_seqs", int),
+    Option("--max-waiting", "server.max_waiting", int,
+           "requests queued beyond the running ones before the server answers 429"),
+    Option("--tensor-parallel-size", "engine.parallel.tensor_parallel_size", int, aliases=("-tp",)),
+    Option("--pipeline-parallel-size", "engine.parallel.pipeline_parallel_size", int,
+           aliases=("-pp",)),
+    Option("--enable-expert-parallel", "engine.parallel.enable_expert_parallel", bool,
+           "a Mixture-of-Experts model's experts are split whole across the tensor-parallel "
+           "ranks (EP size = TP size) instead of each expert cut along its width; attention "
+           "stays tensor-parallel"),
+    Option("--num-micro-batches", "engine.parallel.num_micro_batches", int,
+           "micro-batches per step in flight through the pipeline (0: one per stage)"),
+    Option("--collective-timeout", "engine.parallel.collective_timeout_s", float,
+           "seconds a rank waits on a peer before the step fails"),
+    Option("--device", "engine.parallel.device", choices=("cpu", "cuda")),
+    Option("--served-model-name", "server.served_model_names", nargs="+", metavar="NAME",
+           to_config=_names, to_flag=_names_flag,
+           also=("engine.model.served_model_name", _first),  # the engine knows the first
+           help="the names clients may give as `model` (the first is the one responses carry; "
+                "default: the model's own name)"),
+)), ("prefill/decode disaggregation (docs/pd_protocol.md)", (
+    Option("--role", "engine.kv_transfer.role", choices=("both", "prefill", "decode"), to_flag=str),
+    Option("--kv-transport", "engine.kv_transfer.transport", choices=("tcp", "mooncake")),
+    Option("--kv-host", "engine.kv_transfer.host",
+           help="interface the KV transfer server binds (prefill role)"),
+    Option("--kv-port", "engine.kv_transfer.port", int, "KV transfer port (0: any free one)"),
+    Option("--kv-advertise-host", "engine.kv_transfer.advertise_host",
+           help="address put in KV descriptors (default: --kv-host)"),
+    Option("--kv-secret", "engine.kv_transfer.secret", to_config=lambda secret: secret or "",
+           help="shared secret of the KV transfer handshake (visible in ps: prefer "
+                "$HEARTH_KV_SECRET or --kv-secret-file)",
+           file_help="read the KV secret from this file"),
+    Option("--kv-lease-seconds", "engine.kv_transfer.lease_seconds", float,
+           "how long exported KV blocks wait for the decode worker"),
+    Option("--kv-peers", "engine.kv_transfer.peers", to_config=_comma_list, to_flag=",".join,
+           help="KV servers a decode worker may pull from: comma-separated host:port or host "
+                "(default: loopback only)"),
+    Option("--kv-peers-file", "engine.kv_transfer.peers_file", metavar="PATH",
+           help="more KV peers, one entry per line or comma-separated, read again whenever the "
+                "file changes (hearth up --cluster writes it)"),
+)), ("speculative decoding (docs/speculative.md)", (
+    # The server drafts by default (EngineConfig's default stays off, for the library): on agent
+    # traffic, which repeats itself and its prompts, suffix drafts cut the replay's wall time,
+    # and greedy output is unchanged (docs/speculative.md, "Default").
+    Option("--speculative-method", "engine.speculative.method", default=SERVE_SPECULATIVE_METHOD,
+           choices=SPECULATIVE_METHODS,
+           help="draft tokens from the request's own context (ngram: prompt lookup; suffix: plus "
+                "recent outputs of other requests), verified in the same step; output is "
+                "unchanged"),
+    Option("--num-speculative-tokens", "engine.speculative.num_speculative_tokens", int,
+           "the most draft tokens per request per step"),
+    Option("--speculative-max-batch", "engine.speculative.max_batch", int,
+           "no drafts while more requests than this decode at once"),
+    Option("--speculative-draft-model", "engine.speculative.draft_model", metavar="MODEL",
+           help="with --speculative-method draft: a small model of the same vocabulary that "
+                "drafts greedily (GGUF path, HF folder or built-in name)"),
+    Option("--speculative-draft-num-blocks", "engine.speculative.draft_num_blocks", int,
+           "the draft model's own KV pool, in blocks"),
+)), ("structured output", (
+    _off_switch("--no-jump-forward", "engine.guided.jump_forward",
+                "decode the tokens a grammar forces (tool-call wrappers, keys) one step each "
+                "instead of appending them at once; the output is the same"),
+)), ("KV tiers below the pool (docs/kv_tiers.md)", (
+    Option("--kv-offload-dir", "engine.kv_offload.directory", metavar="DIR",
+           help="write KV blocks evicted from the pool here and load them back on a prefix hit "
+                "(a restart finds them again)"),
+    Option("--kv-offload-gb", "engine.kv_offload.max_gb", float,
+           "size cap of --kv-offload-dir (least recently used blocks go first)"),
+    Option("--kv-offload-shared", "engine.kv_offload.shared", bool,
+           "--kv-offload-dir is shared by several workers on this machine"),
+    Option("--kv-offload-host-gb", "engine.kv_offload.host_gb", float,
+           "a host-memory tier above the directory (for a pool on a GPU; on the CPU the pool "
+           "already is host memory: give it --kv-cache-memory-gb)"),
+    Option("--kv-offload-load-timeout", "engine.kv_offload.load_timeout_seconds", float,
+           "seconds a load from the tiers may take before the rest is recomputed"),
+    Option("--kv-offload-mooncake-master", "engine.kv_offload.mooncake_master",
+           metavar="HOST:PORT",
+           help="a Mooncake Store tier (shared by every worker of the cluster) instead of "
+                "--kv-offload-dir: its mooncake_master"),
+    Option("--kv-offload-mooncake-metadata", "engine.kv_offload.mooncake_metadata", metavar="URL",
+           help="its metadata service (default: http://MASTER_HOST:8080/metadata)"),
+    Option("--kv-offload-mooncake-gb", "engine.kv_offload.mooncake_segment_gb", float,
+           "memory this worker contributes to the Mooncake Store"),
+)))
+
+def _edge_options(root: str) -> tuple[Option, ...]:
+    """The HTTP edge's options (hearth/api/middleware.py, hearth/api/edge.py), the same on a
+    worker (root "server") and on the router ("router"): both configs name these fields alike."""
+    return (
+        Option("--allowed-origins", f"{root}.allowed_origins", nargs="+", metavar="ORIGIN",
+               to_config=tuple, to_flag=list,
+               help="CORS: browser origins allowed to call this server, e.g. "
+                    "http://localhost:3000, or * for any (default: none, CORS off)"),
+        _off_switch("--no-access-log", f"{root}.access_log",
+                    "no log line per request (method, path, status, ms, request id)"),
+        Option("--header-timeout", f"{root}.doorway.header_timeout_seconds", float,
+               metavar="SECONDS",
+               help="a request's headers must be complete this soon after its first byte, else "
+                    "the connection is closed (default: %(default)s)"),
+        Option("--body-timeout", f"{root}.doorway.body_timeout_seconds", float, metavar="SECONDS",
+               help="a request body that sends no byte for this long gets 408 and the connection "
+                    "is closed (default: %(default)s)"),
+        Option("--keep-alive-timeout", f"{root}.doorway.keep_alive_seconds", float,
+               metavar="SECONDS",
+               help="an idle connection between requests is closed after this (default: "
+                    "%(default)s)"),
+        Option("--max-connections-per-ip", f"{root}.doorway.max_connections_per_ip", int,
+               metavar="N",
+               help="open connections one client address may hold; a request on one more gets "
+                    "429 (0: no cap; default: %(default)s)"),
+    )
+
+
+SERVER_OPTIONS = (("server", (
+    Option("--host", "server.host", always=True),
+    Option("--port", "server.port", int, always=True),
+    Option("--api-key", "server.api_key",
+           help="require 'Authorization: Bearer KEY' (visible in ps: prefer $HEARTH_API_KEY or "
+                "--api-key-file)",
+           file_help="read the API key from this file"),
+    Option("--tool-call-parser", "server.tool_call_parser",
+           help="auto (by the chat template: its tool-call markers, Llama 3 headers) | hermes | "
+                "llama3_json | kimi_k2 | deepseek_v3 | deepseek_v31"),
+    _off_switch("--no-guided-auto-tools", "server.guided_auto_tools",
+                "do not constrain tool-call arguments under tool_choice=auto"),
+    Option("--max-body-mb", "server.max_body_bytes", float, "larger request bodies get 413",
+           to_config=_mb_to_bytes, to_flag=_bytes_to_mb),
+    Option("--log-level", "server.log_level"),
+    *_edge_options("server"),
+)),)
+
+
+SERVE_OPTIONS = _options(ENGINE_OPTIONS + SERVER_OPTIONS)  # every flag of `hearth serve`
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    _add_groups(p, ENGINE_OPTIONS)
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    values = _field_values(_options(ENGINE_OPTIONS), a)
+    values.update({f"engine.parallel.{name}": value
+                   for name, value in _launcher_rendezvous(a).items()})
+    return EngineConfig(**_kwargs(EngineConfig, values, "engine."))
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    _add_groups(p, SERVER_OPTIONS)
 
 
 def doorway_config(a: argparse.Namespace, max_connections_per_ip: int | None = None) -> DoorwayConfig:
-    """`add_edge_args`' timeouts and cap (`max_connections_per_ip`: instead of the flag's)."""
-    return DoorwayConfig(
-        header_timeout_seconds=a.header_timeout, body_timeout_seconds=a.body_timeout,
-        keep_alive_seconds=a.keep_alive_timeout,
-        max_connections_per_ip=(a.max_connections_per_ip if max_connections_per_ip is None
-                                else max_connections_per_ip))
+    """The edge flags' timeouts and cap (`max_connections_per_ip`: instead of the flag's)."""
+    doorway = DoorwayConfig(**_kwargs(DoorwayConfig, _field_values(_edge_options("server"), a),
+                                      "server.doorway."))
+    if max_connections_per_ip is None:
+        return doorway
+    return replace(doorway, max_connections_per_ip=max_connections_per_ip)
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        host=a.host, port=a.port, served_model_names=tuple(a.served_model_name or ()),
-        api_key=a.api_key,
-        max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
-        tool_call_parser=a.tool_call_parser, guided_auto_tools=not a.no_guided_auto_tools,
-        log_level=a.log_level, allowed_origins=tuple(a.allowed_origins),
-        access_log=not a.no_access_log, doorway=doorway_config(a))
+    return ServerConfig(**_kwargs(ServerConfig, _field_values(SERVE_OPTIONS, a), "server."))
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -300,88 +428,58 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _serve_flag_values(e: EngineConfig, s: ServerConfig) -> dict[str, object]:
-    """Each `hearth serve` flag's value in (e, s): engine_config and server_config read
-    backwards. The secrets are not here: hearth up hands them over in the environment."""
-    m, c, sch, par, kv = e.model, e.cache, e.scheduler, e.parallel, e.kv_transfer
-    return {
-        "--host": s.host, "--port": s.port,
-        "--model": m.model, "--dtype": m.dtype, "--quantization": m.quantization,
-        "--kv-cache-dtype": c.kv_cache_dtype, "--cpu-kernels": m.cpu_kernels,
-        "--prefill-dtype": m.prefill_dtype,
-        "--max-model-len": m.max_model_len, "--rope-scaling": m.rope_scaling,
-        "--seed": m.seed, "--block-size": c.block_size,
-        "--kv-cache-memory-gb": c.kv_cache_memory_gb, "--num-kv-blocks": c.num_blocks,
-        "--no-prefix-caching": not c.enable_prefix_caching,
-        "--max-num-batched-tokens": sch.max_num_batched_tokens,
-        "--max-num-seqs": sch.max_num_seqs, "--max-waiting": s.max_waiting,
-        "--tensor-parallel-size": par.tensor_parallel_size,
-        "--pipeline-parallel-size": par.pipeline_parallel_size,
-        "--num-micro-batches": par.num_micro_batches,
-        "--enable-expert-parallel": par.enable_expert_parallel,
-        "--collective-timeout": par.collective_timeout_s, "--device": par.device,
-        "--no-jump-forward": not e.guided.jump_forward,
-        "--served-model-name": s.served_model_names,
-        "--role": kv.role, "--kv-transport": kv.transport, "--kv-host": kv.host,
-        "--kv-port": kv.port, "--kv-advertise-host": kv.advertise_host,
-        "--kv-lease-seconds": kv.lease_seconds, "--kv-peers": ",".join(kv.peers),
-        "--kv-peers-file": kv.peers_file,
-        "--kv-offload-dir": e.kv_offload.directory, "--kv-offload-gb": e.kv_offload.max_gb,
-        "--kv-offload-shared": e.kv_offload.shared,
-        "--kv-offload-host-gb": e.kv_offload.host_gb,
-        "--kv-offload-load-timeout": e.kv_offload.load_timeout_seconds,
-        "--kv-offload-mooncake-master": e.kv_offload.mooncake_master,
-        "--kv-offload-mooncake-metadata": e.kv_offload.mooncake_metadata,
-        "--kv-offload-mooncake-gb": e.kv_offload.mooncake_segment_gb,
-        "--speculative-method": e.speculative.method,
-        "--num-speculative-tokens": e.speculative.num_speculative_tokens,
-        "--speculative-max-batch": e.speculative.max_batch,
-        "--speculative-draft-model": e.speculative.draft_model,
-        "--speculative-draft-num-blocks": e.speculative.draft_num_blocks,
-        "--tool-call-parser": s.tool_call_parser,
-        "--no-guided-auto-tools": not s.guided_auto_tools,
-        "--max-body-mb": s.max_body_bytes / 2**20, "--log-level": s.log_level,
-        "--allowed-origins": s.allowed_origins, "--no-access-log": not s.access_log,
-        "--header-timeout": s.doorway.header_timeout_seconds,
-        "--body-timeout": s.doorway.body_timeout_seconds,
-        "--keep-alive-timeout": s.doorway.keep_alive_seconds,
-        "--max-connections-per-ip": s.doorway.max_connections_per_ip,
-    }
-
-
 def serve_argv(engine: EngineConfig, server: ServerConfig) -> list[str]:
     """The `hearth serve` flags that rebuild `engine` and `server`: the address always, every
     other flag only where it differs from its default. No secret is written (`engine`'s KV
     secret and `server`'s API key travel in the worker's environment, SECRET_ENV).
 
     The flags are parsed back and compared: ValueError names any field they cannot carry
-    (one no flag sets, or a flag whose mapping above was forgotten)."""
+    (one no Option sets, or an Option whose converters do not undo each other)."""
     parser = serve_parser()
     defaults = parser.parse_args([])
-    default_values = _serve_flag_values(engine_config(defaults), server_config(defaults))
+    given = _configs(engine, server)
+    default = _configs(engine_config(defaults), server_config(defaults))
     argv: list[str] = []
-    for flag, value in _serve_flag_values(engine, server).items():
-        if value == default_values[flag] and flag not in ("--host", "--port"):
+    for o in sorted(SERVE_OPTIONS, key=lambda o: not o.always):  # the address first
+        value = o.to_flag(_get(given, o.path))
+        if o.file_help is not None or (value == o.to_flag(_get(default, o.path))
+                                       and not o.always):
             continue
         if isinstance(value, bool):
-            argv.append(flag)  # a store_true flag (its default is False)
-        elif isinstance(value, tuple):  # an nargs="+" flag
-            argv += [flag, *map(str, value)]
+            argv.append(o.flag)  # a switch (its default is off)
+        elif isinstance(value, (list, tuple)):  # an nargs="+" flag
+            argv += [o.flag, *map(str, value)]
         else:
             text = str(value)
-            argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
+            argv += [f"{o.flag}={text}"] if text.startswith("-") else [o.flag, text]
     back = parser.parse_args(argv)
-    (engine_given, server_given), (engine_back, server_back) = \
-        _public(engine, server), _public(engine_config(back), server_config(back))
-    lost = _differences(engine_given, engine_back) + _differences(server_given, server_back)
+    given, back = _public(given), _public(_configs(engine_config(back), server_config(back)))
+    lost = [name for root in given for name in _differences(given[root], back[root])]
     if lost:
         raise ValueError(f"hearth serve has no flag for {', '.join(lost)}")
     return argv
 
 
-def _public(engine: EngineConfig, server: ServerConfig) -> tuple[EngineConfig, ServerConfig]:
-    return (replace(engine, kv_transfer=replace(engine.kv_transfer, secret="")),
-            replace(server, api_key=None))
+def _configs(engine: EngineConfig, server: ServerConfig) -> dict[str, Any]:
+    """`hearth serve`'s configs by the root an Option's path starts from."""
+    return {"engine": engine, "server": server}
+
+
+def _public(configs: dict[str, Any]) -> dict[str, Any]:
+    """`configs` with every secret at its default (no secret is on an argv)."""
+    blank = _default_configs()
+    for o in SERVE_OPTIONS:
+        if o.file_help is not None:
+            root, *names = o.path.split(".")
+            configs = {**configs, root: _replaced(configs[root], names, _get(blank, o.path))}
+    return configs
+
+
+def _replaced(config, names: list[str], value: Any):
+    """`config` with the field at path `names` set to `value` (nested configs copied)."""
+    head, *rest = names
+    return replace(config, **{head: _replaced(getattr(config, head), rest, value) if rest
+                              else value})
 
 
 def _differences(a, b, prefix: str = "") -> list[str]:
@@ -396,50 +494,62 @@ def _differences(a, b, prefix: str = "") -> list[str]:
 # ---- hearth route and hearth up: the router's flags, and the stack's -------------------------
 
 
+ROUTER_OPTIONS = (  # `hearth route`'s and `hearth up`'s, the "router" group
+    Option("--host", "router.host"),
+    Option("--port", "router.port", int),
+    Option("--api-key", "router.api_key",
+           help="clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
+                "$HEARTH_API_KEY or --api-key-file)",
+           file_help="read the API key from this file"),
+    Option("--policy", "router.policy.name", choices=POLICIES,
+           help="cost: token- and cache-aware (default); round_robin: the cache-blind baseline"),
+    Option("--block-size", "router.policy.block_size", int,  # up: the engine's --block-size
+           "the workers' KV block size (the router hashes prompts the same way)"),
+    Option("--disagg-threshold", "router.policy.disagg_threshold", float,
+           "skip the prefill hop when the decode endpoint holds at least this fraction of the "
+           "prompt (1.0: only when it holds all of it)"),
+    Option("--min-disagg-tokens", "router.policy.min_disagg_tokens", int,
+           "shorter prompts are prefilled by the decode endpoint itself"),
+    Option("--prefill-weight", "router.policy.prefill_weight", float),
+    Option("--decode-weight", "router.policy.decode_weight", float),
+    Option("--transfer-weight", "router.policy.transfer_weight", float),
+    Option("--tier-weight", "router.policy.tier_weight", float,
+           "cost per prompt token a worker loads from its KV tiers (docs/kv_tiers.md)"),
+    Option("--affinity-max-cost-ratio", "router.policy.affinity_max_cost_ratio", float,
+           "a session's endpoints are left when they cost more than this times the best"),
+    Option("--health-interval", "router.health.interval_seconds", float,
+           "seconds between /load polls of each endpoint"),
+    Option("--health-timeout", "router.health.timeout_seconds", float,
+           "a slower /load answer is a stale load report: the endpoint stays in and its polls "
+           "back off (a refused connection or an error status takes it out)"),
+    Option("--eject-seconds", "router.health.eject_seconds", float),
+    Option("--max-retries", "router.health.max_retries", int),
+    Option("--connect-timeout", "router.timeouts.connect", float),
+    Option("--request-timeout", "router.timeouts.request", float),
+    Option("--stream-idle-timeout", "router.timeouts.stream_idle", float),
+    Option("--max-body-mb", "router.max_body_bytes", float, "larger request bodies get 413",
+           to_config=_mb_to_bytes, to_flag=_bytes_to_mb),
+    Option("--show-worker-urls", "router.show_worker_urls", bool,
+           "list worker URLs on /load even without --api-key (with a key they are shown to key "
+           "holders)"),
+    Option("--log-level", "router.log_level"),
+    *_edge_options("router"),
+)
+ROUTE_MODEL_OPTIONS = (  # `hearth route`'s; `hearth up` has the engine's flags of these names
+    Option("--model", "router.tokenizer_model",
+           help="tokenize in the router with this model's tokenizer (built-in name, .gguf or HF "
+                "folder); without it the router asks a worker's /tokenize"),
+    Option("--served-model-name", "router.served_model_names", nargs="+", metavar="NAME",
+           to_config=_names, to_flag=_names_flag,
+           help="the names clients may give as `model` (the first is the one responses carry; "
+                "default: the model's own name)"),
+)
+
+
 def add_router_args(p: argparse.ArgumentParser, with_block_size: bool = True) -> None:
     """Flags shared by `route` and `up` (policy, health, timeouts, the router's own address)."""
-    policy, health, timeouts = PolicyConfig(), HealthConfig(), HopTimeouts()
-    g = p.add_argument_group("router")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    add_secret_args(g, "--api-key",
-                    "clients must send 'Authorization: Bearer KEY' (visible in ps: prefer "
-                    "$HEARTH_API_KEY or --api-key-file)",
-                    "read the API key from this file")
-    g.add_argument("--policy", default=policy.name, choices=POLICIES,
-                   help="cost: token- and cache-aware (default); round_robin: the cache-blind baseline")
-    if with_block_size:
-        g.add_argument("--block-size", type=int, default=policy.block_size,
-                       help="the workers' KV block size (the router hashes prompts the same way)")
-    g.add_argument("--disagg-threshold", type=float, default=policy.disagg_threshold,
-                   help="skip the prefill hop when the decode endpoint holds at least this "
-                        "fraction of the prompt (1.0: only when it holds all of it)")
-    g.add_argument("--min-disagg-tokens", type=int, default=policy.min_disagg_tokens,
-                   help="shorter prompts are prefilled by the decode endpoint itself")
-    g.add_argument("--prefill-weight", type=float, default=policy.prefill_weight)
-    g.add_argument("--decode-weight", type=float, default=policy.decode_weight)
-    g.add_argument("--transfer-weight", type=float, default=policy.transfer_weight)
-    g.add_argument("--tier-weight", type=float, default=policy.tier_weight,
-                   help="cost per prompt token a worker loads from its KV tiers (docs/kv_tiers.md)")
-    g.add_argument("--affinity-max-cost-ratio", type=float, default=policy.affinity_max_cost_ratio,
-                   help="a session's endpoints are left when they cost more than this times the best")
-    g.add_argument("--health-interval", type=float, default=health.interval_seconds,
-                   help="seconds between /load polls of each endpoint")
-    g.add_argument("--health-timeout", type=float, default=health.timeout_seconds,
-                   help="a slower /load answer is a stale load report: the endpoint stays in and "
-                        "its polls back off (a refused connection or an error status takes it out)")
-    g.add_argument("--eject-seconds", type=float, default=health.eject_seconds)
-    g.add_argument("--max-retries", type=int, default=health.max_retries)
-    g.add_argument("--connect-timeout", type=float, default=timeouts.connect)
-    g.add_argument("--request-timeout", type=float, default=timeouts.request)
-    g.add_argument("--stream-idle-timeout", type=float, default=timeouts.stream_idle)
-    g.add_argument("--max-body-mb", type=float, default=RouterConfig.max_body_bytes / 2**20,
-                   help="larger request bodies get 413")
-    g.add_argument("--show-worker-urls", action="store_true",
-                   help="list worker URLs on /load even without --api-key (with a key they are "
-                        "shown to key holders)")
-    g.add_argument("--log-level", default="info")
-    add_edge_args(g)
+    _add_options(p.add_argument_group("router"),
+                 [o for o in ROUTER_OPTIONS if with_block_size or o.flag != "--block-size"])
 
 
 def add_route_args(p: argparse.ArgumentParser) -> None:
@@ -453,61 +563,49 @@ def add_route_args(p: argparse.ArgumentParser) -> None:
     add_secret_args(g, "--worker-api-key",
                     "the key the router sends to workers (prefer $HEARTH_WORKER_API_KEY)",
                     "read the workers' key from this file")
-    g.add_argument("--model", default=None,
-                   help="tokenize in the router with this model's tokenizer (built-in name, "
-                        ".gguf or HF folder); without it the router asks a worker's /tokenize")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names clients may give as `model` (the first is the one responses "
-                        "carry; default: the model's own name)")
+    _add_options(g, ROUTE_MODEL_OPTIONS)
     add_router_args(p)
 
 
 def router_config(a: argparse.Namespace, prefill=(), decode=(), workers=(),
                   worker_api_key: str | None = None) -> RouterConfig:
     """The router `a` asks for, in front of these worker URLs (`hearth up` adds its own)."""
-    policy = PolicyConfig(
-        name=a.policy, block_size=a.block_size, prefill_weight=a.prefill_weight,
-        decode_weight=a.decode_weight, transfer_weight=a.transfer_weight, tier_weight=a.tier_weight,
-        disagg_threshold=a.disagg_threshold, min_disagg_tokens=a.min_disagg_tokens,
-        affinity_max_cost_ratio=a.affinity_max_cost_ratio)
-    return RouterConfig(
-        prefill=tuple(prefill), decode=tuple(decode), workers=tuple(workers), host=a.host,
-        port=a.port, api_key=a.api_key, worker_api_key=worker_api_key,
-        served_model_names=tuple(a.served_model_name or ()), tokenizer_model=a.model,
-        log_level=a.log_level, policy=policy, max_body_bytes=int(a.max_body_mb * 2**20),
-        show_worker_urls=a.show_worker_urls, allowed_origins=tuple(a.allowed_origins),
-        access_log=not a.no_access_log, doorway=doorway_config(a),
-        health=HealthConfig(interval_seconds=a.health_interval, eject_seconds=a.eject_seconds,
-                            max_retries=a.max_retries, timeout_seconds=a.health_timeout),
-        timeouts=HopTimeouts(connect=a.connect_timeout, request=a.request_timeout,
-                             stream_idle=a.stream_idle_timeout))
+    values = _field_values(ROUTER_OPTIONS + ROUTE_MODEL_OPTIONS, a)
+    return RouterConfig(prefill=tuple(prefill), decode=tuple(decode), workers=tuple(workers),
+                        worker_api_key=worker_api_key,
+                        **_kwargs(RouterConfig, values, "router."))
+
+
+UP_OPTIONS = (("stack", (
+    Option("--prefill", "up.num_prefill", int, "prefill workers (default: %(default)s)"),
+    Option("--decode", "up.num_decode", int, "decode workers (default: %(default)s)"),
+    Option("--workers", "up.num_workers", int, "monolithic workers (role both)"),
+    Option("--pin", "up.pin", bool, "give each worker its own CPU cores"),
+    Option("--worker-arg", "up.worker_args", action="append", metavar="FLAG", to_config=tuple,
+           to_flag=list,
+           help="an extra flag for every worker, e.g. --worker-arg=--kv-lease-seconds=10"),
+    Option("--worker-api-key", "up.worker_api_key",
+           help="the workers' API key (default: a random one only the router knows; visible in "
+                "ps: prefer $HEARTH_WORKER_API_KEY or --worker-api-key-file)",
+           file_help="read the workers' API key from this file"),
+    Option("--startup-timeout", "up.startup_timeout_seconds", float),
+    Option("--log-dir", "up.log_dir", help="worker logs go here instead of this terminal"),
+    Option("--max-restarts", "up.supervisor.max_restarts", int,
+           "restarts of one worker within --restart-window before hearth up gives up and exits 1 "
+           "(default: %(default)s)"),
+    Option("--restart-window", "up.supervisor.window_seconds", float, metavar="SECONDS"),
+    Option("--restart-backoff", "up.supervisor.backoff_seconds", float, metavar="SECONDS",
+           help="pause before a restart, doubled per restart in the window (default: "
+                f"%(default)s, at most {SupervisorConfig.max_backoff_seconds:g})"),
+)),)
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    stack, sup = UpConfig(), SupervisorConfig()
-    g = p.add_argument_group("stack")
-    g.add_argument("--prefill", type=int, default=stack.num_prefill,
-                   help="prefill workers (default: %(default)s)")
-    g.add_argument("--decode", type=int, default=stack.num_decode,
-                   help="decode workers (default: %(default)s)")
-    g.add_argument("--workers", type=int, default=stack.num_workers,
-                   help="monolithic workers (role both)")
-    g.add_argument("--pin", action="store_true", help="give each worker its own CPU cores")
-    g.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
-                   help="an extra flag for every worker, e.g. --worker-arg=--kv-lease-seconds=10")
-    add_secret_args(g, "--worker-api-key",
-                    "the workers' API key (default: a random one only the router knows; "
-                    "visible in ps: prefer $HEARTH_WORKER_API_KEY or --worker-api-key-file)",
-                    "read the workers' API key from this file")
-    g.add_argument("--startup-timeout", type=float, default=stack.startup_timeout_seconds)
-    g.add_argument("--log-dir", default=None, help="worker logs go here instead of this terminal")
-    g.add_argument("--max-restarts", type=int, default=sup.max_restarts,
-                   help="restarts of one worker within --restart-window before hearth up gives "
-                        "up and exits 1 (default: %(default)s)")
-    g.add_argument("--restart-window", type=float, default=sup.window_seconds, metavar="SECONDS")
-    g.add_argument("--restart-backoff", type=float, default=sup.backoff_seconds, metavar="SECONDS",
-                   help="pause before a restart, doubled per restart in the window "
-                        f"(default: %(default)s, at most {sup.max_backoff_seconds:g})")
+    _add_groups(p, UP_OPTIONS)
+
+
+def up_config(a: argparse.Namespace) -> UpConfig:
+    return UpConfig(**_kwargs(UpConfig, _field_values(_options(UP_OPTIONS), a), "up."))
 
 
 def add_cluster_args(p: argparse.ArgumentParser, full: bool = True) -> None:
@@ -596,21 +694,12 @@ def add_scale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this")
 
 
-def up_config(a: argparse.Namespace) -> UpConfig:
-    return UpConfig(
-        num_prefill=a.prefill, num_decode=a.decode, num_workers=a.workers, pin=a.pin,
-        worker_args=tuple(a.worker_arg), worker_api_key=a.worker_api_key,
-        startup_timeout_seconds=a.startup_timeout, log_dir=a.log_dir,
-        supervisor=SupervisorConfig(max_restarts=a.max_restarts, window_seconds=a.restart_window,
-                                    backoff_seconds=a.restart_backoff))
-
-
 def up_worker_server_config(a: argparse.Namespace) -> ServerConfig:
     """What every `hearth up` worker's server gets from up's flags (its address is up's choice;
     up has no server flags of its own but the ones it shares with the router). Its workers
     keep the router's timeouts but no per-address cap: every hop comes from the router's."""
-    return ServerConfig(served_model_names=tuple(a.served_model_name or ()),
-                        max_waiting=a.max_waiting, max_body_bytes=int(a.max_body_mb * 2**20),
+    return ServerConfig(served_model_names=_names(a.served_model_name),
+                        max_waiting=a.max_waiting, max_body_bytes=_mb_to_bytes(a.max_body_mb),
                         access_log=not a.no_access_log,
                         doorway=doorway_config(a, max_connections_per_ip=0))
 
