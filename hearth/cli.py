@@ -1,6 +1,6 @@
 """`hearth serve | route | up | scale | generate | bench`: what each sub-command runs.
 
-The flags are declared and mapped onto configs in hearth/flags.py (the one module that reads
+The flags are declared and mapped onto configs in hearth/flags/ (the one module that reads
 flags and the environment they fall back to); this module is the console script's entry point
 (`hearth = "hearth.cli:main"`, also `python -m hearth.cli`): `main` parses, then hands the
 configs to the layer that runs them: `serve` (hearth/server/launch.py), `route`

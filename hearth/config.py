@@ -3,7 +3,7 @@
 Each component receives only the part it needs. Facts learned at run time (the number of KV
 blocks, the model's shape) are constructor arguments elsewhere, never written back here.
 CLI flags map onto these (and back onto a worker's command line, for `hearth up`) in exactly
-one place: `hearth/flags.py`. The HTTP server's and the router's own configs sit beside their
+one place: `hearth/flags/`. The HTTP server's and the router's own configs sit beside their
 layers (`hearth/server/server_config.py`, `hearth/router/router_config.py`).
 """
 

@@ -1,4 +1,4 @@
-"""`hearth up --cluster` and `hearth scale`: plain functions over configs (flags in hearth/flags.py).
+"""`hearth up --cluster` and `hearth scale`: plain functions over configs (flags in hearth/flags/).
 
 `up_cluster` connects to a running Ray cluster, starts the deployment's registry and controller
 (hearth/cluster/controller.py), waits until the first workers serve, then runs the router in

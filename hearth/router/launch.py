@@ -1,7 +1,7 @@
 """`hearth route`: the router under uvicorn, from its RouterConfig.
 
 `route(RouterConfig)` is a plain function: it parses nothing. The flags that build the config are
-hearth/flags.py's (the one module that reads flags); `hearth up` (hearth/router/up.py) calls
+hearth/flags/'s (the one module that reads flags); `hearth up` (hearth/router/up.py) calls
 `route` too, once its workers are healthy, with their URLs in the config.
 """
 

@@ -1,4 +1,4 @@
-"""The router's configuration and `hearth up`'s: frozen, built once from flags in hearth/flags.py."""
+"""The router's configuration and `hearth up`'s: frozen, built once from flags in hearth/flags/."""
 
 from __future__ import annotations
 

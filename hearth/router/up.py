@@ -1,9 +1,9 @@
 """`hearth up`: router + prefill pool + decode pool (+ monolithic workers) on one machine.
 
 `up(UpConfig, EngineConfig, ServerConfig, RouterConfig, worker_command)` is a plain function over
-configs (hearth/flags.py builds them from `hearth up`'s flags). Each worker is `hearth serve` on a
+configs (hearth/flags/ builds them from `hearth up`'s flags). Each worker is `hearth serve` on a
 free loopback port, its argv derived from its own configs by `worker_command` (hearth/cli.py's,
-over hearth/flags.py's `serve_argv`, which holds the flag names; this module holds none): up's
+over hearth/flags/'s `serve_argv`, which holds the flag names; this module holds none): up's
 EngineConfig with the worker's role, and a ServerConfig with its address. This process waits until every worker is
 healthy, then runs the router itself (`route`) while a supervisor (hearth/router/supervisor.py)
 restarts any worker that exits. Invariants:
@@ -59,7 +59,7 @@ def core_sets(num_workers: int, cores: list[int]) -> list[list[int]]:
 
 
 def worker_env(role: str, api_key: str, kv_secret: str, cores: list[int] | None) -> dict[str, str]:
-    """The worker's environment: this one's, plus its secrets (hearth/flags.py reads them)."""
+    """The worker's environment: this one's, plus its secrets (hearth/flags/ reads them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HEARTH_API_KEY": api_key}
     env.pop("HEARTH_WORKER_API_KEY", None)
     if role == "both":

@@ -4,7 +4,7 @@ The server (hearth/server/engine_client.py) starts this module, the core loop it
 hearth/engine/core_process.py. The entry point sits in the server layer because choosing the
 KV connector by role is the server's: prefill and decode engines get hearth.kv_transfer's, a
 monolithic one none (the engine layer may not import hearth.kv_transfer or hearth.kv_tiers). Its argv is internal (the
-inherited socket and a log level), not user flags: those are hearth/flags.py's.
+inherited socket and a log level), not user flags: those are hearth/flags/'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`hearth serve`: one worker (this HTTP server + its engine-core process) under uvicorn.
 
 `serve(EngineConfig, ServerConfig)` is a plain function over the worker's two configs: it parses
-nothing. The flags that build them are hearth/flags.py's (the one module that reads flags);
+nothing. The flags that build them are hearth/flags/'s (the one module that reads flags);
 hearth/cli.py calls this for `hearth serve`; `hearth up` starts each of its workers as `hearth
 serve` too.
 """
