@@ -312,7 +312,12 @@ class LLMEngine:
 
     def _execute(self, sched: SchedulerOutput) -> list[StepTokens]:
         cmd, requests = self.step_builder.build(sched, self.executor.num_micro_batches)
-        return to_step_tokens(self.executor.execute(cmd), requests, cmd.samples)
+        try:
+            result = self.executor.execute(cmd)
+        except Exception:
+            self.step_builder.step_failed()  # its tables may not have been applied: resend
+            raise
+        return to_step_tokens(result, requests, cmd.samples)
 
     def _apply_step(self, sched: SchedulerOutput, sampled: list[StepTokens]) -> list[RequestOutput]:
         """The one place a step's results reach its requests: advance each request by what it

@@ -1,5 +1,8 @@
 """The model runner: owns the model and the KV tensors, runs a StepCommand (hearth/engine/step.py).
 
+Like every rank of a T x P set it keeps the request slots' block tables (`StepReceiver`,
+hearth/engine/step_state.py) and applies each command's changes first, whatever fails after.
+
 The KV cache is one tensor `[num_layers, planes, num_blocks, block_size, heads, dim]` (layers of
 this pipeline stage only; planes/heads/dim from `ModelArch.kv_cache_layout`: K and V of the
 rank's KV heads, or MLA's one latent row), so a block's bytes for every layer are reachable by index
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from hearth.engine.sampler import RowSampler
-from hearth.engine.step import SampleResult, StepCommand, sample_row_positions
+from hearth.engine.step import SampleResult, SampleRow, StepCommand, sample_row_positions
+from hearth.engine.step_state import StepReceiver
 from hearth.engine.thread_tuner import ThreadTuner
 from hearth.models.moe import SparseMoeBlock
 from hearth.ops import host_memory, kv_quant
@@ -46,6 +50,7 @@ class ModelRunner:
             prefault = host_memory.prefault(self.kv_cache)
         self._prefault = prefault
         self.sampler = RowSampler(seed, self.vocab_size)
+        self.receiver = StepReceiver(block_size)
         # MoE layers count the tokens routed to each expert (the per-expert load metrics); a
         # model shared by several engines (`prebuilt`) keeps one count.
         self._moe_layers = {model.layer_start + i: layer.mlp
@@ -74,26 +79,29 @@ class ModelRunner:
         """[num_layers, planes, block_size, heads, dim] view of one block."""
         return self.kv_cache[:, :, block_id]
 
-    def prepare_inputs(self, cmd: StepCommand):
+    def prepare_inputs(self, cmd: StepCommand, block_tables: list[list[int]]):
         positions = [p for q, c in zip(cmd.query_lens, cmd.context_lens) for p in range(c - q, c)]
-        meta = build_attention_metadata(cmd.query_lens, cmd.context_lens, cmd.block_tables,
+        meta = build_attention_metadata(cmd.query_lens, cmd.context_lens, block_tables,
                                         self.block_size, self.device)
         input_ids = torch.tensor(cmd.input_ids, dtype=torch.long, device=self.device)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta
 
     @torch.inference_mode()
     def execute(self, cmd: StepCommand) -> SampleResult:
-        input_ids, positions, meta = self.prepare_inputs(cmd)
+        step = self.receiver.receive(cmd)  # whole tables and histories
+        input_ids, positions, meta = self.prepare_inputs(cmd, step.block_tables)
         if self.thread_tuner is None:
             hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
         else:
             hidden, _ = self.thread_tuner.run(
                 meta.num_tokens, lambda: self.model(input_ids, positions, meta, self.kv_cache))
-        return self.sample_from_hidden(cmd, hidden)
+        return self.sample_from_hidden(cmd, hidden, step.samples)
 
-    def sample_from_hidden(self, cmd: StepCommand, hidden: torch.Tensor) -> SampleResult:
-        if not cmd.samples:
+    def sample_from_hidden(self, cmd: StepCommand, hidden: torch.Tensor,
+                           samples: list[SampleRow]) -> SampleResult:
+        """`samples`: the command's rows with their histories whole (`StepReceiver`)."""
+        if not samples:
             return SampleResult([])
         rows = torch.tensor(sample_row_positions(cmd), device=hidden.device)
         logits = self.model.compute_logits(hidden[rows]).float().cpu()
-        return self.sampler.sample(logits, cmd.samples)
+        return self.sampler.sample(logits, samples)

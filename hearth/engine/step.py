@@ -1,9 +1,11 @@
 """The step contract between the engine and its executor: one type for both executors.
 
     Scheduler.schedule() -> SchedulerOutput            (live Requests, tokens granted, drafts)
-    StepBuilder.build(SchedulerOutput) -> StepCommand  (plain data: ids, lengths, block tables,
-                                                        sample rows; msgpack-able for T x P ranks)
-    executor.execute(StepCommand) -> SampleResult      (ModelRunner in-process, or the rank set)
+    StepBuilder.build(SchedulerOutput) -> StepCommand  (plain data: ids, lengths, each request's
+                                                        slot and its table's new blocks, sample
+                                                        rows; msgpack-able for T x P ranks)
+    executor.execute(StepCommand) -> SampleResult      (ModelRunner in-process, or the rank set;
+                                                        StepReceiver rebuilds the whole tables)
     to_step_tokens(SampleResult, requests) -> [StepTokens]
     LLMEngine applies them (the one place results reach requests: `LLMEngine._apply_step`,
     which advances the computed counts through `Scheduler.commit`)
@@ -31,11 +33,13 @@ import torch
 
 from hearth.engine.kv.cache import cdiv
 from hearth.engine.request import Logprob, Request
+from hearth.engine.step_state import SentSlots, StepPlan, table_checksum_term
 
 
-class SampleRow(msgspec.Struct, frozen=True):
+class SampleRow(msgspec.Struct, frozen=True, array_like=True):
     """What the sampler needs to sample one request: the fields `make_sampling_batch` reads,
-    the history a penalty reads, the grammar masks and the draft tokens to verify."""
+    the history a penalty reads, the grammar masks and the draft tokens to verify. On the wire
+    a msgpack array (field names would be most of a decode step's bytes)."""
 
     index: int  # position of the request in StepCommand's request lists
     temperature: float
@@ -48,12 +52,22 @@ class SampleRow(msgspec.Struct, frozen=True):
     logprobs: int | None
     seed: int | None
     output_pos: int = 0  # output tokens before the first sampled position (keys seeded draws)
-    prompt_ids: list[int] = []  # token history, sent only when a penalty needs it
+    # The token history a penalty reads (else both empty). On the wire: with output_start 0 the
+    # whole history (the slot's executor holds none), else only the output tokens after the
+    # first output_start, which the executor holds (hearth/engine/step_state.py). What the
+    # sampler gets from `StepReceiver` is always whole (output_start 0).
+    prompt_ids: list[int] = []
     output_ids: list[int] = []
+    output_start: int = 0
     draft_token_ids: list[int] = []  # the request's last len(drafts) input ids, to verify
     # guided decoding: per sampled position (1 + len(drafts) of them), np.packbits of the
     # allowed-token mask [vocab]; empty when unguided
     allowed: list[bytes] = []
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -64,16 +78,25 @@ class SampleRow(msgspec.Struct, frozen=True):
         return 1 + len(self.draft_token_ids)
 
 
-class StepCommand(msgspec.Struct, frozen=True):
+class StepCommand(msgspec.Struct, frozen=True, array_like=True):
     """One engine step. Request i computes tokens [context_lens[i] - query_lens[i],
-    context_lens[i]); its KV goes to block_tables[i] (identical on every rank)."""
+    context_lens[i]); its KV goes to the first cdiv(context_lens[i], block_size) blocks of the
+    table of its slot (identical on every rank). A command carries only what changed since the
+    slot last ran; `StepReceiver` (hearth/engine/step_state.py) keeps the tables and rebuilds
+    them, and every executor applies every command, in order, before computing anything."""
 
     input_ids: list[int]  # [sum(query_lens)], requests back to back (drafts last in each)
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    slots: list[int]  # each request's slot: a small id it keeps while it runs
+    # blocks of the slot's table the executor already holds (a length check); 0: the slot is
+    # new or reset (new, resumed after preemption, table changed) and new_block_ids is whole
+    num_known_blocks: list[int]
+    new_block_ids: list[list[int]]  # blocks appended to the slot's table (mostly [])
+    table_checksum: int  # `table_checksum` of the tables the step reads, to catch a divergence
     micro_batch_sizes: list[int]  # requests per micro-batch, in order; sums to len(query_lens)
     samples: list[SampleRow]  # requests that sample this step, by index
+    freed_slots: list[int] = []  # requests that stopped running: dropped before anything else
 
     @property
     def num_tokens(self) -> int:
@@ -119,19 +142,24 @@ def sample_row_positions(cmd: StepCommand) -> list[int]:
     return rows
 
 
-def make_sample_row(req: Request, index: int, vocab_size: int,
-                    drafts: list[int] = ()) -> SampleRow:
+def make_sample_row(req: Request, index: int, vocab_size: int, drafts: list[int] = (),
+                    plan: StepPlan | None = None) -> SampleRow:
+    """`plan`: the command's slot changes, to send only the history the executor lacks (None:
+    the whole history)."""
     p = req.params
-    penalised = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
     allowed = _grammar_masks(req, list(drafts), vocab_size) if req.grammar is not None else []
-    return SampleRow(
+    row = SampleRow(
         index=index, temperature=p.temperature, top_p=p.top_p,
         top_k=p.top_k, min_p=p.min_p, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
         logprobs=p.logprobs, seed=p.seed, output_pos=req.num_output_tokens,
-        prompt_ids=req.prompt_token_ids if penalised else [],
-        output_ids=req.output_token_ids if penalised else [],
         draft_token_ids=list(drafts), allowed=allowed)
+    if not row.penalised:
+        return row
+    prompt_ids, output_ids, start = ((req.prompt_token_ids, req.output_token_ids, 0)
+                                     if plan is None else plan.history(index))
+    return msgspec.structs.replace(row, prompt_ids=prompt_ids, output_ids=output_ids,
+                                   output_start=start)
 
 
 def _grammar_masks(req: Request, drafts: list[int], vocab_size: int) -> list[bytes]:
@@ -156,15 +184,19 @@ def _grammar_masks(req: Request, drafts: list[int], vocab_size: int) -> list[byt
 
 
 class StepBuilder:
-    """Flattens a SchedulerOutput into a StepCommand (both executors use this one path)."""
+    """Flattens a SchedulerOutput into a StepCommand (both executors use this one path). It
+    remembers what it sent per request slot (`SentSlots`), so it is one per executor."""
 
     def __init__(self, block_size: int, vocab_size: int) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.sent = SentSlots()
 
     def build(self, out, num_micro_batches: int = 1) -> tuple[StepCommand, list[Request]]:
         """(command, the request of each sample row in order)."""
-        input_ids, query_lens, context_lens, tables, samples, sampled = [], [], [], [], [], []
+        input_ids, query_lens, context_lens, samples, sampled = [], [], [], [], []
+        num_known, new_blocks, checksum = [], [], 0
+        plan = self.sent.plan(out.scheduled)
         for i, (req, num_new) in enumerate(out.scheduled):
             start = req.num_computed_tokens
             drafts = out.drafts.get(req.request_id, [])
@@ -173,12 +205,24 @@ class StepBuilder:
             query = num_new + len(drafts)
             query_lens.append(query)
             context_lens.append(start + query)
-            tables.append(req.block_ids[: cdiv(start + query, self.block_size)])
+            num_blocks = cdiv(start + query, self.block_size)
+            known, new = plan.blocks(i, num_blocks)
+            num_known.append(known)
+            new_blocks.append(new)
+            checksum += table_checksum_term(i, req.block_ids[:num_blocks])
             if start + num_new >= req.num_tokens:
-                samples.append(make_sample_row(req, i, self.vocab_size, drafts))
+                samples.append(make_sample_row(req, i, self.vocab_size, drafts, plan))
                 sampled.append(req)
         sizes = split_micro_batches(query_lens, num_micro_batches)
-        return StepCommand(input_ids, query_lens, context_lens, tables, sizes, samples), sampled
+        cmd = StepCommand(input_ids, query_lens, context_lens, plan.slots, num_known, new_blocks,
+                          checksum, sizes, samples, plan.freed)
+        plan.commit()
+        return cmd, sampled
+
+    def step_failed(self) -> None:
+        """The executor raised on the last command and may not have applied it: the next one
+        resends its requests' tables (and histories) whole."""
+        self.sent.forget_last()
 
 
 def to_step_tokens(result: SampleResult, requests: list[Request],
@@ -238,7 +282,11 @@ class Executor(Protocol):
         transfer and the KV tiers read and write (one process only: a rank set raises)."""
         ...
 
-    def execute(self, cmd: StepCommand) -> SampleResult: ...
+    def execute(self, cmd: StepCommand) -> SampleResult:
+        """Run one step. Its first act is `StepReceiver.receive(cmd)` (every command, in order:
+        the tables it reads are deltas on the ones before); if it raises, the engine has the
+        builder resend the step's requests whole."""
+        ...
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since start per MoE layer; {} when not counted."""

@@ -24,6 +24,7 @@ from hearth.engine.engine import LLMEngine
 from hearth.engine.llm import make_engine_config
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.step import RowOutput, SampleResult, StepCommand
+from hearth.engine.step_state import StepReceiver
 from hearth.models.arch import ModelArch
 from hearth.models.checkpoint import TokenizerSource
 
@@ -63,18 +64,20 @@ class ScriptedExecutor:
         self.kv_cache = torch.zeros(1, 2, num_blocks, BLOCK, 1, 1)
         self.poison, self.eos_at = poison, eos_at
         self.commands: list[StepCommand] = []
+        self.receiver = StepReceiver(BLOCK)  # the request slots' block tables
         self.history: dict[int, list[int]] = {}  # a request's first block -> ids seen
         self.closed = False
 
     def execute(self, cmd: StepCommand) -> SampleResult:
         self.commands.append(cmd)
         if self.poison is not None and self.poison in cmd.input_ids:
-            raise RuntimeError("poisoned batch")
+            raise RuntimeError("poisoned batch")  # before applying it: the engine resends
+        tables = self.receiver.receive(cmd).block_tables
         # The history is what the engine put in each request's KV (a cached prefix is not
         # resent): recorded per block table's first block, cut back to where this chunk starts.
         contexts, start = {}, 0
         for i, (q, c) in enumerate(zip(cmd.query_lens, cmd.context_lens)):
-            seen = self.history.setdefault(cmd.block_tables[i][0], [])
+            seen = self.history.setdefault(tables[i][0], [])
             del seen[c - q:]
             seen.extend(cmd.input_ids[start:start + q])
             start += q

@@ -94,9 +94,10 @@ def make_row(index: int) -> SampleRow:
 def test_micro_batches_map_sample_rows_to_their_last_token():
     # Requests of 3, 1, 4, 2 tokens; request 0 is a prefill chunk that does not sample.
     cmd = StepCommand(input_ids=list(range(10)), query_lens=[3, 1, 4, 2],
-                      context_lens=[3, 9, 4, 20], block_tables=[[0], [1], [2], [3, 4]],
+                      context_lens=[3, 9, 4, 20], slots=[0, 1, 2, 3], num_known_blocks=[0] * 4,
+                      new_block_ids=[[0], [1], [2], [3, 4]], table_checksum=0,
                       micro_batch_sizes=[2, 2], samples=[make_row(1), make_row(2), make_row(3)])
-    mb0, mb1 = micro_batches(cmd)
+    mb0, mb1 = micro_batches(cmd, cmd.samples)
     assert (mb0.first, mb0.num_requests, mb0.token_start, mb0.num_tokens) == (0, 2, 0, 4)
     assert [s.index for s in mb0.samples] == [1] and mb0.sample_rows == [3]
     assert (mb1.first, mb1.num_requests, mb1.token_start, mb1.num_tokens) == (2, 2, 4, 6)

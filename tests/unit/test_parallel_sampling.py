@@ -90,8 +90,8 @@ def test_row_sampler_on_the_wire_equals_model_runner_over_steps():
     for _ in range(3):  # seeded generators must carry on across steps
         logits = torch.randn(len(PARAMS), VOCAB, generator=gen) * 3
         ref_cmd = decode_step(ref_reqs)
-        want = to_step_tokens(runner.sample_from_hidden(ref_cmd, logits.clone()), ref_reqs,
-                              ref_cmd.samples)
+        want = to_step_tokens(runner.sample_from_hidden(ref_cmd, logits.clone(), ref_cmd.samples),
+                              ref_reqs, ref_cmd.samples)
         cmd = decoder.decode(encode(decode_step(par_reqs)))  # the wire
         result = sampler.sample(logits.clone(), cmd.samples)
         got = to_step_tokens(decode_reply(Reply.SAMPLE_RESULT, encode(result),
@@ -147,7 +147,7 @@ def test_bad_row_fails_the_step_not_the_rank():
 
 
 def test_commands_decode_only_as_the_type_their_header_names():
-    payload = encode(StepCommand([1, 2], [2], [2], [[0]], [1], []))
+    payload = encode(StepCommand([1, 2], [2], [2], [0], [0], [[0]], 31, [1], []))
     command, cmd = decode_command(int(Command.STEP), payload)
     assert command is Command.STEP and cmd.input_ids == [1, 2]
     with pytest.raises(msgspec.ValidationError):

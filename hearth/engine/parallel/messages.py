@@ -2,6 +2,8 @@
 
     driver -> all ranks (broadcast on `cmd`):  LOAD_MODEL once, then STEP per engine step,
                                                COLLECT_STATS on demand, SHUTDOWN at the end
+                                               (a STEP's tables are deltas: every rank applies
+                                               every STEP, hearth/engine/step_state.py)
     rank -> driver (send on `ctl`):            LOAD_REPORT (every rank, after LOAD_MODEL)
                                                SAMPLE_RESULT (the sampler rank, per micro-batch)
                                                RANK_STATS (every rank, after COLLECT_STATS)

@@ -1,7 +1,10 @@
 """One rank's share of the model: its stage's layers, its TP slice of each, and their KV cache.
 
-Every rank (the driver included) runs `StageShard.run_step` on the same StepCommand. A step's
-requests are cut into micro-batches; stage s runs micro-batch m while stage s+1 runs m-1:
+Every rank (the driver included) runs `StageShard.run_step` on the same StepCommand. It first
+applies the whole command's slot changes (`StepReceiver`, hearth/engine/step_state.py: the
+block tables and penalty histories are sent as deltas), so every stage rebuilds the same tables
+before any micro-batch runs. A step's requests are then cut into micro-batches; stage s runs
+micro-batch m while stage s+1 runs m-1:
 
     time ->      t0     t1     t2     t3     t4
     stage 0    [mb0]  [mb1]  [mb2]  [mb3]
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from hearth.engine.parallel.layout import split_layers
 from hearth.engine.parallel.messages import RankStats, SampleResult, SampleRow, StepCommand
 from hearth.engine.sampler import RowSampler
+from hearth.engine.step_state import StepReceiver
 from hearth.models.weights import build_model
 from hearth.ops.attention import build_attention_metadata
 from hearth.ops.distributed import RankGroups
@@ -40,11 +44,12 @@ class MicroBatch:
     sample_rows: list[int]  # rows (within the micro-batch) of every sampled position, in order
 
 
-def micro_batches(cmd: StepCommand) -> list[MicroBatch]:
+def micro_batches(cmd: StepCommand, samples: list[SampleRow]) -> list[MicroBatch]:
+    """`samples`: the command's rows as `StepReceiver` made them whole."""
     token_starts = [0]
     for q in cmd.query_lens:
         token_starts.append(token_starts[-1] + q)
-    by_index = {row.index: row for row in cmd.samples}
+    by_index = {row.index: row for row in samples}
     out, first = [], 0
     for size in cmd.micro_batch_sizes:
         start = token_starts[first]
@@ -77,6 +82,7 @@ class StageShard:
                                     heads, dim, dtype=dtype, device=self.device)
         is_sampler = groups.rank == layout.sampler_rank
         self.sampler = RowSampler(seed, arch.vocab_size) if is_sampler else None
+        self.receiver = StepReceiver(block_size)
         self.compute_s = 0.0
         self.step_s = 0.0
         self.num_steps = 0
@@ -90,10 +96,11 @@ class StageShard:
         """Run this rank's part of the step. The sampler rank calls `on_result(SampleResult)`
         once per micro-batch that samples, in order."""
         step_start = time.perf_counter()
+        step = self.receiver.receive(cmd)  # before anything else, on every rank alike
         pending = []  # in-flight sends: their tensors must stay alive until waited
-        for mb in micro_batches(cmd):
+        for mb in micro_batches(cmd, step.samples):
             hidden, residual = (None, None) if self.groups.is_first_stage else self._receive(mb)
-            result = self._compute(cmd, mb, hidden, residual)
+            result = self._compute(cmd, step.block_tables, mb, hidden, residual)
             if isinstance(result, tuple):
                 pending.append(self._send(*result))
             elif result is not None:
@@ -111,11 +118,12 @@ class StageShard:
         self.num_steps, self.step_s, self.compute_s = 0, 0.0, 0.0
         return stats
 
-    def _compute(self, cmd: StepCommand, mb: MicroBatch, hidden, residual):
+    def _compute(self, cmd: StepCommand, block_tables: list[list[int]], mb: MicroBatch, hidden,
+                 residual):
         """(hidden, residual) for the next stage, or the last stage's SampleResult (or None)."""
         t0 = time.perf_counter()
         comm0 = sum(self.groups.comm.seconds.values())
-        input_ids, positions, meta = self._inputs(cmd, mb)
+        input_ids, positions, meta = self._inputs(cmd, block_tables, mb)
         hidden, residual = self.model(input_ids, positions, meta, self.kv_cache, hidden,
                                       residual)
         out = (hidden, residual) if not self.groups.is_last_stage else None
@@ -127,10 +135,10 @@ class StageShard:
         self.compute_s += time.perf_counter() - t0 - comm
         return out
 
-    def _inputs(self, cmd: StepCommand, mb: MicroBatch):
+    def _inputs(self, cmd: StepCommand, block_tables: list[list[int]], mb: MicroBatch):
         lo, hi = mb.first, mb.first + mb.num_requests
         query_lens, context_lens = cmd.query_lens[lo:hi], cmd.context_lens[lo:hi]
-        meta = build_attention_metadata(query_lens, context_lens, cmd.block_tables[lo:hi],
+        meta = build_attention_metadata(query_lens, context_lens, block_tables[lo:hi],
                                         self.block_size, self.device)
         positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
         input_ids = None
