@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hearth.models.quant import quantize_q8_0  # noqa: E402
-from hearth.ops.attention import _prefix_chunk_attention  # noqa: E402
+from hearth.ops.attention_backends.torch_sdpa import prefix_chunk_attention  # noqa: E402
 from hearth.ops.cpu_kernels import QTYPE_IDS, load_cpu_kernels, pack_ggml  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -122,7 +122,7 @@ def bench_prefill_attention(kernels) -> dict:
             vi = vc[table].view(-1, kv_heads, dim)[:ctx].transpose(0, 1)
             qi = qq.transpose(0, 1)
             if prefix:
-                return _prefix_chunk_attention(qi, ki, vi, prefix, 0.125)
+                return prefix_chunk_attention(qi, ki, vi, prefix, 0.125)
             return F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True,
                                                   scale=0.125, enable_gqa=True)
 

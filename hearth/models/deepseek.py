@@ -15,8 +15,9 @@ not H heads of K and V. Two ways to attend over it:
     q_lat_h = [q_nope_h W_UK_h^T | rope(q_pe_h)], attend with all heads over the latent rows
     as one shared key/value head (MQA of width L + R; the value is the first L values), and
     apply W_UV_h to the result: a step reads L + R values per context token, not 2 H heads.
-    hearth's CPU kernel does this over the cache in place (`decode_attention` with the latent
-    as its one KV head); without kernels, torch over the gathered rows.
+The projections are this module's; the cache write and both attentions are the model's
+`AttentionBackend`'s (`write_latent`, `mla_decode`, `mla_prefill`): hearth's CPU kernel reads
+the latent rows in place as its one KV head, torch gathers them.
 
 DeepSeek stores the rotary dims of q_pe and k_pe interleaved (pairs (2j, 2j+1)); the loader
 permutes those weight rows to the rotate-half layout the rest of hearth uses (the scores are
@@ -41,7 +42,8 @@ from hearth.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding
                                   RowParallelLinear)
 from hearth.models.llama import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock, route_grouped
-from hearth.ops.attention import AttentionMetadata, _prefix_chunk_attention
+from hearth.ops.attention import AttentionMetadata
+from hearth.ops.attention_backends import AttentionBackend
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
@@ -64,7 +66,8 @@ def interleaved_to_half(dim: int) -> torch.Tensor:
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
+                 backend: AttentionBackend):
         super().__init__()
         mla = arch.mla
         if arch.num_heads % tp.size:
@@ -94,7 +97,7 @@ class MLAAttention(nn.Module):
                                         arch.attention_out_bias)
         self.scale = mla_softmax_scale(arch)
         self.rotary = rotary
-        self.kernels = None  # CpuKernels, set by `use_kernels`
+        self.backend = backend
 
     # -- the up projections, per head ------------------------------------------------------
     def _kv_b(self) -> torch.Tensor:
@@ -125,8 +128,7 @@ class MLAAttention(nn.Module):
         # RoPE in fp32 (as the dense family and the kernels do), then back to the step's dtype.
         q_pe, k_pe = self.rotary(positions, q_pe.float(), k_pe.float().unsqueeze(1))
         cache = kv_cache[0]  # [num_blocks, block_size, 1, L + R]
-        row = torch.cat([c.to(cache.dtype), k_pe.squeeze(1).to(cache.dtype)], dim=-1)
-        cache.view(-1, self.latent_dim).index_copy_(0, meta.slot_mapping, row)
+        self.backend.write_latent(c, k_pe.squeeze(1), cache, meta)
         q_pe = q_pe.to(q.dtype)
         out = torch.empty(T, H, self.v_dim, dtype=q.dtype, device=x.device)
         if meta.num_short_tokens:
@@ -134,7 +136,7 @@ class MLAAttention(nn.Module):
             if meta.num_short_tokens == T:
                 rows = slice(None)
             q_lat = torch.cat([self.absorb_query(q_nope[rows]), q_pe[rows]], dim=-1)
-            o_lat = self._latent_attention(q_lat, cache, meta)
+            o_lat = self.backend.mla_decode(q_lat, cache, meta, self.scale, self.rank)
             out[rows] = self.absorb_output(o_lat.to(q.dtype))
         for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                                 meta.prefill_context_lens, meta.prefill_block_tables):
@@ -144,39 +146,12 @@ class MLAAttention(nn.Module):
             out[start:start + q_len] = self._expanded_attention(qi, cache, table, ctx_len)
         return self.o_proj(out.reshape(T, H * self.v_dim))
 
-    def _latent_attention(self, q_lat: torch.Tensor, cache: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
-        """Short queries ([Ts, H, L + R], request order) over their latent rows: MQA whose one
-        key is the whole row and whose value is its first L values. Returns [Ts, H, L]."""
-        kernels = self.kernels
-        if kernels is not None and q_lat.device.type == "cpu":
-            # The kernel's value rows are its key rows here: the output's last R values are
-            # attention over k_pe, dropped.
-            out = kernels.ops.decode_attention(
-                q_lat.float().contiguous(), cache, cache, meta.short_block_table_i32,
-                meta.short_context_lens, self.scale, kernels.decode_split,
-                kernels.threads.count, meta.short_query_lens)
-            return out[..., : self.rank]
-        outs, start = [], 0
-        tables = meta.short_block_table_i32.long()
-        for i, (q_len, ctx_len) in enumerate(zip(meta.short_query_lens.tolist(),
-                                                 meta.short_context_lens.tolist())):
-            rows = cache[tables[i]].view(-1, self.latent_dim)[:ctx_len].float()  # [ctx, L + R]
-            qi = q_lat[start:start + q_len].float()  # [q, H, L + R]
-            scores = torch.einsum("qhd,kd->hqk", qi, rows) * self.scale
-            seen = torch.arange(ctx_len, device=qi.device)[None, :] <= (
-                torch.arange(q_len, device=qi.device)[:, None] + ctx_len - q_len)
-            probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
-            outs.append(torch.einsum("hqk,kl->qhl", probs, rows[:, : self.rank]))
-            start += q_len
-        return torch.cat(outs)
-
     def _expanded_attention(self, qi: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
                             ctx_len: int) -> torch.Tensor:
         """A prompt chunk ([q, H, nope + R]) over its context's latents, up-projected to per-head
         K and V (the chunk's own rows read back from the cache, so they are rounded as a later
         step would read them). Returns [q, H, v]."""
-        q_len, H = qi.shape[0], self.num_heads
+        H = self.num_heads
         rows = cache[table].view(-1, self.latent_dim)[:ctx_len]
         c, k_pe = rows[:, : self.rank].to(qi.dtype), rows[:, self.rank:].to(qi.dtype)
         kv = self.kv_b_proj(c).view(ctx_len, H, self.nope + self.v_dim)
@@ -186,17 +161,7 @@ class MLAAttention(nn.Module):
         k[..., self.nope:] = k_pe[None]
         v = qi.new_zeros(H, ctx_len, self.qk_dim)
         v[..., : self.v_dim] = kv[..., self.nope:].transpose(0, 1)
-        q = qi.transpose(0, 1)  # [H, q, D]
-        if ctx_len == q_len:
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                               scale=self.scale)[0]
-        elif q.device.type == "cpu":
-            o = _prefix_chunk_attention(q, k, v, ctx_len - q_len, self.scale).to(qi.dtype)
-        else:
-            seen = torch.arange(ctx_len, device=q.device)[None, :] <= (
-                torch.arange(q_len, device=q.device)[:, None] + ctx_len - q_len)
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=seen,
-                                               scale=self.scale)[0]
+        o = self.backend.mla_prefill(qi.transpose(0, 1), k, v, self.scale)  # [H, q, D]
         return o[..., : self.v_dim].transpose(0, 1)
 
 
@@ -236,14 +201,15 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     DeepSeek's MoE in every layer the arch's `MoeSpec` marks sparse."""
 
     def __init__(self, arch: ModelArch, tp: ParallelGroup = SINGLE,
-                 layer_range: tuple[int, int] | None = None, expert_parallel: bool = False):
+                 layer_range: tuple[int, int] | None = None, expert_parallel: bool = False,
+                 attn_backend: AttentionBackend | None = None):
         if arch.mla is None or arch.moe is None:
             raise ValueError(f"{arch.architecture}: needs MLA and MoE settings")
         self.expert_parallel = expert_parallel  # read by make_mlp during the base __init__
-        super().__init__(arch, tp, layer_range)
+        super().__init__(arch, tp, layer_range, attn_backend)
 
     def make_attention(self, layer: int, rotary: RotaryEmbedding) -> nn.Module:
-        return MLAAttention(self.arch, self.tp, rotary)
+        return MLAAttention(self.arch, self.tp, rotary, self.attn_backend)
 
     def make_mlp(self, layer: int) -> nn.Module:
         if not self.arch.is_moe_layer(layer):

@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 with QKV bias, Qwen3 with q/k norm).
 
 Models know only math: `forward(input_ids, positions, attn_metadata, kv_caches)`. Tokens of all
-requests in a step are packed into one `[num_tokens]` batch; attention splits them per request.
+requests in a step are packed into one `[num_tokens]` batch; attention splits them per request,
+through the model's one `AttentionBackend` (hearth/ops/attention_backends/), picked when it is
+built.
 A pipeline stage holds layers [layer_start, layer_end): the first stage embeds, the last one norms
 and projects to logits; in between, hidden states and residuals pass through.
 """
@@ -17,7 +19,9 @@ from hearth.models.arch import ModelArch
 from hearth.models.layers import (KERNEL_ACT_DTYPES, LOWP_MIN_ROWS, QLINEAR_MAX_ROWS,
                                   ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
-from hearth.ops.attention import AttentionMetadata, paged_attention
+from hearth.ops.attention import AttentionMetadata
+from hearth.ops.attention_backends import (AttentionBackend, TorchAttentionBackend,
+                                           select_attention_backend)
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
@@ -27,7 +31,8 @@ def local_kv_heads(arch: ModelArch, tp: ParallelGroup) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
+                 backend: AttentionBackend):
         super().__init__()
         if arch.num_heads % tp.size:
             raise ValueError(f"tensor parallel size {tp.size} does not divide "
@@ -45,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
-        self.kernels = None  # CpuKernels, set by `use_kernels`
+        self.backend = backend
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -53,29 +58,27 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.kernels is not None and qkv.is_contiguous():
-            # One pass: (Qwen3's q/k norms,) RoPE on q and k in place, then k and v into their
-            # cache slots.
-            args = (qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
-                    meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-            if self.q_norm is None:
-                self.kernels.ops.rope_write_kv(*args)
-            else:
-                self.kernels.ops.qk_norm_rope_write_kv(*args, self.q_norm.weight,
-                                                       self.k_norm.weight, self.q_norm.eps)
-            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                self.kernels, kv_written=True)
-            return self.o_proj(o.reshape(-1, self.q_size))
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        qk_norm = (None if self.q_norm is None
+                   else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
+        # One pass where the backend has it: q and k (normed and) rotated in place in qkv, the
+        # views above, and k and v in the cache.
+        if not self.backend.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin,
+                                          k_cache, v_cache, meta, self.num_heads,
+                                          self.num_kv_heads, self.head_dim, qk_norm):
+            q, k = self.norm_and_rotate(q, k, positions)
+            self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        o = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def norm_and_rotate(self, q, k, positions) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if q.dtype != self.qkv_proj.weight.dtype:  # bf16 activations of an fp32 model
             dtype = q.dtype  # rotate in fp32, as the kernel does
             q, k = self.rotary(positions, q.float(), k.float())
-            q, k = q.to(dtype), k.to(dtype)
-        else:
-            q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.kernels)
-        return self.o_proj(o.reshape(-1, self.q_size))
+            return q.to(dtype), k.to(dtype)
+        return self.rotary(positions, q, k)
 
 
 class LlamaMLP(nn.Module):
@@ -129,10 +132,10 @@ class FusedModel(NamedTuple):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
-                 mlp: nn.Module, attn: nn.Module | None = None):
+                 mlp: nn.Module, attn: nn.Module | None, backend: AttentionBackend):
         super().__init__()
         # LlamaAttention, or a family's own (hearth.models.deepseek.MLAAttention)
-        self.self_attn = attn if attn is not None else LlamaAttention(arch, tp, rotary)
+        self.self_attn = attn if attn is not None else LlamaAttention(arch, tp, rotary, backend)
         self.mlp = mlp  # LlamaMLP, or a family's own (hearth.models.moe.SparseMoeBlock)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -147,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
             self._fused = None
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        kernels = attn.kernels
+        kernels = attn.backend.kernels  # the fused call attends through the same build
         if (kernels is None or attn.q_norm is not None or any(m.bias is not None for m in linears)
                 or attn.o_proj.group.size > 1 or any(m.qweight is None for m in linears)):
             self._fused = None
@@ -187,10 +190,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, tp: ParallelGroup = SINGLE,
-                 layer_range: tuple[int, int] | None = None):
+                 layer_range: tuple[int, int] | None = None,
+                 attn_backend: AttentionBackend | None = None):
+        """`attn_backend`: what every layer attends through (None: torch on the CPU;
+        hearth.models.weights.build_model picks it for the model's device)."""
         super().__init__()
         self.arch = arch
         self.tp = tp
+        self.attn_backend = attn_backend or TorchAttentionBackend()
         self.layer_start, self.layer_end = layer_range or (0, arch.num_layers)
         self.is_first = self.layer_start == 0
         self.is_last = self.layer_end == arch.num_layers
@@ -199,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
                              if self.is_first else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, tp, rotary, self.make_mlp(i), self.make_attention(i, rotary))
+            LlamaDecoderLayer(arch, tp, rotary, self.make_mlp(i), self.make_attention(i, rotary),
+                              self.attn_backend)
             for i in range(self.layer_start, self.layer_end))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
         self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
@@ -214,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_attention(self, layer: int, rotary: RotaryEmbedding) -> nn.Module | None:
         """The attention block of decoder layer `layer` (None: LlamaAttention; a family with
-        another attention overrides)."""
+        another attention overrides), attending through `self.attn_backend`."""
         return None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
@@ -276,11 +284,19 @@ class LlamaForCausalLM(nn.Module):
                     meta.short_query_lens)
 
     def use_kernels(self, kernels) -> None:
-        """Route norms, RoPE + cache writes, SiLU-mul, decode attention and MoE experts through
-        `kernels`."""
+        """Route norms, SiLU-mul and MoE experts through `kernels`, and attention (RoPE + cache
+        writes included) through the backend `select_attention_backend` picks with them."""
         for module in self.modules():
             if hasattr(module, "kernels") and not hasattr(module, "set_quantized"):
                 module.kernels = kernels
+        device = next(self.parameters()).device
+        self.use_attention_backend(select_attention_backend(device, kernels))
+
+    def use_attention_backend(self, backend: AttentionBackend) -> None:
+        """Every layer attends through `backend` from now on."""
+        self.attn_backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -12,16 +12,18 @@ from torch import nn
 from hearth.models.arch import ModelArch
 from hearth.models.llama import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock
+from hearth.ops.attention_backends import AttentionBackend
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
 class MoeLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, arch: ModelArch, tp: ParallelGroup = SINGLE,
-                 layer_range: tuple[int, int] | None = None, expert_parallel: bool = False):
+                 layer_range: tuple[int, int] | None = None, expert_parallel: bool = False,
+                 attn_backend: AttentionBackend | None = None):
         if arch.moe is None:
             raise ValueError(f"{arch.architecture}: a MoE model needs MoE settings")
         self.expert_parallel = expert_parallel  # read by make_mlp during the base __init__
-        super().__init__(arch, tp, layer_range)
+        super().__init__(arch, tp, layer_range, attn_backend)
 
     def make_mlp(self, layer: int) -> nn.Module:
         if not self.arch.is_moe_layer(layer):

@@ -28,6 +28,7 @@ from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
 from hearth.models.moe import SparseMoeBlock
 from hearth.models.registry import model_class
+from hearth.ops.attention_backends import select_attention_backend
 from hearth.ops.cpu_kernels import single_threaded
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
@@ -335,8 +336,10 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
     # Built straight on the device (parameters are torch.empty, filled by load_weights): the
     # meta-device + to_empty route pulls in torch's symbolic-shapes machinery, ~0.4 s of a cold
     # start.
+    backend = select_attention_backend(device)  # CPU kernels, if any, come with use_kernels
     with torch.device(device):
-        model = model_class(arch.architecture)(arch, tp, layer_range, **extra)
+        model = model_class(arch.architecture)(arch, tp, layer_range, attn_backend=backend,
+                                               **extra)
     # The RoPE tables are computed on the CPU (see RotaryEmbedding): put them on the device.
     rope = RotaryEmbedding(arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta,
                            arch.rope_scaling)

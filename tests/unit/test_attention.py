@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hearth.ops.attention import build_attention_metadata, paged_attention
+from hearth.ops.attention import build_attention_metadata
+from tests.attention_steps import paged_attention
 
 BLOCK = 4
 

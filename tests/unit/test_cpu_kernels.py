@@ -17,8 +17,10 @@ from hearth.models.dequant import dequantize
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.quant import quantize_q8_0
 from hearth.ops import kv_quant
-from hearth.ops.attention import build_attention_metadata, paged_attention, write_kv
+from hearth.ops.attention import build_attention_metadata, write_kv
+from hearth.ops.attention_backends import CpuKernelAttentionBackend
 from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels, pack_ggml
+from tests.attention_steps import paged_attention
 
 VARIANTS = available_variants()
 SCALED_KV = [torch.int8, torch.float8_e4m3fn]  # rows of 8-bit values + a float32 scale (kv_quant)
@@ -306,7 +308,7 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
     k = torch.randn(tokens, kv_heads, dim, generator=gen)
     v = torch.randn(tokens, kv_heads, dim, generator=gen)
     ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.25)
-    fast = type(kernels)(kernels.variant, decode_split=split)
+    fast = CpuKernelAttentionBackend(type(kernels)(kernels.variant, decode_split=split))
     got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.25, fast)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
     # Decodes only: the kernel's output is returned whole.
@@ -330,7 +332,7 @@ def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     k = torch.randn(3, kv_heads, dim, generator=gen)
     v = torch.randn(3, kv_heads, dim, generator=gen)
     ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
-    fast = type(kernels)(kernels.variant, decode_split=256)
+    fast = CpuKernelAttentionBackend(type(kernels)(kernels.variant, decode_split=256))
     got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125, fast)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
 
@@ -358,7 +360,7 @@ def test_short_queries_attend_causally_in_the_kernel(kernels, cache_dtype, heads
     # unrounded keys when nothing is cached before them, the kernel always reads the cache.
     k = kv_quant.as_cached(torch.randn(tokens, kv_heads, dim, generator=gen), cache_dtype)
     v = kv_quant.as_cached(torch.randn(tokens, kv_heads, dim, generator=gen), cache_dtype)
-    fast = type(kernels)(kernels.variant, decode_split=128)
+    fast = CpuKernelAttentionBackend(type(kernels)(kernels.variant, decode_split=128))
     # mixed with a 40-token prefill; short queries only; and with the kernel taking only
     # decodes (the others down the SDPA loop, kernels present)
     for lo, hi, short_max in ((0, 8, None), (0, 7, None), (0, 8, 1)):
@@ -499,7 +501,8 @@ def test_amx_prefill_attention_through_paged_attention(kernels):
     v = torch.randn(tokens, kv_heads, 64, generator=gen).bfloat16()
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     ref = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
-    got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125, kernels)
+    got = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125,
+                          CpuKernelAttentionBackend(kernels))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), rtol=0.02, atol=0.02)
 

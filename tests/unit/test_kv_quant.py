@@ -10,7 +10,8 @@ from hearth.engine.kv.transfer_api import KVCacheGeometry
 from hearth.engine.parallel.layout import kv_bytes_per_block_per_rank
 from hearth.kv_tiers.block_file import BlockRecordError, check_record, encode_header
 from hearth.ops import kv_quant
-from hearth.ops.attention import build_attention_metadata, paged_attention, write_kv
+from hearth.ops.attention import build_attention_metadata, write_kv
+from tests.attention_steps import paged_attention
 
 FP8 = torch.float8_e4m3fn
 SCALED_KV = [torch.int8, FP8]
