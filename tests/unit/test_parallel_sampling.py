@@ -208,13 +208,12 @@ def test_sampled_verification_keeps_the_models_distribution():
     p = torch.tensor([0.5, 0.3, 0.2])
     logits = torch.full((2, VOCAB), -1e9)
     logits[:, :3] = p.log()
-    counts = torch.zeros(3)
-    sampler = RowSampler(0, VOCAB)
-    n = 3000
-    for i in range(n):
-        req, cmd = draft_row(SamplingParams(temperature=1.0, seed=i), [1], rid=f"s{i}")
-        counts[sampler.sample(logits.clone(), cmd.samples).rows[0].token_ids[0]] += 1
-    freq = counts / n
+    n = 3000  # one step of n seeded rows (a seeded draw depends on its seed alone: see above)
+    rows = [make_sample_row(Request(f"s{i}", [1, 2, 3], SamplingParams(temperature=1.0, seed=i)),
+                            i, VOCAB, [1]) for i in range(n)]
+    result = RowSampler(0, VOCAB).sample(logits.repeat(n, 1), rows)
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in result.rows]), minlength=3)
+    freq = counts[:3].float() / n
     assert torch.allclose(freq, p, atol=0.035), freq  # ~4 standard errors
 
 
