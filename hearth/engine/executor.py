@@ -246,8 +246,6 @@ def make_executor(config: EngineConfig, checkpoint,
                            pc.device, config.model.seed, prebuilt.kernels)
     if prebuilt is not None:
         raise ValueError("a prebuilt model serves one process (tensor/pipeline parallel size 1)")
-    if config.model.rope_scaling is not None:  # the ranks open the checkpoint as it is
-        raise ValueError("rope_scaling: not yet supported with tensor/pipeline parallelism")
     if formats.quantization != "none" or formats.kv_dtype != formats.dtype:
         raise ValueError(f"quantization and a KV cache dtype other than the model's are not yet "
                          f"supported with tensor/pipeline parallelism (quantization "

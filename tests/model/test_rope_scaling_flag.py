@@ -111,3 +111,32 @@ def test_the_unscaled_checkpoint_refuses_a_longer_max_model_len(unscaled):
         "--cpu-kernels", "off", "--num-kv-blocks", str(NUM_BLOCKS), "a prompt"])
     with pytest.raises(ValueError, match="max_model_len 256: the model covers 64 positions"):
         LLMEngine(hearth_flags.engine_config(a))
+
+
+def test_scaled_rope_under_tensor_and_pipeline_parallelism_equals_one_process(unscaled):
+    """Every rank applies --rope-scaling to the checkpoint it opens (the LoadModel message
+    carries it): T=2 x P=2 greedy tokens past the trained context equal one process's."""
+    from hearth.engine.sampling_params import SamplingParams
+
+    _, folder = unscaled
+    scaling = json.dumps(SCALINGS["yarn"])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for parallel in ([], ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]):
+        a = hearth_flags.build_parser().parse_args([
+            "generate", "--model", str(folder), "--rope-scaling", scaling,
+            "--max-model-len", str(TRAINED * FACTOR), "--cpu-kernels", "off",
+            "--quantization", "none", "--kv-cache-dtype", "model", "--prefill-dtype", "float32",
+            "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_BLOCKS), *parallel,
+            "a prompt"])
+        engine = LLMEngine(hearth_flags.engine_config(a))
+        try:
+            assert engine.max_model_len == TRAINED * FACTOR
+            engine.add_request("r", PROMPT[:150], params)  # decodes past 2x the trained context
+            got = tokens[bool(parallel)] = []
+            while engine.has_unfinished():
+                for out in engine.step():
+                    got += out.new_token_ids
+        finally:
+            engine.close()
+    assert len(tokens[False]) == 24 and tokens[True] == tokens[False]

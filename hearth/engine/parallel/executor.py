@@ -76,7 +76,7 @@ class ParallelExecutor:
         self.heartbeat = Heartbeat(lambda: connect_store(host, port, False, timeout), 0,
                                    self.layout, self._on_failure).start()
         load = LoadModel(mc.model, mc.dtype, self.num_blocks, self.block_size, mc.seed,
-                         pc.enable_expert_parallel)
+                         pc.enable_expert_parallel, mc.rope_scaling)
         broadcast_message(Command.LOAD_MODEL, encode(load), self.groups.cmd)
         errors = []
         try:

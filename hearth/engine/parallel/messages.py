@@ -43,6 +43,7 @@ class LoadModel(msgspec.Struct, frozen=True):
     block_size: int
     seed: int  # the sampler rank's shared generator, as ModelRunner seeds it
     expert_parallel: bool = False  # a MoE model's experts split whole across the TP ranks
+    rope_scaling: str | None = None  # --rope-scaling JSON, applied to the checkpoint's arch
 
 
 class LoadReport(msgspec.Struct, frozen=True):

@@ -95,12 +95,13 @@ def run_commands(groups: RankGroups) -> None:
 def load_shard(groups: RankGroups, spec: LoadModel):
     from hearth.engine.parallel.stage import StageShard
     from hearth.engine.runner import DTYPES
-    from hearth.models.loader import load_checkpoint
+    from hearth.models.loader import load_checkpoint, with_rope_scaling
 
     shard, report = None, None
     try:
         torch.manual_seed(spec.seed)
-        shard = StageShard(load_checkpoint(spec.model), groups, spec.num_blocks, spec.block_size,
+        checkpoint = with_rope_scaling(load_checkpoint(spec.model), spec.rope_scaling)
+        shard = StageShard(checkpoint, groups, spec.num_blocks, spec.block_size,
                            DTYPES[spec.dtype], spec.seed, spec.expert_parallel)
         report = LoadReport(groups.rank, None, shard.num_parameters, shard.kv_cache.nbytes)
     except Exception as exc:  # reported to the driver, which ends the rank set cleanly
