@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from hearth.engine.request import Logprob
+from hearth.engine.text.tiktoken_folder import byte_level_alphabet
 from hearth.api.tool_calls import ToolCall, ToolCallDelta
 
 
@@ -43,20 +44,7 @@ class Usage:
         }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable-char table that byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_UNICODE_TO_BYTE = {char: byte for byte, char in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {char: byte for byte, char in byte_level_alphabet().items()}
 
 
 class TokenTexts:
