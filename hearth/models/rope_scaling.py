@@ -2,16 +2,28 @@
 
 The value is an HF `rope_scaling` object as JSON (what vLLM's `--hf-overrides` sets), e.g.
 `{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}`. It replaces
-the checkpoint's own `rope_scaling` whole; the frequencies are then computed exactly as for a
-config that carried it (hearth.models.layers._rope_inv_freq, tested against transformers).
+the checkpoint's own `rope_scaling` whole, as vLLM's override does; the frequencies are then
+computed exactly as for a config that carried it (hearth.models.layers._rope_inv_freq, tested
+against transformers). MLA models (DeepSeek-V2/V3, Kimi K2) take it too: RoPE over their
+`qk_rope_head_dim` rotary dims, and YaRN's `mscale_all_dim` also scaling the softmax
+(hearth.models.deepseek.mla_softmax_scale), as transformers' DeepseekV3 computes them.
+
+Replacing whole would silently drop what the checkpoint's own scaling says and the new type
+computes with: its trained length where it is stretched past it (DeepSeek-V3: 4096 of 163840),
+YaRN's ramp (Kimi K2: beta_fast 1, not the default 32), DeepSeek's `mscale` and
+`mscale_all_dim`. An override that leaves out such a value, where leaving it out gives
+something else, is refused naming the values to restate, rather than merged: the JSON means
+here what it means to vLLM or transformers, and nothing the checkpoint said is lost unseen
+(`dropped_values`).
 
 Invariant: a scaled model's `max_position_embeddings` covers what the scaling is for. A
 scaling stretches the positions the model was trained on, `original_max_position_embeddings`
-(default: the checkpoint's `max_position_embeddings`), by `factor`; the arch's context becomes
-that product when it is longer than the checkpoint's own (HF configs of scaled models say the
-same: YaRN's factor is max_position_embeddings / original_max_position_embeddings), so the
-default model (8k) with factor 4 serves 32k tokens and `--max-model-len` may ask for them.
-Parsing is torch-free: the CLI checks the value before any process starts.
+(default: the checkpoint's `max_position_embeddings`, as transformers defaults it), by
+`factor`; the arch's context becomes that product when it is longer than the checkpoint's own
+(HF configs of scaled models say the same: YaRN's factor is max_position_embeddings /
+original_max_position_embeddings), so the default model (8k) with factor 4 serves 32k tokens and
+`--max-model-len` may ask for them. Parsing is torch-free: the CLI checks the value before any
+process starts; what depends on the checkpoint is checked when it is opened.
 """
 
 from __future__ import annotations
@@ -73,16 +85,44 @@ def scaled_context(arch: ModelArch, scaling: dict) -> int:
     return max(arch.max_position_embeddings, int(trained * float(scaling["factor"])))
 
 
+# What each scaled type computes with besides its factor and trained length, and what it gets
+# where the JSON leaves a key out (None: nothing; hearth.models.layers._rope_inv_freq).
+KEYS_READ = {
+    "linear": {},
+    "llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "yarn": {"beta_fast": 32, "beta_slow": 1, "mscale": None, "mscale_all_dim": None,
+             "attention_factor": None, "truncate": True},
+}
+
+
+def dropped_values(arch: ModelArch, scaling: dict) -> dict:
+    """The values of the checkpoint's own rope_scaling that `scaling` computes with but leaves
+    out, where leaving them out gives something else."""
+    own, rope_type = arch.rope_scaling or {}, scaling["rope_type"]
+    reads = dict(KEYS_READ.get(rope_type, {}))  # "default" reads nothing
+    if rope_type in ("llama3", "yarn"):  # left out, the trained length is the checkpoint's
+        reads = {"original_max_position_embeddings": arch.max_position_embeddings, **reads}
+    if arch.mla is not None and rope_type != "default":
+        reads.setdefault("mscale_all_dim", None)  # an MLA model's softmax, under any scaled type
+    return {key: own[key] for key, default in reads.items()  # a falsy value reads as none
+            if key in own and key not in scaling and (own[key] or None) != default}
+
+
 def with_rope_scaling(arch: ModelArch, text: str | None) -> ModelArch:
     """`arch` with its rope_scaling replaced by the JSON `text` (None: `arch` unchanged) and its
     context stretched to match (`scaled_context`)."""
     if text is None:
         return arch
-    if arch.mla is not None:
-        raise ValueError("rope_scaling: not supported for MLA models (DeepSeek's YaRN settings "
-                         "come from their own config)")
     scaling = parse_rope_scaling(text)
-    if scaling["rope_type"] == "yarn":  # what YaRN's ramp is measured against, made explicit
+    dropped = dropped_values(arch, scaling)
+    if dropped:
+        raise ValueError(
+            f"rope_scaling: the override replaces the checkpoint's own rope_scaling whole (as "
+            f"vLLM's --hf-overrides does), so it would drop "
+            f"{', '.join(f'{k}={v}' for k, v in dropped.items())}, which "
+            f"{scaling['rope_type']} on this model computes with; restate them in the JSON (the "
+            f"checkpoint's values, or the ones you mean)")
+    if scaling["rope_type"] in ("llama3", "yarn"):  # what the ramp is measured against, explicit
         scaling.setdefault("original_max_position_embeddings", arch.max_position_embeddings)
     return replace(arch, rope_scaling=None if scaling["rope_type"] == "default" else scaling,
                    max_position_embeddings=scaled_context(arch, scaling))

@@ -1,8 +1,10 @@
-"""--rope-scaling on a checkpoint that has none: a tiny random Llama (trained context 64) served
-through the flag at 4x that context equals transformers' forward pass with the same
-rope_scaling in its config, in float32, for linear, llama3 and yarn.
+"""--rope-scaling served through the flag equals transformers' forward pass with the same
+rope_scaling in its config, in float32, past the trained context: a tiny random Llama with no
+scaling of its own (trained context 64) at 4x that context, for linear, llama3 and yarn; and a
+tiny random DeepSeek-V3 (MLA) whose own YaRN the flag replaces, as DeepSeek's checkpoints carry
+one (RoPE over the qk_rope_head_dim dims, mscale_all_dim in the softmax).
 
-The checkpoint is written by transformers offline (tests/model/test_hf_parity.py's tiny Llama)
+The checkpoints are written by transformers offline (tests/model/test_hf_parity.py's cases)
 with a word-level tokenizer, so the engine opens the folder as `hearth generate` would; the
 flags are parsed by hearth's own parser. The prompt runs past position 64, where the scalings
 differ most, as one chunk and as chunks over a cached prefix plus single-token decodes.
@@ -20,7 +22,7 @@ from hearth.engine.engine import LLMEngine
 from hearth.models.random_checkpoint import _write_word_tokenizer
 from hearth.ops.attention import build_attention_metadata
 from hearth.ops.cpu_kernels import available_variants
-from tests.model.test_hf_parity import ATOL, SHAPE, hf_logits, make_hf_model
+from tests.model.test_hf_parity import ATOL, CASES, SHAPE, hf_logits, make_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,25 +34,51 @@ SCALINGS = {
                "high_freq_factor": 4.0, "original_max_position_embeddings": TRAINED},
     "yarn": {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": TRAINED},
 }
+# The DeepSeek checkpoint's own YaRN (test_hf_parity's "deepseek-v3-yarn"): trained at 16
+# positions, stretched 4x to its max_position_embeddings of 64, mscale 0.8, mscale_all_dim 1.0.
+# Each override restates what it computes with (hearth refuses one that would drop them).
+DEEPSEEK_TRAINED = CASES["deepseek-v3-yarn"][1]["rope_scaling"]["original_max_position_embeddings"]
+MLA_SCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": TRAINED * FACTOR // DEEPSEEK_TRAINED,
+             "original_max_position_embeddings": DEEPSEEK_TRAINED, "mscale": 1.0,
+             "mscale_all_dim": 0.707},  # cos/sin by a ratio != 1, softmax by mscale^2
+    "linear": {"rope_type": "linear", "factor": FACTOR, "mscale_all_dim": 1.0},  # 64 x 4
+    "llama3": {"rope_type": "llama3", "factor": TRAINED * FACTOR // DEEPSEEK_TRAINED,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": DEEPSEEK_TRAINED,
+               "mscale_all_dim": 0},  # DeepSeek's softmax correction turned off, explicitly
+}
 PROMPT = [(13 * i + 7) % 250 + 3 for i in range(3 * TRAINED + 9)]  # 201 tokens, past 3x trained
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
+
+
+def saved_with_tokenizer(tmp_path_factory, case: str):
+    model, folder = make_hf_model(tmp_path_factory.mktemp("rope"), case)
+    _write_word_tokenizer(folder / "tokenizer.json", SHAPE["vocab_size"])
+    return model, folder
 
 
 @pytest.fixture(scope="module")
 def unscaled(tmp_path_factory):
     """transformers' tiny Llama without rope_scaling, saved with a tokenizer."""
-    model, folder = make_hf_model(tmp_path_factory.mktemp("rope"), "llama")
-    _write_word_tokenizer(folder / "tokenizer.json", SHAPE["vocab_size"])
-    return model, folder
+    return saved_with_tokenizer(tmp_path_factory, "llama")
 
 
-def hf_scaled(unscaled_model, scaling: dict):
-    """The same weights under transformers with `scaling` in the config (and the context it
-    scales to, as HF configs of such models say)."""
-    config = transformers.LlamaConfig(**{**SHAPE, "max_position_embeddings": TRAINED * FACTOR,
-                                         "rope_scaling": dict(scaling)})
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """transformers' tiny DeepSeek-V3 with its own YaRN, saved with a tokenizer."""
+    return saved_with_tokenizer(tmp_path_factory, "deepseek-v3-yarn")
+
+
+def hf_scaled(case: str, checkpoint_model, scaling: dict):
+    """The same weights under transformers with `scaling` in the config of test_hf_parity's
+    `case` (and the context it scales to, as HF configs of such models say)."""
+    config_class, overrides = CASES[case]
+    config = getattr(transformers, config_class)(**{
+        **SHAPE, **overrides, "max_position_embeddings": TRAINED * FACTOR,
+        "rope_scaling": dict(scaling)})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(unscaled_model.state_dict())
+    model.load_state_dict(checkpoint_model.state_dict())
     return model.eval()
 
 
@@ -58,7 +86,8 @@ def engine_from_flags(folder, scaling: dict, cpu_kernels: str) -> LLMEngine:
     a = hearth_flags.build_parser().parse_args([
         "generate", "--model", str(folder), "--rope-scaling", json.dumps(scaling),
         "--max-model-len", str(TRAINED * FACTOR), "--cpu-kernels", cpu_kernels,
-        "--quantization", "none", "--kv-cache-dtype", "model", "--prefill-dtype", "float32",
+        "--dtype", "float32", "--prefill-dtype", "float32", "--kv-cache-dtype", "model",
+        "--quantization", "none",
         "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_BLOCKS), "a prompt"])
     return LLMEngine(hearth_flags.engine_config(a))
 
@@ -86,13 +115,22 @@ def runner_of(engine: LLMEngine):
 @pytest.mark.parametrize("cpu_kernels", ["off", "auto"])
 @pytest.mark.parametrize("name", list(SCALINGS))
 def test_scaled_rope_by_flag_equals_transformers(unscaled, name, cpu_kernels):
+    check_against_transformers("llama", *unscaled, SCALINGS[name], cpu_kernels)
+
+
+@pytest.mark.parametrize("cpu_kernels", ["off", "auto"])
+@pytest.mark.parametrize("name", list(MLA_SCALINGS))
+def test_scaled_rope_by_flag_on_an_mla_model_equals_transformers(deepseek, name, cpu_kernels):
+    check_against_transformers("deepseek-v3-yarn", *deepseek, MLA_SCALINGS[name], cpu_kernels)
+
+
+def check_against_transformers(case: str, hf_model, folder, scaling: dict, cpu_kernels: str):
     if cpu_kernels == "auto" and not available_variants():
         pytest.skip("hearth's CPU kernels are not built here")
-    hf_model, folder = unscaled
-    want = hf_logits(hf_scaled(hf_model, SCALINGS[name]), PROMPT)
-    # the scaling matters here: the unscaled model is far off
+    want = hf_logits(hf_scaled(case, hf_model, scaling), PROMPT)
+    # the override matters here: the checkpoint as it is (unscaled, or its own YaRN) is far off
     assert (hf_logits(hf_model, PROMPT) - want).abs().max() > 100 * ATOL
-    engine = engine_from_flags(folder, SCALINGS[name], cpu_kernels)
+    engine = engine_from_flags(folder, scaling, cpu_kernels)
     try:
         assert engine.max_model_len == engine.arch.max_position_embeddings == TRAINED * FACTOR
         whole = logits_in_chunks(engine, [len(PROMPT)])

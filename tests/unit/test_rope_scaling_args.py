@@ -1,10 +1,13 @@
 """--rope-scaling (hearth/models/rope_scaling.py): the JSON it takes, the errors it gives, the
 context it stretches the model to, and --max-model-len against that context. No model."""
 
+import json
+import re
+
 import pytest
 
 from hearth import flags as hearth_flags
-from hearth.models.arch import ModelArch
+from hearth.models.arch import MlaSpec, ModelArch, MoeSpec
 from hearth.models.rope_scaling import context_length, parse_rope_scaling, with_rope_scaling
 
 ARCH = ModelArch("llama", vocab_size=100, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -50,6 +53,7 @@ def test_the_old_type_key_reads_as_rope_type():
     (YARN, 32768),  # the default model's 8k, stretched 4x
     ('{"rope_type": "linear", "factor": 2}', 16384),  # the checkpoint's own length 2x
     ('{"rope_type": "yarn", "factor": 2}', 16384),
+    ('{"rope_type": "llama3", "factor": 2}', 16384),
     ('{"rope_type": "llama3", "factor": 8, "original_max_position_embeddings": 512}', 8192),
     ('{"rope_type": "default"}', 8192),
 ])
@@ -57,8 +61,10 @@ def test_the_context_grows_to_the_trained_length_times_the_factor(text, context)
     arch = with_rope_scaling(ARCH, text)
     assert arch.max_position_embeddings == context
     assert with_rope_scaling(ARCH, None) is ARCH
-    if "yarn" in text:  # YaRN's ramp is measured against the trained length, made explicit
-        assert arch.rope_scaling["original_max_position_embeddings"] == 8192
+    if "yarn" in text or "llama3" in text:  # what the ramp is measured against, made explicit
+        # (as transformers defaults it: the checkpoint's max_position_embeddings)
+        assert arch.rope_scaling["original_max_position_embeddings"] == json.loads(text).get(
+            "original_max_position_embeddings", 8192)
     if "default" in text:
         assert arch.rope_scaling is None
 
@@ -72,17 +78,58 @@ def test_max_model_len_is_checked_against_the_scaled_context():
     assert context_length(with_rope_scaling(ARCH, YARN), 32768) == 32768
 
 
-def test_mla_models_refuse_it():
-    from hearth.models.arch import MlaSpec, MoeSpec
+# A Kimi K2-like MLA checkpoint: trained at 64 positions, its own YaRN stretching it 4x.
+KIMI_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+MLA = ModelArch("deepseek_v3", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2,
+                num_heads=4, num_kv_heads=4, head_dim=24, max_position_embeddings=256,
+                rope_scaling=KIMI_YARN,
+                mla=MlaSpec(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                            v_head_dim=16),
+                moe=MoeSpec(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=32))
 
-    mla = ModelArch("deepseek_v3", vocab_size=100, hidden_size=64, intermediate_size=96,
-                    num_layers=2, num_heads=4, num_kv_heads=4, head_dim=24,
-                    max_position_embeddings=64,
-                    mla=MlaSpec(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                v_head_dim=16),
-                    moe=MoeSpec(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=32))
-    with pytest.raises(ValueError, match="not supported for MLA"):
-        with_rope_scaling(mla, YARN)
+
+def test_mla_models_take_it_in_place_of_their_own_yarn():
+    text = ('{"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64, '
+            '"beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}')
+    arch = with_rope_scaling(MLA, text)
+    assert arch.rope_scaling == json.loads(text)  # whole: nothing of the checkpoint's is merged in
+    assert (arch.max_position_embeddings, arch.rotary_dim) == (1024, 8)
+    plain = with_rope_scaling(MLA, '{"rope_type": "default"}')  # the checkpoint's YaRN removed
+    assert (plain.rope_scaling, plain.max_position_embeddings) == (None, 256)
+
+
+@pytest.mark.parametrize("text, dropped", [
+    ('{"rope_type": "yarn", "factor": 8}',  # (beta_slow 1 is what it gets anyway)
+     "original_max_position_embeddings=64, beta_fast=1.0, mscale=1.0, mscale_all_dim=1.0, "
+     "which yarn"),
+    ('{"rope_type": "yarn", "factor": 8, "original_max_position_embeddings": 64, "mscale": 1, '
+     '"mscale_all_dim": 1}', "beta_fast=1.0, which yarn"),
+    ('{"rope_type": "linear", "factor": 2}', "mscale_all_dim=1.0, which linear"),  # MLA's softmax
+    ('{"rope_type": "llama3", "factor": 8, "mscale_all_dim": 0}',
+     "original_max_position_embeddings=64, which llama3"),
+])
+def test_an_override_that_would_drop_what_the_checkpoint_says_is_refused(text, dropped):
+    """It replaces the checkpoint's rope_scaling whole (as vLLM's --hf-overrides does): what the
+    checkpoint's scaling says and the new type computes with must be restated, not lost unseen."""
+    with pytest.raises(ValueError, match="replaces the checkpoint's own rope_scaling whole .* "
+                                         f"would drop {re.escape(dropped)} on this model"):
+        with_rope_scaling(MLA, text)
+
+
+def test_a_checkpoint_stretched_past_its_trained_length_needs_that_length_restated():
+    llama31 = ModelArch("llama", vocab_size=100, hidden_size=64, intermediate_size=96,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "llama3", "factor": 16.0,
+                                      "original_max_position_embeddings": 8192})
+    with pytest.raises(ValueError, match="would drop original_max_position_embeddings=8192"):
+        with_rope_scaling(llama31, '{"rope_type": "yarn", "factor": 32}')
+    restated = '{"rope_type": "yarn", "factor": 32, "original_max_position_embeddings": 8192}'
+    assert with_rope_scaling(llama31, restated).max_position_embeddings == 262144
+    # linear reads no trained length, and a dense model no mscale: nothing to restate
+    assert with_rope_scaling(llama31, '{"rope_type": "linear", "factor": 2}').rope_scaling == {
+        "rope_type": "linear", "factor": 2}
 
 
 def test_the_flag_reaches_the_engine_config_and_round_trips_through_serve_argv():
