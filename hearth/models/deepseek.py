@@ -32,12 +32,13 @@ The first `first_k_dense_replace` layers have a dense MLP.
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.models.arch import ModelArch
+from hearth.models.arch import TOPK_METHODS, ModelArch
 from hearth.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding,
                                   RowParallelLinear)
 from hearth.models.llama import LlamaForCausalLM, LlamaMLP
@@ -196,6 +197,94 @@ class DeepseekMoE(SparseMoeBlock):
         return out
 
 
+class FusedMLAModel(NamedTuple):
+    """Every decoder layer of a short-query step as one `mla_decode_layers` kernel call (its
+    argument layout: hearth/ops/csrc/mla_layers.h)."""
+
+    op: Callable  # kernels.ops.mla_decode_layers
+    weights: list[torch.Tensor]  # kMlaSlots per layer
+    qtypes: list[int]  # kMlaTypes per layer
+    moe: list[int]  # per layer: 1 DeepSeek MoE, 0 dense MLP
+    moe_blocks: list[DeepseekMoE | None]  # whose expert_counts the router adds to
+    kernels: object
+    int8_act: bool
+    cos: torch.Tensor
+    sin: torch.Tensor
+    dims: list[int]
+    fdims: list[float]
+
+
+def _packed(q) -> list[torch.Tensor]:
+    """A PackedWeight's tensors in the kernels' argument order."""
+    return [q.qs, q.d, q.m]
+
+
+def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
+    """The fused short-query path's arguments, or None where the kernel does not cover this
+    model as built: no CPU kernels, tensor parallelism (the kernel has no all-reduce), a linear
+    without packed weights or with a bias, float experts, mixed activation formats."""
+    kernels = getattr(model.attn_backend, "kernels", None)
+    if (kernels is None or not hasattr(kernels.ops, "mla_decode_layers") or model.tp.size > 1
+            or not model.layers):
+        return None
+    empty = torch.empty(0)
+    weights, qtypes, moe_flags, blocks, int8 = [], [], [], [], set()
+    dense_width = shared_width = 0
+    first = model.layers[0].self_attn
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_linear = attn.q_b_proj if attn.q_lora_rank else attn.q_proj
+        dense = mlp if isinstance(mlp, LlamaMLP) else mlp.shared_experts
+        linears = [attn.qkv_a_proj, q_linear, attn.o_proj]
+        if dense is not None:
+            linears += [dense.gate_up_proj, dense.down_proj]
+        if (not isinstance(attn, MLAAttention) or any(m.qweight is None or m.bias is not None
+                                                      for m in linears)
+                or attn.kv_b_proj.weight.dtype != torch.float32):
+            return None
+        int8.update(m.qweight.int8_act for m in linears)
+        weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                    *_packed(attn.qkv_a_proj.qweight),
+                    attn.q_a_layernorm.weight if attn.q_lora_rank else empty,
+                    *_packed(q_linear.qweight), attn.kv_a_layernorm.weight,
+                    attn.kv_b_proj.weight.contiguous(), *_packed(attn.o_proj.qweight)]
+        weights += ([t for m in linears[3:] for t in _packed(m.qweight)] if dense is not None
+                    else [empty] * 6)
+        types = [m.qweight.qtype for m in linears] + [0, 0] * (dense is None)
+        if isinstance(mlp, DeepseekMoE):
+            experts = mlp.experts
+            bias = mlp.e_score_correction_bias
+            if (experts.qw13 is None or mlp.gate.dtype != torch.float32
+                    or (bias is not None and bias.dtype != torch.float32)):
+                return None
+            int8.add(experts.qw13.int8_act)
+            weights += [mlp.gate, empty if bias is None else bias, experts.w13, experts.w2,
+                        *_packed(experts.qw13), *_packed(experts.qw2)]
+            types += [experts.qw13.qtype, experts.qw2.qtype]
+            shared_width = dense.inter if dense is not None else 0
+            blocks.append(mlp)
+        else:
+            dense_width = mlp.inter
+            weights += [empty] * 10
+            types += [0, 0]
+            blocks.append(None)
+        qtypes += types
+        moe_flags.append(int(isinstance(mlp, DeepseekMoE)))
+    if len(int8) > 1:
+        return None  # 8-bit activations in some linears only: the module path
+    spec = model.arch.moe
+    experts = next((b.experts for b in blocks if b is not None), None)
+    dims = [first.num_heads, first.nope, first.rope, first.v_dim, first.rank,
+            first.q_lora_rank or 0, spec.num_experts_per_tok, spec.n_group, spec.topk_group,
+            int(spec.scoring_func == "sigmoid"), TOPK_METHODS.index(spec.topk_method),
+            int(spec.norm_topk_prob), experts.expert_start if experts is not None else 0,
+            dense_width, shared_width]
+    return FusedMLAModel(kernels.ops.mla_decode_layers, weights, qtypes, moe_flags, blocks,
+                         kernels, int8.pop(), first.rotary.cos, first.rotary.sin, dims,
+                         [model.layers[0].input_layernorm.eps, first.scale,
+                          spec.routed_scaling_factor])
+
+
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 / V3, Kimi K2: the decoder stack of the Llama family with MLA attention and
     DeepSeek's MoE in every layer the arch's `MoeSpec` marks sparse."""
@@ -215,3 +304,28 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if not self.arch.is_moe_layer(layer):
             return LlamaMLP(self.arch, self.tp)
         return DeepseekMoE(self.arch, self.tp, self.expert_parallel)
+
+    def enable_fused_decode(self) -> bool:
+        """Steps of short queries only (decodes, verify steps) run every layer in one
+        `mla_decode_layers` kernel call where `fuse_mla_layers` covers the model as built.
+        Returns whether they do."""
+        self._fused_all = fuse_mla_layers(self)
+        return self._fused_all is not None
+
+    def _decode_layers(self, hidden, residual, positions, meta, kv_caches):
+        f = self._fused_all
+        caches = (kv_caches[:, 0].unbind(0) if isinstance(kv_caches, torch.Tensor)
+                  else [kv[0] for kv in kv_caches])
+        if caches[0].dtype not in (torch.float32, torch.bfloat16):  # int8 / fp8 rows: modules
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(hidden, residual, positions, meta, kv_cache)
+            return hidden, residual
+        counts = [self._no_counts if b is None or b.expert_counts is None else b.expert_counts
+                  for b in f.moe_blocks]
+        return f.op(hidden, hidden if residual is None else residual, residual is not None,
+                    f.weights, f.qtypes, f.moe, counts, f.cos, f.sin, positions, caches,
+                    meta.slot_mapping, meta.short_block_table_i32, meta.short_context_lens,
+                    f.dims, f.fdims, f.kernels.decode_split, f.kernels.threads.count,
+                    f.int8_act, meta.short_query_lens)
+
+    _no_counts = torch.empty(0, dtype=torch.int64)

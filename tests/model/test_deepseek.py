@@ -127,6 +127,33 @@ def test_default_formats_agree_with_float32(tiny_deepseek):
         fast.engine.close()
 
 
+def test_fused_decode_layers_serve_the_fast_formats(tiny_deepseek):
+    """Where the CPU kernels run, decode and speculative verify steps of the fast formats go
+    through one `mla_decode_layers` call for all layers; tokens and logprobs equal the module
+    path's (two engines from the same start: a second run in one engine would draft from the
+    first run's outputs, and a verify row rounds differently from a decode row)."""
+    runs = []
+    for fused in (True, False):
+        llm = LLM(tiny_deepseek, quantization="q8_0", kv_cache_dtype="bfloat16",
+                  speculative=SpeculativeConfig(method="suffix"))
+        try:
+            model = llm.engine.executor.model
+            if getattr(model.attn_backend, "kernels", None) is None:
+                pytest.skip("no CPU kernel build is usable here")
+            assert model._fused_all.op == torch.ops.hearth.mla_decode_layers
+            if not fused:
+                model._fused_all = None
+            runs.append(llm.generate(PROMPTS + [PROMPTS[0] * 3], GREEDY))
+            assert llm.engine.kv_pool_is_whole()
+            assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        finally:
+            llm.engine.close()
+    for g, w in zip(*runs):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-3
+
+
 def test_broken_deepseek_checkpoints_fail_at_load_naming_the_problem(tmp_path: Path):
     from safetensors.torch import load_file, save_file
 

@@ -616,6 +616,115 @@ def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
     assert_same_cache(layer_kv, module_kv)
 
 
+def quantize_for_kernels(model, kernels) -> None:
+    """Q8_0 copies of every linear (and MoE expert stack) of `model`, as quantize_model
+    attaches them."""
+    from hearth.models.moe import FusedMoE
+
+    for m in model.modules():
+        if hasattr(m, "set_quantized") and m.weight.shape[1] % 32 == 0:
+            m.set_quantized(pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(m.weight.data)), kernels)
+        elif isinstance(m, FusedMoE):
+            m.set_quantized_experts(*(pack_ggml(QTYPE_IDS["q8_0"],
+                                                quantize_q8_0(w.data.reshape(-1, w.shape[2])))
+                                      for w in (m.w13, m.w2)), kernels)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["v3", "v2-no-q-lora"])
+def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
+    """DeepSeek-V3 / V2 layers (MLA + dense or DeepSeek MoE MLP) on a step of short queries
+    (decodes and 1 + k verify rows): the one `mla_decode_layers` call equals the modules (the
+    same kernels and torch ops one by one): hidden states, residual, the latent rows written,
+    the router's expert counts. V3: sigmoid + noaux_tc router with a correction bias, a q
+    bottleneck, shared experts, rows of 40 (the attention's generic loop); V2: softmax +
+    group_limited_greedy, q_proj, no shared experts, rows of 64 (its AVX-512 path)."""
+    from hearth.models.arch import MlaSpec, ModelArch, MoeSpec
+    from hearth.models.deepseek import DeepseekV3ForCausalLM
+
+    v3 = variant == "v3"
+    mla = MlaSpec(kv_lora_rank=32 if v3 else 56, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, q_lora_rank=32 if v3 else None)
+    moe = MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=32,
+                  dense_layers=(0,), scoring_func="sigmoid" if v3 else "softmax",
+                  topk_method="noaux_tc" if v3 else "group_limited_greedy", n_group=4,
+                  topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1 if v3 else 0,
+                  norm_topk_prob=v3)
+    arch = ModelArch("deepseek_v3" if v3 else "deepseek_v2", vocab_size=96, hidden_size=64,
+                     intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=4,
+                     head_dim=24, max_position_embeddings=256, moe=moe, mla=mla)
+    torch.manual_seed(11)
+    model = DeepseekV3ForCausalLM(arch)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    for norm in (m for m in model.modules() if type(m).__name__ == "RMSNorm"):
+        norm.weight.data.normal_(1.0, 0.1)
+    for layer in model.layers[1:]:
+        layer.mlp.gate.data.normal_(0, 1.0)  # well-separated routing scores
+    model.use_kernels(kernels)
+    quantize_for_kernels(model, kernels)
+    assert model.enable_fused_decode()
+    calls = []
+    op = model._fused_all.op
+    model._fused_all = model._fused_all._replace(
+        op=lambda *a, _op=op: calls.append("mla") or _op(*a))
+    block_size, num_blocks = 16, 24
+    context_lens, query_lens = [40, 7, 100], [5, 7, 1]
+    gen = torch.Generator().manual_seed(12)
+    tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+    kv = random_cache(gen, (arch.num_layers, 1, num_blocks, block_size, 1, mla.latent_dim),
+                      cache_dtype)
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    ids = torch.randint(0, 96, (sum(query_lens),), generator=gen)
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)])
+    blocks = [layer.mlp for layer in model.layers[1:]]
+    results = []
+    for fused in (model._fused_all, None):
+        model._fused_all = fused
+        for b in blocks:
+            b.expert_counts = torch.zeros(8, dtype=torch.int64)
+        step_kv = kv.clone()
+        with torch.inference_mode():
+            hidden, _ = model(ids, positions, meta, step_kv)
+        results.append((hidden, step_kv, [b.expert_counts.clone() for b in blocks]))
+    assert calls == ["mla"]  # the fused run was one call; the module run none
+    (got, got_kv, got_counts), (want, want_kv, want_counts) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_same_cache(got_kv, want_kv)
+    assert [c.tolist() for c in got_counts] == [c.tolist() for c in want_counts]
+    assert sum(c.sum().item() for c in got_counts) == 2 * 2 * sum(query_lens)
+
+
+def test_fused_mla_layers_reject_what_they_do_not_cover(kernels):
+    """Lists of the wrong length, a cache of another width or dtype: a clear error, no write."""
+    x = torch.randn(1, 64)
+    pos, slots = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    table, ctx = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    cos = torch.ones(16, 4)
+    dims = [4, 16, 8, 16, 32, 32, 2, 4, 2, 1, 2, 1, 0, 96, 32]
+    kvb = torch.zeros(4 * 32, 32)
+    w = [torch.empty(0)] * 30
+    w[10] = kvb
+
+    def call(caches, weights=w, types=[0] * 7, d=dims):
+        return kernels.ops.mla_decode_layers(x, x, False, weights, types, [0], [torch.empty(0)],
+                                             cos, cos, pos, caches, slots, table, ctx, d,
+                                             [1e-6, 0.1, 1.0], 512, 1)
+
+    good = torch.zeros(2, 16, 1, 40)
+    with pytest.raises(RuntimeError, match="per layer 30 tensors"):
+        call([good], weights=w[:29])
+    with pytest.raises(RuntimeError, match="15 dims"):
+        call([good], d=dims[:14])
+    with pytest.raises(RuntimeError, match="cache 0 must be float32 or bfloat16"):
+        call([torch.zeros(2, 16, 1, 48)])
+    with pytest.raises(RuntimeError, match="cache 0 must be float32 or bfloat16"):
+        call([torch.zeros(2, 16, 1, 40, dtype=torch.int8)])
+    with pytest.raises(RuntimeError, match="kv_b_proj float32"):
+        call([good], weights=w[:10] + [kvb[:64]] + w[11:])
+    assert not good.any()
+
+
 def test_decode_layers_rejects_mismatched_lists(kernels):
     x = torch.randn(1, 32)
     kc = torch.zeros(2, 16, 1, 32)

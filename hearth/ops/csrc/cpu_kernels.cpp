@@ -18,11 +18,13 @@
 //   decode_layer     a whole decoder layer for a step of short queries.
 //   moe_experts      a Mixture-of-Experts layer's experts (moe.h): pairs sorted by expert, only
 //                    the active experts' weights read, quantized for few-row steps.
+//   mla_decode_layers whole DeepSeek-V2/V3 / Kimi K2 decoder layers (MLA + dense or DeepSeek
+//                    MoE MLP) for a step of short queries (mla_layers.h).
 //
 // One family per header, all in this one translation unit (so the build and its ISA probes stay
 // one library per ISA): common.h (block constants, conversions, the task pool), qlinear.h,
 // elementwise.h, decode_attention.h, prefill_attention.h, amx_attention.h (AMX build only),
-// decode_layers.h, moe.h; the op registration is below.
+// decode_layers.h, moe.h, mla_layers.h; the op registration is below.
 //
 // The same source is compiled several times by hearth/ops/build_kernels.py: AVX-512 + VNNI
 // (-mavx512f/bw/vl/dq -mavx512vnni), AVX-512 and AVX2; the loader picks the best build this CPU
@@ -59,6 +61,7 @@ namespace {
 #include "amx_attention.h"
 #include "decode_layers.h"
 #include "moe.h"  // moe_experts (Mixture-of-Experts layers), on qlinear's tiles
+#include "mla_layers.h"  // mla_decode_layers (DeepSeek-V2/V3, Kimi K2), on all of the above
 
 }  // namespace
 }  // namespace hearth
@@ -103,6 +106,12 @@ TORCH_LIBRARY(hearth, m) {
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "int expert_start, Tensor[] q, int[] qtypes, int threads=64, bool int8_act=False) -> Tensor",
         &hearth::moe_experts);
+  m.def("mla_decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] w, "
+        "int[] types, int[] moe, Tensor(b!)[] counts, Tensor cos, Tensor sin, Tensor positions, "
+        "Tensor(c!)[] caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+        "int[] dims, float[] fdims, int split, int threads=64, bool int8_act=False, "
+        "Tensor? query_lens=None) -> (Tensor, Tensor)",
+        &hearth::mla_decode_layers);
   m.def("moe_topk(Tensor logits, int k, bool renormalize, Tensor(a!) counts) -> (Tensor, Tensor)",
         &hearth::moe_topk);
   m.def("repack_ggml(Tensor[] parts, int[] rows_per_group, int groups, int qtype, int threads=64) "

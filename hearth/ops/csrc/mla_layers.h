@@ -1,0 +1,278 @@
+// Whole DeepSeek-V2/V3 / Kimi K2 decoder layers for steps of short queries (mla_decode_layers).
+//
+// A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
+// namespace hearth::(anonymous), after the headers listed before it there.
+//
+// The same math as hearth/models/deepseek.py's modules on their short-query path, in the same
+// order, one Python call per step instead of ~250 torch ops: a decode step of the 12-layer MLA
+// bench model spent ~5 ms of its ~16 in Python dispatch and small tensor ops.
+//   attention: [q_c | c | k_pe] = qlinear(norm(x)); q = q_b(norm(q_c)) (or q_proj(norm(x)));
+//              the latent row [norm(c) | rope(k_pe)] into the cache; the query absorbed
+//              (q_nope_h W_UK_h | rope(q_pe_h)); decode_attention over the latent rows as one
+//              KV head; the output through W_UV_h; o_proj.
+//   MLP:       dense (gate_up, SiLU-mul, down), or DeepSeek's MoE: router logits in fp32, the
+//              grouped top-k (`route_grouped` in hearth/models/moe.py), moe_experts on the
+//              packed experts, plus the shared experts' dense MLP.
+
+// Tensors per layer in mla_decode_layers' `w` (an undefined slot: an empty tensor):
+//   in/post norms, the packed [qs, d, m] of qkv_a / q (q_b_proj, or q_proj without a q
+//   bottleneck) / o_proj / gate_up / down (the dense MLP, or the shared experts), the q and kv
+//   bottleneck norms, kv_b_proj's float32 weight [H (nope + v), L] (W_UK and W_UV, absorbed),
+//   the router [E, hidden] float32 and its correction bias [E], the experts' stacked float
+//   weights (shapes only) and their packed [qs, d, m] rows.
+enum MlaSlot : int64_t {
+  kMlaInNorm = 0, kMlaPostNorm = 1, kMlaQkvA = 2, kMlaQANorm = 5, kMlaQ = 6, kMlaKvANorm = 9,
+  kMlaKvB = 10, kMlaO = 11, kMlaGateUp = 14, kMlaDown = 17, kMlaRouter = 20, kMlaBias = 21,
+  kMlaW13 = 22, kMlaW2 = 23, kMlaQ13 = 24, kMlaQ2 = 27, kMlaSlots = 30
+};
+// ggml types per layer in `types`: qkv_a, q, o, gate_up, down, experts' w13, experts' w2.
+constexpr int64_t kMlaTypes = 7;
+// `dims`: heads, qk_nope, qk_rope, v_head, kv_lora_rank (L), q_lora_rank (0: none), top_k,
+// n_group, topk_group, scoring (0 softmax, 1 sigmoid), method (0 greedy, 1
+// group_limited_greedy, 2 noaux_tc), renormalize, expert_start, dense width, shared width.
+// `fdims`: rms eps, softmax scale, routed scaling factor.
+constexpr int64_t kMlaDims = 15, kMlaFdims = 3;
+
+// DeepSeek's router for T tokens (hearth/models/moe.py `route_grouped`, in fp32): scores by
+// softmax or sigmoid; noaux_tc / group_limited_greedy keep only the experts of the topk_group
+// best of n_group groups (worth: the sum of a group's two best biased scores / its best score);
+// the top k of score + bias (ties: the lower id); weights are the unbiased scores,
+// renormalised, times `scaling`. Each pick adds 1 to counts[e] when `counts` is given.
+void route_grouped_rows(const float* logits, int64_t T, int64_t E, int64_t k, int64_t scoring,
+                        int64_t method, int64_t n_group, int64_t topk_group, bool renormalize,
+                        float scaling, const float* bias, float* wout, int64_t* iout,
+                        int64_t* counts) {
+  std::vector<float> score(E), choice(E), group_worth(std::max<int64_t>(n_group, 1));
+  std::vector<int64_t> order(E), groups(std::max<int64_t>(n_group, 1));
+  const int64_t per_group = E / std::max<int64_t>(n_group, 1);
+  auto better = [](const std::vector<float>& v) {
+    return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    if (scoring == 1) {
+      for (int64_t e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    } else {
+      const float mx = *std::max_element(l, l + E);
+      float sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += (score[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) score[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; ++e) choice[e] = score[e] + (bias ? bias[e] : 0.0f);
+    if (method != 0 && n_group > 1) {
+      for (int64_t g = 0; g < n_group; ++g) {
+        const float* c = choice.data() + g * per_group;
+        float best = -INFINITY, second = -INFINITY;
+        for (int64_t j = 0; j < per_group; ++j) {
+          if (c[j] > best) {
+            second = best;
+            best = c[j];
+          } else if (c[j] > second) {
+            second = c[j];
+          }
+        }
+        group_worth[g] = method == 2 ? best + second : best;
+        groups[g] = g;
+      }
+      std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.begin() + n_group,
+                        better(group_worth));
+      std::vector<bool> keep(n_group, false);
+      for (int64_t j = 0; j < topk_group; ++j) keep[groups[j]] = true;
+      for (int64_t e = 0; e < E; ++e)
+        if (!keep[e / per_group]) choice[e] = -INFINITY;
+    }
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), better(choice));
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += score[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      const float w = score[order[j]];
+      wout[t * k + j] = (renormalize ? w / (sum + 1e-20f) : w) * scaling;
+      iout[t * k + j] = order[j];
+      if (counts) ++counts[order[j]];
+    }
+  }
+}
+
+// One MLA decoder layer (see the top of this file); `residual` is updated in place (and is `x`
+// itself for the first layer). Returns (the MLP's output, residual).
+std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList w,
+    at::IntArrayRef types, bool moe, const at::Tensor& counts, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& positions, at::Tensor& cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, at::IntArrayRef dims, at::ArrayRef<double> fdims,
+    int64_t split, int64_t threads, bool int8_act, const std::optional<at::Tensor>& query_lens) {
+  const int64_t H = dims[0], nope = dims[1], R = dims[2], V = dims[3], L = dims[4];
+  const int64_t q_lora = dims[5], qk = nope + R, D = L + R;
+  const float eps = static_cast<float>(fdims[0]);
+  const int64_t T = x.size(0), hidden = x.size(1);
+  auto lin = [&](const at::Tensor& in, int64_t slot, int64_t type, int64_t out_features) {
+    return qlinear(in, w[slot], w[slot + 1], w[slot + 2], type, out_features, in.size(1), threads,
+                   int8_act);
+  };
+  at::Tensor residual = has_residual ? residual_in : x;
+  at::Tensor normed = has_residual ? add_rms_norm(x, residual, w[kMlaInNorm], eps)
+                                   : rms_norm(x, w[kMlaInNorm], eps);
+  // [q_c |] c | k_pe, then the per-head query [T, H * (nope + R)]
+  at::Tensor a = lin(normed, kMlaQkvA, types[0], q_lora + D);
+  const float* ap = a.data_ptr<float>();
+  at::Tensor q;
+  if (q_lora) {
+    at::Tensor qc = at::empty({T, q_lora}, a.options());
+    const float* wn = w[kMlaQANorm].data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      rms_row(ap + t * (q_lora + D), wn, eps, q_lora, qc.data_ptr<float>() + t * q_lora);
+    q = lin(qc, kMlaQ, types[1], H * qk);
+  } else {
+    q = lin(normed, kMlaQ, types[1], H * qk);
+  }
+  // RoPE (rotate-half, fp32) on k_pe and each head's q_pe; the latent row into the cache; the
+  // absorbed query's rope part.
+  at::Tensor q_lat = at::empty({T, H, D}, a.options());
+  float* qlp = q_lat.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* slp = slot_mapping.data_ptr<int64_t>();
+  const float* kv_norm = w[kMlaKvANorm].data_ptr<float>();
+  const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
+  const int64_t half = R / 2;
+  std::vector<float> row(D);
+  auto rotate = [&](const float* in, float* out, int64_t t) {
+    const float* c = cp + pp[t] * half;
+    const float* s = sp + pp[t] * half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float x1 = in[j], x2 = in[j + half];
+      out[j] = x1 * c[j] - x2 * s[j];
+      out[j + half] = x2 * c[j] + x1 * s[j];
+    }
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* lat = ap + t * (q_lora + D) + q_lora;
+    rms_row(lat, kv_norm, eps, L, row.data());
+    rotate(lat + L, row.data() + L, t);
+    if (bf16_cache) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr()) + slp[t] * D;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) dst[j] = float_to_bf16(row[j]);
+    } else {
+      std::memcpy(cache.data_ptr<float>() + slp[t] * D, row.data(), D * sizeof(float));
+    }
+    for (int64_t h = 0; h < H; ++h)
+      rotate(qp + (t * H + h) * qk + nope, qlp + (t * H + h) * D + L, t);
+  }
+  // q_lat_h[:L] = q_nope_h W_UK_h (kv_b_proj rows [h (nope + v), h (nope + v) + nope))
+  const float* kvb = w[kMlaKvB].data_ptr<float>();
+  parallel_tasks(H, [&](int64_t h) {
+    const float* wuk = kvb + h * (nope + V) * L;
+    for (int64_t t = 0; t < T; ++t) std::fill_n(qlp + (t * H + h) * D, L, 0.0f);
+    for (int64_t n = 0; n < nope; ++n) {
+      const float* wr = wuk + n * L;
+      for (int64_t t = 0; t < T; ++t) {
+        const float s = qp[(t * H + h) * qk + n];
+        float* o = qlp + (t * H + h) * D;
+#pragma omp simd
+        for (int64_t j = 0; j < L; ++j) o[j] += s * wr[j];
+      }
+    }
+  }, threads);
+  at::Tensor o_lat = decode_attention(q_lat, cache, cache, block_tables, context_lens,
+                                      fdims[1], split, threads, query_lens);  // [T, H, D]
+  // out_h = o_lat_h[:L] W_UV_h^T (kv_b_proj rows [h (nope + v) + nope, (h + 1)(nope + v)))
+  at::Tensor attn = at::empty({T, H * V}, a.options());
+  const float* olp = o_lat.data_ptr<float>();
+  float* attp = attn.data_ptr<float>();
+  parallel_tasks(H, [&](int64_t h) {
+    const float* wuv = kvb + (h * (nope + V) + nope) * L;
+    for (int64_t j = 0; j < V; ++j) {
+      const float* wr = wuv + j * L;
+      for (int64_t t = 0; t < T; ++t) {
+        const float* o = olp + (t * H + h) * D;
+        float s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t l = 0; l < L; ++l) s += o[l] * wr[l];
+        attp[t * H * V + h * V + j] = s;
+      }
+    }
+  }, threads);
+  at::Tensor h_out = lin(attn, kMlaO, types[2], hidden);
+  at::Tensor normed2 = add_rms_norm(h_out, residual, w[kMlaPostNorm], eps);
+  auto dense_mlp = [&](int64_t width) {
+    at::Tensor gu = lin(normed2, kMlaGateUp, types[3], 2 * width);
+    return lin(silu_mul(gu), kMlaDown, types[4], hidden);
+  };
+  if (!moe) return {dense_mlp(dims[13]), residual};
+  const at::Tensor& router = w[kMlaRouter];
+  at::Tensor logits = at::mm(normed2, router.t());
+  const int64_t E = router.size(0), k = dims[6];
+  at::Tensor topk_w = at::empty({T, k}, a.options());
+  at::Tensor topk_ids = at::empty({T, k}, a.options().dtype(at::kLong));
+  route_grouped_rows(logits.data_ptr<float>(), T, E, k, dims[9], dims[10], dims[7], dims[8],
+                     dims[11] != 0, static_cast<float>(fdims[2]),
+                     w[kMlaBias].numel() ? w[kMlaBias].data_ptr<float>() : nullptr,
+                     topk_w.data_ptr<float>(), topk_ids.data_ptr<int64_t>(),
+                     counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
+  at::Tensor out = moe_experts(normed2, w[kMlaW13], w[kMlaW2], topk_w, topk_ids, dims[12],
+                               {w[kMlaQ13], w[kMlaQ13 + 1], w[kMlaQ13 + 2], w[kMlaQ2],
+                                w[kMlaQ2 + 1], w[kMlaQ2 + 2]},
+                               {types[5], types[6]}, threads, int8_act);
+  if (w[kMlaGateUp].numel()) out.add_(dense_mlp(dims[14]));
+  return {out, residual};
+}
+
+// Layers [0, n) of an MLA model for a step of short queries only, in one call. Per layer l:
+// w[kMlaSlots l ..], types[kMlaTypes l ..], moe[l] (1: DeepSeek MoE, 0: dense MLP), counts[l]
+// (the router's per-expert counts, or empty), caches[l] ([blocks, block_size, 1, L + R],
+// float32 or bfloat16). Returns (hidden, residual) after the last layer.
+std::tuple<at::Tensor, at::Tensor> mla_decode_layers(
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList w,
+    at::IntArrayRef types, at::IntArrayRef moe, at::TensorList counts, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& positions, at::TensorList caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, at::IntArrayRef dims, at::ArrayRef<double> fdims,
+    int64_t split, int64_t threads, bool int8_act, const std::optional<at::Tensor>& query_lens) {
+  const int64_t n = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(w.size()) == kMlaSlots * n &&
+                  static_cast<int64_t>(types.size()) == kMlaTypes * n &&
+                  static_cast<int64_t>(moe.size()) == n &&
+                  static_cast<int64_t>(counts.size()) == n,
+              "mla_decode_layers: per layer ", kMlaSlots, " tensors, ", kMlaTypes,
+              " types, a MoE flag, a counts tensor and a cache");
+  TORCH_CHECK(dims.size() == kMlaDims && fdims.size() == kMlaFdims, "mla_decode_layers: ",
+              kMlaDims, " dims and ", kMlaFdims, " float dims");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "mla_decode_layers: x float32 [T, hidden]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.numel() == x.size(0) && slot_mapping.numel() == x.size(0),
+              "mla_decode_layers: int64 positions and slots, one per token");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) * 2 == dims[2],
+              "mla_decode_layers: float32 cos/sin tables [positions, rope / 2]");
+  const int64_t D = dims[4] + dims[2];
+  for (int64_t l = 0; l < n; ++l) {
+    const at::Tensor& c = caches[l];
+    TORCH_CHECK(c.is_contiguous() && c.dim() == 4 && c.size(2) == 1 && c.size(3) == D &&
+                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16),
+                "mla_decode_layers: cache ", l, " must be float32 or bfloat16 [blocks, block, 1, ",
+                D, "]");
+    const at::Tensor& kvb = w[kMlaSlots * l + kMlaKvB];
+    TORCH_CHECK(kvb.scalar_type() == at::kFloat && kvb.is_contiguous() &&
+                    kvb.numel() == dims[0] * (dims[1] + dims[3]) * dims[4],
+                "mla_decode_layers: kv_b_proj float32 [H (nope + v), L] in layer ", l);
+  }
+  at::Tensor hidden = x, residual = residual_in;
+  bool has = has_residual;
+  for (int64_t l = 0; l < n; ++l) {
+    at::Tensor cache = caches[l];
+    std::tie(hidden, residual) = mla_decode_layer(
+        hidden, residual, has, w.slice(kMlaSlots * l, kMlaSlots),
+        types.slice(kMlaTypes * l, kMlaTypes), moe[l] != 0, counts[l], cos, sin, positions,
+        cache, slot_mapping, block_tables, context_lens, dims, fdims, split, threads, int8_act,
+        query_lens);
+    has = true;
+  }
+  return {hidden, residual};
+}
