@@ -804,11 +804,14 @@ def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cac
 
 
 @pytest.mark.parametrize("width,cache_dtype", [(320, torch.float32), (576, torch.bfloat16),
-                                               (48, torch.float32)])
+                                               (320, torch.bfloat16), (48, torch.float32)])
 def test_short_queries_over_one_wide_latent_head_equal_torch(kernels, width, cache_dtype):
     """MLA's absorbed decode: every query head attends to one shared row per token (KV head
     count 1, rows of 320 / 576 values: the AVX-512 wide path; 48: the generic one), value = the
-    same row; decodes and multi-token verify steps, contexts across splits, bf16 cache."""
+    same row; decodes and multi-token verify steps, contexts across splits, bf16 cache. Where
+    the build takes AVX512-BF16 dot products for a bf16 cache (`bf16_dot_products`), the query
+    and the probabilities are rounded to bf16 as the cache is: float32 math is held to 1e-4,
+    that path to bf16's rounding (~2^-9 of a value), on the largest and on the mean error."""
     gen = torch.Generator().manual_seed(7)
     block_size, heads = 16, 16
     query_lens, context_lens = [1, 3, 1, 16], [1, 37, 700, 300]
@@ -833,4 +836,9 @@ def test_short_queries_over_one_wide_latent_head_equal_torch(kernels, width, cac
         probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)
         want.append(torch.einsum("hqk,kd->qhd", probs, rows))
         start += q_len
-    torch.testing.assert_close(got, torch.cat(want), atol=1e-4, rtol=1e-4)
+    want = torch.cat(want)
+    if cache_dtype == torch.bfloat16 and kernels.ops.bf16_dot_products():
+        err = (got - want).abs()
+        assert err.max() < 8e-3 and err.mean() < 5e-4, (err.max(), err.mean())
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -66,3 +66,14 @@ void parallel_tasks(int64_t n, const F& f, int64_t threads) {
       f(i);
   }
 }
+
+// Whether the attention kernels take AVX512-BF16 dot products for bf16 caches (decode_attention.h:
+// MLA's wide latent rows): an AVX-512 build on a CPU that has them.
+bool bf16_dot_products() {
+#if defined(__AVX512F__)
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+#else
+  return false;
+#endif
+}

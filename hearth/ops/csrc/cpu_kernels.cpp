@@ -117,6 +117,7 @@ TORCH_LIBRARY(hearth, m) {
   m.def("repack_ggml(Tensor[] parts, int[] rows_per_group, int groups, int qtype, int threads=64) "
         "-> Tensor[]", &hearth::repack_ggml);
   m.def("isa() -> int", &hearth::isa);
+  m.def("bf16_dot_products() -> bool", &hearth::bf16_dot_products);
   m.def("amx_attention_usable() -> bool", &hearth::amx_attention_usable);
   m.def("amx_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "int ctx_len, float scale, int threads) -> Tensor", &hearth::amx_prefill_attention);
