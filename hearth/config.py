@@ -167,6 +167,9 @@ class KVOffloadConfig:
     max_pending_blocks: int = 128  # staging buffers of blocks waiting to be written
     load_timeout_seconds: float = 5.0  # a load still running then ends; the rest is recomputed
     num_load_threads: int = 2
+    # blocks of waiting requests read ahead into host memory (a record's bytes each), so their
+    # admission copies them in instead of waiting for a load; 0: no prefetch
+    max_prefetch_blocks: int = 256
 
     @property
     def enabled(self) -> bool:

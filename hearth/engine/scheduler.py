@@ -53,8 +53,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.importing: list[Request] = []  # blocks allocated, KV arriving from a prefill worker
-        # (request, pool hits) -> blocks after them held by a KV tier (kv_tiers.py); None: no tiers
+        # (request, pool hits) -> blocks after them held by a KV tier (kv/tiers.py); None: no tiers
         self.store_lookup: Callable[[Request, int], int] | None = None
+        # (request, pool hits, n) -> whether those n tier blocks are read ahead into host memory,
+        # and -> how many of them were copied into its blocks (kv/tiers.py: prefetch)
+        self.store_ready: Callable[[Request, int, int], bool] | None = None
+        self.store_fill: Callable[[Request, int, int], int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -124,6 +128,12 @@ class Scheduler:
                     break
                 continue
             num_stored = self.store_lookup(req, len(hits)) if self.store_lookup else 0
+            if num_stored and self.store_ready and self.store_ready(req, len(hits), num_stored):
+                left = self._admit_filled(req, hits, num_stored, out, budget)
+                if left is None:
+                    break
+                budget = left
+                continue
             if num_stored:  # its prefix continues in a lower tier: load it, don't recompute
                 if not self._admit_load(req, hits, num_stored, out):
                     break
@@ -147,6 +157,23 @@ class Scheduler:
         """Like an import: adopt the pool's hits, allocate the `num_stored` blocks that follow
         and park the request until the store has filled them (no token budget)."""
         return self._park(req, hits, num_stored * self.kv.block_size, out.kv_loads)
+
+    def _admit_filled(self, req: Request, hits: list, num_stored: int, out: SchedulerOutput,
+                      budget: int) -> int | None:
+        """Its tier blocks were read ahead: allocate, copy them in now and run the rest of the
+        prompt in this step (no load to wait for). The budget left, or None if blocks are short."""
+        bs = self.kv.block_size
+        num_new = min(req.num_tokens - (len(hits) + num_stored) * bs, budget)
+        if not self.kv.allocate(req, num_stored * bs + num_new, hits):
+            return None
+        self._take_waiting(req, hits, RequestStatus.RUNNING)
+        req.num_computed_tokens += self.store_fill(req, len(hits), num_stored) * bs
+        self.kv.register_computed_blocks(req)
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+                      len(req.block_ids) * bs - req.num_computed_tokens)
+        self.running.append(req)
+        out.scheduled.append((req, num_new))
+        return budget - num_new
 
     def _park(self, req: Request, hits: list, num_new: int, into: list[Request]) -> bool:
         if not self.kv.allocate(req, num_new, hits):

@@ -4,6 +4,8 @@ memory, a directory) or Mooncake Store (hearth/kv_tiers/mooncake_store.py).
     pool --evict--> staging buffer (memcpy, engine thread) --> writer thread --> tiers[0]
                                                              host (LRU) --overflow--> disk|shared
     admission --start_load--> loader threads: read record, check it, copy into the pool block
+    waiting request --prefetch--> prefetch threads: read record, check it, hold it in host memory
+                     admission --fill--> copy it into the pool block (engine thread, a memcpy)
 
 Invariants:
   * every record is checked (hash, namespace, layout, length, crc32) before a byte reaches the
@@ -11,9 +13,13 @@ Invariants:
   * a load copies into the pool only under its state's lock, after checking it was not
     cancelled, so `cancel` returning means no write to its blocks follows;
   * nothing here blocks the engine thread on the store: `offload` is a memcpy or a drop,
-    `contains` an index lookup (at most a stat, or a 50 ms-bounded Mooncake lookup), loads and
-    writes run on threads; a failing store (disk full, directory gone, corrupt files, a dead
-    master) counts the error, drops the record and degrades to recompute.
+    `contains` an index lookup (at most a stat, or a 50 ms-bounded Mooncake lookup), `fill` a
+    memcpy of records already read; loads, prefetches and writes run on threads; a failing store
+    (disk full, directory gone, corrupt files, a dead master) counts the error, drops the
+    record and degrades to recompute;
+  * a prefetched record is held for the waiting requests that asked for it (its owners) and
+    leaves host memory when a load or `fill` takes it, or when its last owner is released;
+    the prefetch table is touched only by the engine thread (the threads only read records).
 
 A shared directory (several workers, one machine) is the directory tier with `shared`: a block
 not in this worker's index is looked up on disk (another worker may have written it), and a
@@ -40,6 +46,7 @@ from hearth.engine.kv.store_api import LoadResult, StoreEvents
 log = logging.getLogger("hearth.kv_tiers.store")
 
 READ_AHEAD = 2  # blocks of one load read and checked at once (the copies stay in order)
+PREFETCH_THREADS = 4  # reads of waiting requests' blocks in flight at once
 OVERFLOW_FACTOR = 4  # staged blocks in flight at most: this many times max_pending_blocks
 
 
@@ -48,6 +55,24 @@ class _LoadState:
         self.lock = threading.Lock()
         self.cancelled = False
         self.num_loaded = 0
+
+
+class _Prefetch:
+    """One block being read (or read) into host memory for the waiting requests that want it."""
+
+    __slots__ = ("future", "owners")
+
+    def __init__(self, future) -> None:
+        self.future = future  # of TieredStore._read: (tier, record, payload, error)
+        self.owners: set[str] = set()
+
+    def result(self):
+        """(tier, record, payload) once read and checked; None while reading or if it failed."""
+        f = self.future
+        if not f.done() or f.cancelled() or f.exception() is not None:
+            return None
+        tier, record, payload, _ = f.result()
+        return None if tier is None else (tier, record, payload)
 
 
 class TieredStore:
@@ -97,11 +122,16 @@ class TieredStore:
         self._loaders = ThreadPoolExecutor(max(1, config.num_load_threads),
                                            thread_name_prefix="hearth-kv-load")
         self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="hearth-kv-read")
+        self._prefetchers = ThreadPoolExecutor(PREFETCH_THREADS,
+                                               thread_name_prefix="hearth-kv-prefetch")
+        self._prefetched: dict[int, _Prefetch] = {}  # block hash -> read ahead (engine thread)
+        self._max_prefetched = max(0, config.max_prefetch_blocks)
         self._record_bytes = record_bytes(geometry)
         self._loads: dict[str, _LoadState] = {}
         self._done: list[LoadResult] = []
         self._done_event = threading.Event()
-        self.counters = dict(queue_depth=0, writes_dropped=0, loads=0, load_seconds=0.0)
+        self.counters = dict(queue_depth=0, writes_dropped=0, loads=0, load_seconds=0.0,
+                             prefetched=0, prefetch_used=0, prefetch_unused=0)
         self._closed = False
 
     def _event(self, kind: str, block_hash: int, tier: str) -> None:
@@ -164,36 +194,44 @@ class TieredStore:
     def start_load(self, load_id: str, block_hashes: list[int], block_ids: list[int]) -> None:
         state = _LoadState()
         self._loads[load_id] = state
-        self._loaders.submit(self._load, load_id, state, list(block_hashes), list(block_ids))
+        # Reads already started by `prefetch` move to this load (it waits for them, on its thread).
+        prefetched = [self._prefetched.pop(h, None) for h in block_hashes]
+        prefetched = [p.future if p is not None else None for p in prefetched]
+        self.counters["prefetch_used"] += sum(f is not None for f in prefetched)
+        self._loaders.submit(self._load, load_id, state, list(block_hashes), list(block_ids),
+                             prefetched)
 
     def _load(self, load_id: str, state: _LoadState, hashes: list[int],
-              block_ids: list[int]) -> None:
+              block_ids: list[int], prefetched: list) -> None:
         t0 = time.monotonic()
         result = LoadResult(load_id, 0)
-        shape = (*self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-        blocks = iter(zip(hashes, block_ids))
-        reads: deque = deque()  # (block id, future of _read): the next READ_AHEAD blocks
+        blocks = iter(zip(hashes, block_ids, prefetched))
+        reads: deque = deque()  # (hash, block id, future of _read, prefetched?): READ_AHEAD ahead
 
         def read_next() -> None:
             item = next(blocks, None)
             if item is not None:
-                reads.append((item[1], self._readers.submit(self._read, item[0])))
+                block_hash, block_id, future = item
+                reads.append((block_hash, block_id,
+                              future or self._readers.submit(self._read, block_hash),
+                              future is not None))
         try:
             for _ in range(READ_AHEAD):
                 read_next()
             while reads:  # reads overlap; copies into the pool stay in order
-                block_id, future = reads.popleft()
+                block_hash, block_id, future, was_prefetched = reads.popleft()
                 read_next()
                 tier, record, payload, error = future.result()
+                if tier is None and was_prefetched:  # read too early (e.g. still being written)
+                    tier, record, payload, error = self._read(block_hash)
                 if tier is None:
                     result.error = error
                     break
-                block = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype)
                 with state.lock:
                     if state.cancelled:
                         result.error = "cancelled"
                         break
-                    self.kv_cache[:, :, block_id].copy_(block.view(shape))
+                    self._copy_in(block_id, payload)
                     state.num_loaded += 1
                 tier.counters["hits"] += 1
                 tier.counters["bytes_read"] += len(record)
@@ -207,6 +245,78 @@ class TieredStore:
         with self._lock:
             self._done.append(result)
             self._done_event.set()
+
+    def _copy_in(self, block_id: int, payload: memoryview) -> None:
+        block = torch.frombuffer(payload, dtype=torch.uint8).view(self.kv_cache.dtype)
+        self.kv_cache[:, :, block_id].copy_(block.view(self._block_shape))
+
+    # ---- prefetch (a waiting request's blocks, read into host memory before admission) ------
+    def prefetch(self, owner: str, block_hashes: list[int]) -> int:
+        """Start reading the leading `block_hashes` into host memory for `owner` (reads already
+        started are shared). Stops at a block still being written or when the prefetch table
+        is full; returns how many of the blocks are read or being read."""
+        n = 0
+        for block_hash in block_hashes:
+            entry = self._prefetched.get(block_hash)
+            if entry is not None and entry.future.done() and entry.result() is None:
+                self._drop_prefetch(block_hash)  # its read failed: the record was dropped too
+                break
+            if entry is None:
+                if (self._closed or block_hash in self._pending
+                        or len(self._prefetched) >= self._max_prefetched):
+                    break
+                entry = _Prefetch(self._prefetchers.submit(self._read, block_hash))
+                self._prefetched[block_hash] = entry
+                self.counters["prefetched"] += 1
+            entry.owners.add(owner)
+            n += 1
+        return n
+
+    def ready(self, block_hashes: list[int]) -> int:
+        """How many leading blocks are in host memory, read and checked (never waits)."""
+        n = 0
+        for block_hash in block_hashes:
+            entry = self._prefetched.get(block_hash)
+            if entry is None or entry.result() is None:
+                break
+            n += 1
+        return n
+
+    def fill(self, block_hashes: list[int], block_ids: list[int]) -> int:
+        """Copy the leading blocks `ready` counts into pool blocks `block_ids` now (a memcpy
+        each, on the caller's thread: no read happens here); they leave host memory."""
+        n = 0
+        for block_hash, block_id in zip(block_hashes, block_ids):
+            entry = self._prefetched.get(block_hash)
+            read = entry.result() if entry is not None else None
+            if read is None:
+                break
+            tier, record, payload = read
+            del self._prefetched[block_hash]
+            self._copy_in(block_id, payload)
+            tier.counters["hits"] += 1
+            tier.counters["bytes_read"] += len(record)
+            self.counters["prefetch_used"] += 1
+            n += 1
+        return n
+
+    def release(self, owner: str) -> None:
+        """`owner` no longer waits (admitted, finished or aborted): drop the reads only it
+        wanted (a read in flight is cancelled or, once done, its buffer is let go)."""
+        for block_hash, entry in list(self._prefetched.items()):
+            entry.owners.discard(owner)
+            if not entry.owners:
+                self._drop_prefetch(block_hash)
+
+    def _drop_prefetch(self, block_hash: int) -> None:
+        entry = self._prefetched.pop(block_hash)
+        entry.future.cancel()
+        self.counters["prefetch_unused"] += 1
+
+    @property
+    def num_prefetched(self) -> int:
+        """Blocks read or being read ahead, held in host memory for waiting requests."""
+        return len(self._prefetched)
 
     def _read(self, block_hash: int):
         """(tier, record, payload, None) from the first tier holding a good copy, else
@@ -253,7 +363,7 @@ class TieredStore:
 
     def stats(self) -> dict[str, dict[str, float]]:
         out = {t.name: dict(t.counters) for t in self.tiers}
-        out["offload"] = dict(self.counters)
+        out["offload"] = dict(self.counters, prefetch_held=len(self._prefetched))
         return out
 
     def close(self, timeout: float = 10.0) -> None:
@@ -265,8 +375,11 @@ class TieredStore:
         self._writer.join(timeout)
         for load_id in list(self._loads):
             self.cancel(load_id)
+        for block_hash in list(self._prefetched):
+            self._drop_prefetch(block_hash)
         self._loaders.shutdown(wait=False, cancel_futures=True)
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._prefetchers.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             if hasattr(tier, "close"):
                 tier.close()

@@ -130,6 +130,9 @@ def test_a_removed_directory_degrades_to_recompute_with_the_same_output(models, 
             assert out.error is None
     assert tokens == ref["a2"][0] and final.num_cached_tokens == 0
     stats = engine.stats().kv_tiers
-    assert stats["offload"]["load_failures"] == 1 and stats["disk"]["hits"] == 0
+    # a failed read (a load's, or a read ahead's before admission: either may come first)
+    # dropped its block from the index, and nothing reached the pool from the tier
+    assert stats["offload"]["load_blocks"] == 0 and stats["disk"]["hits"] == 0
+    assert stats["disk"]["num_blocks"] < (len(A) - 1) // BLOCK
     assert engine.kv_pool_is_whole()
     engine.close()

@@ -512,3 +512,135 @@ def test_a_full_disk_degrades_to_fewer_blocks_never_an_error(tiny_tmpfs):
     rig.run_prompt("after", tokens(15 * BS + 1, start=0))  # still serves, loads what is there
     assert rig.pool.is_whole()
     rig.close()
+
+
+# ---- prefetch: a waiting request's tier blocks read ahead into host memory -------------------
+def queue(rig: Rig, rid: str, prompt: list[int]) -> Request:
+    """Add a request and run the driver's poll as a step would before scheduling (its tier
+    blocks start being read ahead)."""
+    req = Request(rid, prompt, SamplingParams(max_tokens=4))
+    rig.scheduler.add(req)
+    rig.driver.poll()
+    return req
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert condition()
+
+
+def finish_and_check_whole(rig: Rig, req: Request) -> None:
+    rig.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+    rig.wait_loads()  # also polls: what was read ahead for it is released
+    assert rig.store.num_prefetched == 0 and rig.driver.prefetching == {}
+    rig.pool.check_integrity()
+    assert rig.pool.is_whole() and rig.scheduler.num_unfinished == 0
+
+
+def test_read_ahead_blocks_are_copied_in_at_admission_and_it_runs_in_that_step(tmp_path):
+    rig = Rig(disk(tmp_path))
+    prompt = tokens(3 * BS + 1)
+    first = fill_and_evict(rig, prompt)
+    hashes = first.block_hashes[:3]
+    req = queue(rig, "b", prompt)
+    assert rig.store.num_prefetched == 3
+    wait_until(lambda: rig.store.ready(hashes) == 3)
+    out = rig.scheduler.schedule()
+    # no load, no WAITING_FOR_KV: it computes its last token in this very step
+    assert out.kv_loads == [] and out.scheduled == [(req, 1)]
+    assert req.status == RequestStatus.RUNNING and req.num_computed_tokens == 3 * BS
+    assert req.num_cached_tokens == 3 * BS
+    for i in range(3):
+        assert torch.equal(rig.kv_cache[:, :, req.block_ids[i]], block_value(hashes[i]))
+    assert rig.store.num_prefetched == 0  # taken by the fill
+    c = rig.driver.stats()["offload"]
+    assert (c["fills"], c["loads"], c["load_blocks"], c["prefetched"], c["prefetch_used"]) == \
+        (1, 0, 3, 3, 3)
+    assert rig.store.stats()["disk"]["hits"] == 3
+    finish_and_check_whole(rig, req)
+    rig.close()
+
+
+def hang_record(rig: Rig, block_hash: int) -> tuple[str, bytes]:
+    """Replace a record by a FIFO: reading it blocks until someone writes. Returns (path, the
+    record's bytes)."""
+    path = rig.store.tiers[0].path(block_hash)
+    with open(path, "rb") as f:
+        record = f.read()
+    os.unlink(path)
+    os.mkfifo(path)
+    return path, record
+
+
+def test_a_load_waits_for_the_reads_already_in_flight_instead_of_reading_again(tmp_path):
+    rig = Rig(disk(tmp_path))
+    prompt = tokens(3 * BS + 1)
+    first = fill_and_evict(rig, prompt)
+    path, record = hang_record(rig, first.block_hashes[0])
+    req = queue(rig, "b", prompt)  # block 0's read hangs in a prefetch thread
+    out = rig.scheduler.schedule()
+    assert out.kv_loads == [req]  # not all read yet: the load path, which takes the reads over
+    rig.driver.start_loads(out.kv_loads)
+    assert rig.store.num_prefetched == 0 and rig.store.counters["prefetch_used"] == 3
+    with open(path, "wb") as f:
+        f.write(record)  # the hung read gets the true record: the load goes on with it
+    rig.wait_loads()
+    assert req.status == RequestStatus.RUNNING and req.num_computed_tokens == 3 * BS
+    for i in range(3):
+        assert torch.equal(rig.kv_cache[:, :, req.block_ids[i]],
+                           block_value(first.block_hashes[i]))
+    assert rig.store.stats()["disk"]["hits"] == 3  # each block read once
+    finish_and_check_whole(rig, req)
+    rig.close()
+
+
+def test_a_request_aborted_while_its_blocks_are_read_ahead_releases_them(tmp_path):
+    rig = Rig(disk(tmp_path))
+    prompt = tokens(3 * BS + 1)
+    first = fill_and_evict(rig, prompt)
+    before = rig.kv_cache.clone()
+    path, record = hang_record(rig, first.block_hashes[0])
+    req = queue(rig, "b", prompt)  # block 0's read hangs mid-prefetch
+    assert rig.store.num_prefetched == 3 and list(rig.driver.prefetching) == ["b"]
+    rig.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)  # before it was ever admitted
+    rig.driver.poll()
+    assert rig.store.num_prefetched == 0 and rig.driver.prefetching == {}
+    assert rig.store.counters["prefetch_unused"] == 3
+    with open(path, "wb") as f:
+        f.write(record)  # the hung read ends; nothing takes its bytes
+    assert torch.equal(rig.kv_cache, before)  # a read ahead never writes the pool
+    rig.pool.check_integrity()
+    assert rig.pool.is_whole() and rig.scheduler.num_unfinished == 0
+    rig.close()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_bad_record_met_while_reading_ahead_is_recomputed(tmp_path, damage):
+    rig = Rig(disk(tmp_path))
+    prompt = tokens(3 * BS + 1)
+    first = fill_and_evict(rig, prompt)
+    bad = rig.store.tiers[0].path(first.block_hashes[1])
+    if damage == "corrupt":
+        with open(bad, "r+b") as f:
+            f.seek(-7, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-7, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x40]))
+    else:
+        os.unlink(bad)  # vanished behind the index's back (another worker, an operator)
+    req = queue(rig, "b", prompt)
+    assert rig.store.num_prefetched == 3
+    wait_until(lambda: not rig.store.contains(first.block_hashes[1]))  # the read dropped it
+    wait_until(lambda: rig.store.ready(first.block_hashes[:1]) == 1)
+    out = rig.scheduler.schedule()
+    # block 0 copied in from memory, blocks 1 and 2 (and the last token) computed
+    assert out.kv_loads == [] and out.scheduled == [(req, 2 * BS + 1)]
+    assert req.num_computed_tokens == BS and req.num_cached_tokens == BS
+    assert torch.equal(rig.kv_cache[:, :, req.block_ids[0]], block_value(first.block_hashes[0]))
+    assert rig.store.stats()["disk"]["corrupt"] == (damage == "corrupt")
+    assert not os.path.exists(bad)
+    finish_and_check_whole(rig, req)  # block 2's read-ahead is let go
+    assert rig.store.counters["prefetch_unused"] == 2  # blocks 1 (failed) and 2
+    rig.close()

@@ -27,6 +27,7 @@ FLAGLESS = {
     "engine.kv_transfer.max_leased_fraction", "engine.kv_transfer.io_timeout_seconds",
     "engine.kv_transfer.handshake_timeout_seconds", "engine.kv_transfer.num_transfer_threads",
     "engine.kv_offload.max_pending_blocks", "engine.kv_offload.num_load_threads",
+    "engine.kv_offload.max_prefetch_blocks",
     "engine.speculative.ngram_min", "engine.speculative.ngram_max",
     "engine.speculative.suffix_global_tokens", "engine.speculative.min_confidence",
     "server.cpu_threads", "server.exit_on_engine_failure",

@@ -11,6 +11,9 @@ bound to one model and KV layout (its `namespace`): blocks of another model are 
     pool eviction --offload(hash, block_id)--> staging copy (now) --> tier write (store thread)
     admission     --lookup(hashes)--> n leading hashes held --> start_load(...) (store thread)
                   <--poll()-- LoadResult: the first num_loaded blocks are in the pool now
+    waiting       --prefetch(owner, hashes)--> read into host memory (store threads)
+    admission     --ready(hashes) == n--> fill(hashes, block_ids): copied in now, no load
+                  --release(owner)--> what only that request wanted leaves host memory
 """
 
 from __future__ import annotations
@@ -57,6 +60,21 @@ class KVStore(Protocol):
     def start_load(self, load_id: str, block_hashes: list[int], block_ids: list[int]) -> None:
         """In the background, fill pool block `block_ids[i]` with the block stored under
         `block_hashes[i]`, in order, stopping at the first one missing or failing checks."""
+
+    def prefetch(self, owner: str, block_hashes: list[int]) -> int:
+        """Start reading the leading blocks into host memory for `owner` (a waiting request),
+        in the background; a later `start_load` of them waits for these reads instead of
+        starting its own. Returns how many are read or being read (a bounded table)."""
+
+    def ready(self, block_hashes: list[int]) -> int:
+        """How many leading blocks are in host memory, read and checked (never waits)."""
+
+    def fill(self, block_hashes: list[int], block_ids: list[int]) -> int:
+        """Copy the leading blocks `ready` counts into pool blocks `block_ids` now (no I/O);
+        returns how many were copied."""
+
+    def release(self, owner: str) -> None:
+        """`owner` waits no more: drop what was read ahead for it alone."""
 
     def cancel(self, load_id: str) -> int:
         """End a load now: no write to its blocks follows this call. Returns the blocks written

@@ -9,6 +9,11 @@ Invariants:
     after that load is reported done or cancelled (`complete_import` then frees an aborted one);
   * a slow, broken or absent store degrades to recompute: a load past its deadline is cancelled
     (no write follows), a failed block ends the load there, and the request computes the rest;
+  * while a request waits in the queue, the tier blocks after its pool hits are read ahead into
+    host memory (`prefetch`); if all of them are there when it is admitted, they are copied into
+    its blocks right then (`fill`, a memcpy) and it runs in that same step, with no load and no
+    WAITING_FOR_KV; else the load takes over the reads already in flight. What was read ahead
+    for a request is released once it no longer waits (admitted, finished, aborted);
   * `num_cached_tokens` of a request counts its pool hits plus the tokens loaded from tiers.
 """
 
@@ -25,6 +30,8 @@ from hearth.engine.request import Request
 from hearth.engine.scheduler import Scheduler
 
 log = logging.getLogger("hearth.engine.kv.tiers")
+
+PREFETCH_RESCAN_SECONDS = 0.5  # a waiting request's tier blocks are looked up again this often
 
 
 def store_namespace(model_config, geometry) -> str:
@@ -50,12 +57,16 @@ class KVTierDriver:
         self.loads: dict[str, tuple[Request, float, int]] = {}  # id -> (request, deadline, blocks)
         self._num_started = 0  # load ids are unique, so a late result never meets a newer load
         self.counters = dict(load_tokens=0, load_blocks=0, load_bytes=0, loads=0,
-                             load_failures=0, load_timeouts=0, load_seconds=0.0,
+                             load_failures=0, load_timeouts=0, load_seconds=0.0, fills=0,
                              offloaded=0, offload_skipped=0, offload_dropped=0)
+        # waiting request id -> when to look its tier blocks up again (it owns prefetched reads)
+        self.prefetching: dict[str, float] = {}
         kv.pool.evict_listener = self._on_evict
         if write_through:
             kv.pool.cache_listener = self._on_evict  # the same copy, earlier
         scheduler.store_lookup = self.lookup
+        scheduler.store_ready = self.ready
+        scheduler.store_fill = self.fill
 
     # ---- offload (pool eviction) ----------------------------------------------------------
     def _on_evict(self, block_id: int, block_hash: int) -> None:
@@ -78,6 +89,50 @@ class KVTierDriver:
             n += 1
         return n
 
+    def ready(self, req: Request, num_pool_hits: int, num_blocks: int) -> bool:
+        """Whether the `num_blocks` tier blocks after the pool's hits are all in host memory."""
+        hashes = req.block_hashes[num_pool_hits:num_pool_hits + num_blocks]
+        return self.store.ready(hashes) == num_blocks
+
+    def fill(self, req: Request, num_pool_hits: int, num_blocks: int) -> int:
+        """Copy those blocks (read ahead) into the request's blocks now; returns how many."""
+        t0 = time.monotonic()
+        positions = range(num_pool_hits, num_pool_hits + num_blocks)
+        n = self.store.fill([req.block_hashes[i] for i in positions],
+                            [req.block_ids[i] for i in positions])
+        c = self.counters
+        c["fills"] += 1
+        c["load_blocks"] += n
+        c["load_tokens"] += n * self.kv.block_size
+        c["load_seconds"] += time.monotonic() - t0
+        if n < num_blocks:
+            c["load_failures"] += 1
+        if req.num_preemptions == 0:
+            req.num_cached_tokens += n * self.kv.block_size
+        return n
+
+    def prefetch_waiting(self) -> None:
+        """Read ahead the tier blocks of waiting requests, in queue order while the store's
+        table has room (each looked up again every PREFETCH_RESCAN_SECONDS: pool hits may have
+        been evicted meanwhile); release what requests that no longer wait had asked for."""
+        now = self.clock()
+        waiting = {}
+        for req in self.scheduler.waiting:
+            rid = req.request_id
+            if req.kv_import is not None:
+                continue
+            if self.prefetching.get(rid, now) > now:
+                waiting[rid] = self.prefetching[rid]
+                continue
+            num_hits = len(self.kv.find_cached_prefix(req))
+            num_stored = self.lookup(req, num_hits)
+            if num_stored:
+                self.store.prefetch(rid, req.block_hashes[num_hits:num_hits + num_stored])
+            waiting[rid] = now + PREFETCH_RESCAN_SECONDS
+        for rid in self.prefetching.keys() - waiting.keys():
+            self.store.release(rid)
+        self.prefetching = waiting
+
     def start_loads(self, reqs: list[Request]) -> None:
         for req in reqs:
             first = req.num_computed_tokens // self.kv.block_size  # after the pool's hits
@@ -95,7 +150,8 @@ class KVTierDriver:
 
     # ---- engine loop ----------------------------------------------------------------------
     def poll(self) -> None:
-        """Resume requests whose loads ended; cancel the ones past their deadline."""
+        """Resume requests whose loads ended; cancel the ones past their deadline; read ahead
+        for the waiting ones."""
         events = self.store.poll()
         for kind, block_hash, tier in events.block_events:
             self.kv.pool.record_tier_event(kind, block_hash, tier)
@@ -108,6 +164,7 @@ class KVTierDriver:
                 self.counters["load_timeouts"] += 1
                 num_loaded = self.store.cancel(load_id)
                 self._complete(LoadResult(load_id, num_loaded, error="timed out"))
+        self.prefetch_waiting()
 
     def _complete(self, result: LoadResult) -> None:
         req, _, num_wanted = self.loads.pop(result.load_id)
@@ -143,6 +200,9 @@ class KVTierDriver:
         return out
 
     def close(self) -> None:
+        for rid in self.prefetching:
+            self.store.release(rid)
+        self.prefetching = {}
         for load_id in list(self.loads):
             self._complete(LoadResult(load_id, self.store.cancel(load_id), error="closed"))
         self.store.close()
