@@ -29,8 +29,9 @@
 // The same source is compiled several times by hearth/ops/build_kernels.py: AVX-512 + VNNI
 // (-mavx512f/bw/vl/dq -mavx512vnni), AVX-512 and AVX2; the loader picks the best build this CPU
 // runs (probed in a subprocess, so a CPU that lists a feature it cannot execute falls back
-// instead of dying). The weight loops and attention rows have hand-written AVX-512; everything
-// else is plain loops the compiler vectorizes (`#pragma omp simd`) for any target.
+// instead of dying). The weight loops and attention rows have hand-written AVX-512 (and
+// qlinear's float32-activation tile AVX2 as well); everything else is plain loops the compiler
+// vectorizes (`#pragma omp simd`) for any target.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
