@@ -160,20 +160,22 @@ class Scheduler:
 
     def _admit_filled(self, req: Request, hits: list, num_stored: int, out: SchedulerOutput,
                       budget: int) -> int | None:
-        """Its tier blocks were read ahead: allocate, copy them in now and run the rest of the
-        prompt in this step (no load to wait for). The budget left, or None if blocks are short."""
+        """Its tier blocks were read ahead: allocate them (as a load would), copy them in now and
+        run it; the rest of its prompt is scheduled in this step if blocks allow, else it grows
+        from the running queue next step like a loaded request. The budget left, or None if
+        blocks are short."""
         bs = self.kv.block_size
-        num_new = min(req.num_tokens - (len(hits) + num_stored) * bs, budget)
-        if not self.kv.allocate(req, num_stored * bs + num_new, hits):
+        if not self.kv.allocate(req, num_stored * bs, hits):
             return None
         self._take_waiting(req, hits, RequestStatus.RUNNING)
         req.num_computed_tokens += self.store_fill(req, len(hits), num_stored) * bs
         self.kv.register_computed_blocks(req)
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget,
-                      len(req.block_ids) * bs - req.num_computed_tokens)
         self.running.append(req)
-        out.scheduled.append((req, num_new))
-        return budget - num_new
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.kv.allocate(req, num_new):
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return budget
 
     def _park(self, req: Request, hits: list, num_new: int, into: list[Request]) -> bool:
         if not self.kv.allocate(req, num_new, hits):
