@@ -22,9 +22,10 @@
 //                    MoE MLP) for a step of short queries (mla_layers.h).
 //
 // One family per header, all in this one translation unit (so the build and its ISA probes stay
-// one library per ISA): common.h (block constants, conversions, the task pool), qlinear.h,
-// elementwise.h, decode_attention.h, prefill_attention.h, amx_attention.h (AMX build only),
-// decode_layers.h, moe.h, mla_layers.h; the op registration is below.
+// one library per ISA): common.h (block constants, conversions, the task pool), qlinear.h
+// (float32 activations) and qlinear_a8.h (8-bit activations), elementwise.h, decode_attention.h,
+// prefill_attention.h, amx_attention.h (AMX build only), decode_layers.h, moe.h, mla_layers.h;
+// the op registration is below.
 //
 // The same source is compiled several times by hearth/ops/build_kernels.py: AVX-512 + VNNI
 // (-mavx512f/bw/vl/dq -mavx512vnni), AVX-512 and AVX2; the loader picks the best build this CPU
@@ -56,6 +57,7 @@ namespace {
 
 #include "common.h"
 #include "qlinear.h"
+#include "qlinear_a8.h"
 #include "elementwise.h"
 #include "decode_attention.h"
 #include "prefill_attention.h"

@@ -1,0 +1,253 @@
+// qlinear with 8-bit activations (the -a8 formats), and the qlinear op over both paths.
+//
+// A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
+// namespace hearth::(anonymous), after the headers listed before it there (qlinear.h's
+// QWeight, row_scales and prefetch_weight_rows).
+
+// qlinear with 8-bit activations (llama.cpp's way for a decode step): each 32-element block of a
+// row of x is quantized to int8 with its own float scale (dx = max|x| / 127, qx = round(x / dx)),
+// and a block's dot product is an integer sum:
+//   sum_j (d q_j + m) (dx qx_j) = d dx sum_j q_j qx_j + m dx sum_j qx_j.
+// With AVX512-VNNI one `vpdpbusd` multiplies 64 unsigned by 64 signed bytes and sums them in
+// groups of 4: a 64-byte register covers two blocks (lanes 0-7 block 2p, 8-15 block 2p + 1).
+// Q4 nibbles are the unsigned operand; for Q8_0 (signed weights) the activations are the
+// unsigned one, offset by 128, and 128 * sum(q) is subtracted. Without VNNI the same integer sums
+// run in plain loops, so every build computes the same numbers (up to float summation order).
+
+// How a call lays out its quantized activations: the order the weight loop reads them in.
+enum ActLayout {
+  kNatural = 0,   // int8, row order (the plain loops)
+  kOffset = 1,    // uint8 qx + 128, row order (VNNI x Q8_0: the activations are the unsigned side)
+  kQ4Quads = 2,   // int8, per 4 blocks: their first halves (elements 0-15), then their second
+                  // halves: the order of a 64-byte load of 4 Q4 blocks split into low and high nibbles
+};
+
+struct QAct {
+  int64_t M, nb, stride;  // stride: bytes per row of q
+  const int8_t* q;
+  const float* dx;   // [M, nb] block scales
+  const float* xs;   // [M, nb] dx * sum(qx) of each block (the offset terms)
+  const float* dxe;  // [M, groups, 16] each block's dx spread over the lanes its dot product fills
+};
+
+inline int64_t act_group(int layout) { return layout == kQ4Quads ? 4 : 2; }  // blocks per register
+inline int64_t act_stride(int layout, int64_t nb) {
+  return layout == kQ4Quads ? (nb + 3) / 4 * 128 : nb * kQK;
+}
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int layout, int8_t* q, float* dx,
+                   float* xs, float* dxe) {
+  const int64_t nb = K / kQK, G = act_group(layout), ng = (nb + G - 1) / G, lanes = 16 / G;
+  const int64_t stride = act_stride(layout, nb);
+  std::memset(q, 0, M * stride);
+  std::fill(dxe, dxe + M * ng * 16, 0.0f);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + i * K + b * kQK;
+      float amax = 0;
+      for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int j = 0; j < kQK; ++j) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+        sum += v;
+        if (layout == kQ4Quads)
+          q[i * stride + (b / 4) * 128 + (j / 16) * 64 + (b % 4) * 16 + j % 16] = static_cast<int8_t>(v);
+        else if (layout == kOffset)
+          q[i * stride + b * kQK + j] = static_cast<int8_t>(static_cast<uint8_t>(v + 128));
+        else
+          q[i * stride + b * kQK + j] = static_cast<int8_t>(v);
+      }
+      dx[i * nb + b] = d;
+      xs[i * nb + b] = d * static_cast<float>(sum);
+      for (int64_t l = 0; l < lanes; ++l) dxe[(i * ng + b / G) * 16 + (b % G) * lanes + l] = d;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// Q4_0/Q4_1 weights: 4 blocks (64 bytes) per load, low and high nibbles against the two halves
+// of the quad-ordered activations; lane l of the sum belongs to block l / 4.
+template <int NR, int MT>
+void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* sm, const QAct& a,
+                     int64_t i0, float* out, int64_t ldo) {
+  const int64_t nb = w.nb;
+  __m512 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm512_setzero_ps();
+  if (w.qtype == kQ8_0) {
+    // Q8_0: 2 blocks (64 bytes) per load; activations offset by 128 (unsigned), so subtract
+    // 128 * sum(q) per block; lane l belongs to block l / 8.
+    const uint8_t* q0 = w.qs + n * w.K;
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t np = (nb + 1) / 2;
+    for (int64_t p = 0; p < np; ++p) {
+      const bool full = 2 * p + 1 < nb;
+      __m512i xv[MT];
+      __m512 dxv[MT];
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xp = a.q + (i0 + i) * a.stride + p * 64;
+        xv[i] = full ? _mm512_loadu_si512(xp) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xp);
+        dxv[i] = _mm512_loadu_ps(a.dxe + ((i0 + i) * np + p) * 16);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const float* sdr = sd + r * nb + 2 * p;
+        const __m512 dw = _mm512_permutexvar_ps(
+            pair_idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(full ? 3 : 1, sdr)));
+        const uint8_t* qp = q0 + r * w.K + p * 64;
+        const __m512i wv = full ? _mm512_loadu_si512(qp) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, qp);
+        const __m512i wsum = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, wv), 7);
+        for (int i = 0; i < MT; ++i) {
+          const __m512i s = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv[i], wv), wsum);
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dxv[i]), acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < MT; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]);
+    return;
+  }
+  const uint8_t* q0 = w.qs + n * (w.K / 2);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i quad_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int64_t nq = (nb + 3) / 4;
+  for (int64_t c = 0; c < nq; ++c) {
+    const int64_t rem = std::min<int64_t>(4, nb - 4 * c);
+    __m512i xlo[MT], xhi[MT];
+    __m512 dxv[MT];
+    for (int i = 0; i < MT; ++i) {
+      const int8_t* xp = a.q + (i0 + i) * a.stride + c * 128;
+      xlo[i] = _mm512_loadu_si512(xp);
+      xhi[i] = _mm512_loadu_si512(xp + 64);
+      dxv[i] = _mm512_loadu_ps(a.dxe + ((i0 + i) * nq + c) * 16);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* qp = q0 + r * (w.K / 2) + c * 64;
+      const __m512i wb = rem == 4 ? _mm512_loadu_si512(qp)
+                                  : _mm512_maskz_loadu_epi8((1ull << (16 * rem)) - 1, qp);
+      const __m512i lo = _mm512_and_si512(wb, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), low4);
+      const __m512 dw = _mm512_permutexvar_ps(
+          quad_idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps((1u << rem) - 1, sd + r * nb + 4 * c)));
+      for (int i = 0; i < MT; ++i) {
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]), hi, xhi[i]);
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dxv[i]), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) {
+      const float* smr = sm + r * nb;
+      const float* xs = a.xs + (i0 + i) * nb;
+      float m = 0;
+#pragma omp simd reduction(+ : m)
+      for (int64_t b = 0; b < nb; ++b) m += smr[b] * xs[b];
+      out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) + m;
+    }
+}
+#else
+template <int NR, int MT>
+void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* sm, const QAct& a,
+                     int64_t i0, float* out, int64_t ldo) {
+  const bool q8 = w.qtype == kQ8_0;
+  const int64_t row = w.qs_row(), K = w.K, nb = w.nb;
+  float acc[NR][MT] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* q = w.qs + (n + r) * row + b * (q8 ? 32 : 16);
+      const float d = sd[r * nb + b], m = sm[r * nb + b];
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* x = a.q + (i0 + i) * a.stride + b * kQK;
+        int32_t s = 0;
+        if (q8) {
+          const int8_t* q8p = reinterpret_cast<const int8_t*>(q);
+#pragma omp simd reduction(+ : s)
+          for (int j = 0; j < 32; ++j) s += static_cast<int32_t>(q8p[j]) * x[j];
+        } else {
+#pragma omp simd reduction(+ : s)
+          for (int j = 0; j < 16; ++j)
+            s += static_cast<int32_t>(q[j] & 0xF) * x[j] + static_cast<int32_t>(q[j] >> 4) * x[j + 16];
+        }
+        acc[r][i] += static_cast<float>(s) * (d * a.dx[(i0 + i) * nb + b]);
+        if (!q8) acc[r][i] += m * a.xs[(i0 + i) * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = acc[r][i];
+}
+#endif
+
+template <int NR>
+void qlinear_rows_i8(const QWeight& w, int64_t n, const QAct& a, float* out) {
+  thread_local std::vector<float> scales;
+  scales.resize(2 * NR * w.nb);
+  float* sd = scales.data();
+  float* sm = sd + NR * w.nb;
+  row_scales(w, n, NR, sd, sm);
+  prefetch_weight_rows(w, n, NR, /*rows=*/true);
+  int64_t i = 0;
+  for (; i + 4 <= a.M; i += 4) qlinear_tile_i8<NR, 4>(w, n, sd, sm, a, i, out + i * w.N + n, w.N);
+  for (; i < a.M; ++i) qlinear_tile_i8<NR, 1>(w, n, sd, sm, a, i, out + i * w.N + n, w.N);
+}
+
+// Whether this build's int8 path uses VNNI dot products (for the loader's report).
+bool has_vnni() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read (the
+// int8-activation path of qlinear and moe_experts); `dxe_row` receives the per-row stride of
+// a.dxe (to address a block of rows).
+QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
+                  std::vector<float>& sc, int64_t& dxe_row) {
+  const int layout = !has_vnni() ? kNatural : qtype == kQ8_0 ? kOffset : kQ4Quads;
+  const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
+  dxe_row = (nb + G - 1) / G * 16;
+  q.resize(M * stride);
+  sc.resize(M * nb * 2 + M * dxe_row);
+  float* dx = sc.data();
+  quantize_rows(x, M, K, layout, q.data(), dx, dx + M * nb, dx + 2 * M * nb);
+  return QAct{M, nb, stride, q.data(), dx, dx + M * nb, dx + 2 * M * nb};
+}
+
+at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                   const at::Tensor& m, int64_t qtype, int64_t out_features, int64_t in_features,
+                   int64_t threads, bool int8_act) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "qlinear: activations must be float32");
+  const QWeight w = packed_weight(qs, d, m, qtype, out_features, in_features, "qlinear");
+  TORCH_CHECK(x_in.size(-1) == in_features, "qlinear: last dim of x must be in_features");
+  const int64_t nb = w.nb, N = out_features;
+  at::Tensor x = x_in.reshape({-1, in_features}).contiguous();
+  const int64_t M = x.size(0);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t NR = 4, kGroupsPerTask = 16;  // a task: 64 weight rows
+  const int64_t num_groups = N / NR;
+  if (int8_act) {
+    thread_local std::vector<int8_t> qx;
+    thread_local std::vector<float> sc;
+    int64_t dxe_row = 0;
+    const QAct a = quantize_act(xp, M, in_features, qtype, qx, sc, dxe_row);
+    parallel_tasks((num_groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t task) {
+      const int64_t g1 = std::min(num_groups, (task + 1) * kGroupsPerTask);
+      for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows_i8<NR>(w, g * NR, a, op);
+    }, threads);
+    for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows_i8<1>(w, n, a, op);
+    return out.view(out_shape);
+  }
+  parallel_tasks((num_groups + kGroupsPerTask - 1) / kGroupsPerTask, [&](int64_t task) {
+    const int64_t g1 = std::min(num_groups, (task + 1) * kGroupsPerTask);
+    for (int64_t g = task * kGroupsPerTask; g < g1; ++g) qlinear_rows<NR>(w, g * NR, xp, M, op);
+  }, threads);
+  for (int64_t n = num_groups * NR; n < N; ++n) qlinear_rows<1>(w, n, xp, M, op);
+  return out.view(out_shape);
+}
