@@ -31,8 +31,8 @@
 // (-mavx512f/bw/vl/dq -mavx512vnni), AVX-512 and AVX2; the loader picks the best build this CPU
 // runs (probed in a subprocess, so a CPU that lists a feature it cannot execute falls back
 // instead of dying). The weight loops and attention rows have hand-written AVX-512 (and
-// qlinear's float32-activation tile AVX2 as well); everything else is plain loops the compiler
-// vectorizes (`#pragma omp simd`) for any target.
+// qlinear's tiles, both activation kinds, AVX2 as well); everything else is plain loops the
+// compiler vectorizes (`#pragma omp simd`) for any target.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -26,6 +26,23 @@ struct QWeight {
   int64_t qs_row() const { return qtype == kQ8_0 ? K : K / 2; }
 };
 
+#if defined(__AVX2__)
+inline __m256 load_half8(const uint16_t* p) {  // 8 fp16 -> float (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i load_u8x8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, zero-extended
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i load_i8x8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, sign-extended
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline float reduce_add8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+#endif
+
 // The NR rows' scales (and offsets) starting at row n, as float: sd[r * nb + b].
 inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm) {
   const int64_t count = NR * w.nb;  // the NR rows' scales are contiguous
@@ -44,9 +61,9 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
   int64_t i = 0;
 #if defined(__AVX2__)
   for (; i + 8 <= count; i += 8) {
-    const __m256 df = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + i)));
+    const __m256 df = load_half8(d + i);
     _mm256_storeu_ps(sd + i, df);
-    _mm256_storeu_ps(sm + i, m ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i)))
+    _mm256_storeu_ps(sm + i, m ? load_half8(m + i)
                                : w.qtype == kQ4_0 ? _mm256_mul_ps(df, _mm256_set1_ps(-8.0f))
                                                    : _mm256_setzero_ps());
   }
@@ -130,8 +147,9 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
 // widen to 32-bit lanes (vpmovzxbd from memory), split into low and high nibbles, convert to
 // float and take one FMA with (d, m): w = d q + m as ggml computes it. Q8_0 as above: w = d q,
 // the integer-valued products summed per block and scaled once. x is read from L1 by the FMAs.
-// One SmolLM2-135M step's linears (Q4_1 + the Q8_0 LM head) at M = 1, 1 thread, against the
-// plain loops below: 48 -> 10.8 ms (the AVX-512 tile: ~11-12 ms on the same machine).
+// One SmolLM2-135M step's linears (Q4_1 + the Q8_0 LM head) at M = 1, against the plain loops
+// below, medians of interleaved runs: 1 thread 48 -> 10.8 ms, 2 threads 26.6 -> 6.6 (the AVX-512
+// tile on the same CPU: 10.1 and 6.4).
 template <int NR, int MT>
 void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm, const float* x,
                   int64_t ldx, float* out, int64_t ldo) {
@@ -157,9 +175,7 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
       const __m256 d = _mm256_set1_ps(sd[r * w.nb + b]);
       if (q8) {
         __m256 wq[4];
-        for (int g = 0; g < 4; ++g)
-          wq[g] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g))));
+        for (int g = 0; g < 4; ++g) wq[g] = _mm256_cvtepi32_ps(load_i8x8(q + 8 * g));
         for (int i = 0; i < MT; ++i) {
           const float* xb = x + i * ldx + b * kQK;
           __m256 t = _mm256_mul_ps(wq[0], _mm256_loadu_ps(xb));
@@ -169,8 +185,7 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
       } else {
         // bytes 0-7 hold elements 0-7 (low nibbles) and 16-23 (high), bytes 8-15: 8-15, 24-31
         const __m256 m = _mm256_set1_ps(sm[r * w.nb + b]);
-        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+        const __m256i b0 = load_u8x8(q), b1 = load_u8x8(q + 8);
         const __m256i nib[4] = {_mm256_and_si256(b0, low4), _mm256_and_si256(b1, low4),
                                 _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
         for (int g = 0; g < 4; ++g) {
@@ -186,9 +201,7 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
     for (int i = 0; i < MT; ++i) {
       __m256 s = acc[r][i][0];
       for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][i][a]);
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      out[i * ldo + r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+      out[i * ldo + r] = reduce_add8(s);
     }
 }
 #else
