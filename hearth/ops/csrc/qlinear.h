@@ -79,7 +79,8 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
 // line it reads, spread through its block loop. A batch-1 engine step, interleaved A/B: 8.3 ->
 // 6.95 ms (batch 4: 12.7 -> 11.3, batch 8: 20.1 -> 19.4) against asking for the rows of the
 // group 2 groups ahead all at once when a group starts (a burst of ~40 prefetches that fills
-// the line-fill buffers and stalls the loads behind it); 16 rows ahead measured the same.
+// the line-fill buffers and stalls the loads behind it); 16 rows ahead measured the same. The
+// AVX2 tiles do the same (float32, M = 1 on 1 thread: 14.4 -> 10.8 ms).
 constexpr int64_t kAheadRows = 8;
 
 #if defined(__AVX512F__)
@@ -148,8 +149,8 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
 // float and take one FMA with (d, m): w = d q + m as ggml computes it. Q8_0 as above: w = d q,
 // the integer-valued products summed per block and scaled once. x is read from L1 by the FMAs.
 // One SmolLM2-135M step's linears (Q4_1 + the Q8_0 LM head) at M = 1, against the plain loops
-// below, medians of interleaved runs: 1 thread 48 -> 10.8 ms, 2 threads 26.6 -> 6.6 (the AVX-512
-// tile on the same CPU: 10.1 and 6.4).
+// below, medians of interleaved runs: 1 thread 48.2 -> 10.6 ms, 2 threads 26.6 -> 6.6 (the
+// AVX-512 tile on the same CPU: 10.4 and 6.4; docs/benchmarks.md, "AVX2 kernels").
 template <int NR, int MT>
 void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm, const float* x,
                   int64_t ldx, float* out, int64_t ldo) {
@@ -157,7 +158,8 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
   const uint8_t* q0 = w.qs + n * row;
   const bool q8 = w.qtype == kQ8_0;
   // Two FMA chains per (weight row, x row) when there are few x rows: a Q4 block's 4 FMAs per
-  // row would otherwise wait on each other (M = 1: 11.2 -> 10.6 ms; 4 chains measured 11.2).
+  // row would otherwise wait on each other (M = 1, 1 thread: 1 chain 12.4 ms, 2 chains 10.6,
+  // 4 chains 11.2).
   constexpr int NA = MT <= 2 ? 2 : 1;
   __m256 acc[NR][MT][NA];
   for (int r = 0; r < NR; ++r)
