@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 4096, 16384])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=24)
+    ap.add_argument("--quantization", default="q8_0",
+                    help="decode weight format (q8_0: float32 activations; q8_0-a8: 8-bit)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path, help="plot the decode step against its rooflines")
     ap.add_argument("--from-json", type=Path, help="only plot/print a saved run")
@@ -145,7 +147,8 @@ def main() -> None:
         write_random_deepseek(args.model_dir, **SHAPE, dtype=torch.bfloat16)
     bandwidth, flops = read_bandwidth(), gemm_rate()
     llm = LLM(str(args.model_dir), max_model_len=max(args.contexts + [2048]) + 64,
-              enable_prefix_caching=False, quantization="q8_0", kv_cache_dtype="auto")
+              enable_prefix_caching=False, quantization=args.quantization,
+              kv_cache_dtype="auto")
     kv_dtype = llm.engine.executor.kv_cache.dtype
     kv = kv_bytes_per_token(SHAPE, kv_dtype.itemsize)
     weights = decode_weight_bytes(SHAPE)
@@ -154,7 +157,7 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(3, SHAPE["vocab_size"], (n,), generator=gen).tolist()
 
-    results = {"shape": SHAPE, "kv_dtype": str(kv_dtype), "read_bandwidth_gbs": bandwidth,
+    results = {"shape": SHAPE, "quantization": args.quantization, "kv_dtype": str(kv_dtype), "read_bandwidth_gbs": bandwidth,
                "gemm_gflops": flops,
                "kv_bytes_per_token": kv, "decode_weight_bytes": weights, "contexts": {}}
     prefills = [2048 / timed_steps(llm, prompt(2048), 0)[0] for _ in range(args.repeats)]

@@ -81,6 +81,12 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
 // group 2 groups ahead all at once when a group starts (a burst of ~40 prefetches that fills
 // the line-fill buffers and stalls the loads behind it); 16 rows ahead measured the same. The
 // AVX2 tiles do the same (float32, M = 1 on 1 thread: 14.4 -> 10.8 ms).
+// The hint is T1 (into L2), not T0: a prefetch into L1 holds one of its ~24 miss buffers until
+// the line arrives, which capped one core's stream at ~10 GB/s of the ~28 it can read; into L2
+// it is 16-17 GB/s on 1 thread and ~30 on 2 (Q8_0, M = 1, 67 MB of weights, AVX-512 EPYC with
+// VNNI; the 8-bit-activation tiles, which take the same prefetch, 8.3 -> 21.6 on 1 thread).
+// A DeepSeek-V3-shaped decode step at ~100 tokens of context: 11.7 -> 9.4 ms (q8_0) / 8.3
+// (q8_0-a8). 16 or 32 rows ahead, or T2, measured the same as 8.
 constexpr int64_t kAheadRows = 8;
 
 #if defined(__AVX512F__)
@@ -106,7 +112,7 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
     if (ahead && (b * qb) % 64 == 0)
       for (int r = 0; r < NR; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * row + b * qb),
-                     _MM_HINT_T0);
+                     _MM_HINT_T1);
     __m512 xl[MT], xh[MT];
     for (int i = 0; i < MT; ++i) {
       xl[i] = _mm512_loadu_ps(x + i * ldx + b * kQK);
@@ -171,7 +177,7 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
     if (ahead && (b * qb) % 64 == 0)
       for (int r = 0; r < NR; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * row + b * qb),
-                     _MM_HINT_T0);
+                     _MM_HINT_T1);
     for (int r = 0; r < NR; ++r) {
       const uint8_t* q = q0 + r * row + b * qb;
       const __m256 d = _mm256_set1_ps(sd[r * w.nb + b]);
@@ -250,9 +256,9 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
 // of NR rows ahead of row n while this group computes. The hardware prefetcher alone left a
 // batch-1 pass over the default model's 96 MB of weights at ~11 GB/s of the machine's ~28 (the
 // unpack arithmetic between loads keeps too few misses in flight); with this, the pass took 17%
-// less time on 2 threads and 24% less on 1 (interleaved A/B, 25 passes each). The fp32 tiles
-// now ask for their rows themselves, spread through the block loop (kAheadRows), which is
-// faster still; the int8-activation tiles take the rows from here.
+// less time on 2 threads and 24% less on 1 (interleaved A/B, 25 passes each). The tiles on
+// AVX2 and AVX-512 now ask for their rows themselves, spread through the block loop
+// (kAheadRows), which is faster still; only the plain loops take the rows from here.
 constexpr int64_t kPrefetchGroups = 2;
 
 inline void prefetch_weight_rows(const QWeight& w, int64_t n, int NR, bool rows) {

@@ -83,7 +83,11 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
     const __m512i ones = _mm512_set1_epi8(1);
     const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const int64_t np = (nb + 1) / 2;
+    const bool ahead = n + NR + kAheadRows <= w.N;  // qlinear_tile's prefetch (qlinear.h)
     for (int64_t p = 0; p < np; ++p) {
+      if (ahead)
+        for (int r = 0; r < NR; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * w.K + p * 64), _MM_HINT_T1);
       const bool full = 2 * p + 1 < nb;
       __m512i xv[MT];
       __m512 dxv[MT];
@@ -113,7 +117,11 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i quad_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const int64_t nq = (nb + 3) / 4;
+  const bool ahead = n + NR + kAheadRows <= w.N;
   for (int64_t c = 0; c < nq; ++c) {
+    if (ahead)
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * (w.K / 2) + c * 64), _MM_HINT_T1);
     const int64_t rem = std::min<int64_t>(4, nb - 4 * c);
     __m512i xlo[MT], xhi[MT];
     __m512 dxv[MT];
@@ -175,7 +183,7 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
     if (ahead && (b * qb) % 64 == 0)
       for (int r = 0; r < NR; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * row + b * qb),
-                     _MM_HINT_T0);
+                     _MM_HINT_T1);
     __m256i xv[MT];
     for (int i = 0; i < MT; ++i) {
       const int8_t* xp = a.q + (i0 + i) * a.stride + b * kQK;
@@ -254,8 +262,8 @@ void qlinear_rows_i8(const QWeight& w, int64_t n, const QAct& a, float* out) {
   float* sd = scales.data();
   float* sm = sd + NR * w.nb;
   row_scales(w, n, NR, sd, sm);
-#if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  prefetch_weight_rows(w, n, NR, /*rows=*/false);  // the AVX2 tile asks for the rows (kAheadRows)
+#if defined(__AVX2__)
+  prefetch_weight_rows(w, n, NR, /*rows=*/false);  // the tiles ask for the rows (kAheadRows)
 #else
   prefetch_weight_rows(w, n, NR, /*rows=*/true);
 #endif
