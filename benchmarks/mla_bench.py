@@ -53,13 +53,14 @@ Q8 = 34 / 32  # bytes per weight of Q8_0
 
 
 def decode_weight_bytes(s: dict) -> int:
-    """Bytes one batch-1 decode step reads of weights: attention projections (kv_b_proj in
-    fp32: decode absorbs it), dense / shared / top-k experts in Q8_0, fp32 routers, the LM head."""
+    """Bytes one batch-1 decode step reads of weights: attention projections and the absorbed
+    up-projections (W_UK^T and W_UV, cut from kv_b_proj), dense / shared / top-k experts in
+    Q8_0, fp32 routers, the LM head."""
     h, heads = s["hidden_size"], s["num_heads"]
     qk = s["qk_nope_head_dim"] + s["qk_rope_head_dim"]
     latent = s["kv_lora_rank"] + s["qk_rope_head_dim"]
     attn_q8 = h * (s["q_lora_rank"] + latent) + s["q_lora_rank"] * heads * qk + heads * s["v_head_dim"] * h
-    kv_b = 4 * s["kv_lora_rank"] * heads * (s["qk_nope_head_dim"] + s["v_head_dim"])
+    kv_b = Q8 * s["kv_lora_rank"] * heads * (s["qk_nope_head_dim"] + s["v_head_dim"])
     dense = 3 * h * s["intermediate_size"]
     expert = 3 * h * s["expert_intermediate_size"]
     sparse = (s["num_experts_per_tok"] + s["n_shared_experts"]) * expert

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.models.arch import TOPK_METHODS, ModelArch
-from hearth.models.layers import (ColumnParallelLinear, RMSNorm, RotaryEmbedding,
-                                  RowParallelLinear)
+from hearth.models.layers import (QLINEAR_MAX_ROWS, ColumnParallelLinear, RMSNorm,
+                                  RotaryEmbedding, RowParallelLinear)
 from hearth.models.llama import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock, route_grouped
 from hearth.ops.attention import AttentionMetadata
@@ -99,18 +99,41 @@ class MLAAttention(nn.Module):
         self.scale = mla_softmax_scale(arch)
         self.rotary = rotary
         self.backend = backend
+        # W_UK_h^T [H L, nope] and W_UV_h [H v, L] in a block format for few-row steps
+        # (set_quantized_absorb); kv_b_proj's float weight stays for prompts.
+        self.absorb_uk = self.absorb_uv = self.kernels = None
 
     # -- the up projections, per head ------------------------------------------------------
     def _kv_b(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
 
+    def set_quantized_absorb(self, uk, uv, kernels) -> None:
+        """The absorbed up-projections as PackedWeights: W_UK_h^T rows [H L, nope] and W_UV_h
+        rows [H v, L] (quant.py `quantize_absorb`)."""
+        self.absorb_uk, self.absorb_uv, self.kernels = uk, uv, kernels
+
+    def _absorb(self, x: torch.Tensor, w, rows: int) -> torch.Tensor | None:
+        """x [T, H, K] through each head's packed rows (`mla_absorb`, as the fused decode
+        layers do), or None where the float weight serves: no packed copy, not float32, or
+        more rows than the quantized path takes (the rule of Linear.matmul)."""
+        if w is None or x.dtype != torch.float32 or x.shape[0] > QLINEAR_MAX_ROWS:
+            return None
+        k = self.kernels
+        return k.ops.mla_absorb(x, w.qs, w.d, w.m, w.qtype, rows, k.threads.count, w.int8_act)
+
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> [T, H, L]: each head's query through its W_UK (q_nope_h W_UK_h)."""
+        out = self._absorb(q_nope, self.absorb_uk, self.rank)
+        if out is not None:
+            return out
         w_uk = self._kv_b()[:, : self.nope].to(q_nope.dtype)  # [H, nope, L]
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def absorb_output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """[T, H, L] -> [T, H, v]: each head's attended latent through its W_UV."""
+        out = self._absorb(o_lat, self.absorb_uv, self.v_dim)
+        if out is not None:
+            return out
         w_uv = self._kv_b()[:, self.nope:].to(o_lat.dtype)  # [H, v, L]
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -268,6 +291,13 @@ def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
             weights += [empty] * 10
             types += [0, 0]
             blocks.append(None)
+        if attn.absorb_uk is not None:  # the absorbed up-projections packed, else kv_b float
+            int8.add(attn.absorb_uk.int8_act)
+            weights += [*_packed(attn.absorb_uk), *_packed(attn.absorb_uv)]
+            types += [attn.absorb_uk.qtype, attn.absorb_uv.qtype]
+        else:
+            weights += [empty] * 6
+            types += [0, 0]
         qtypes += types
         moe_flags.append(int(isinstance(mlp, DeepseekMoE)))
     if len(int8) > 1:

@@ -641,9 +641,11 @@ def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
     group_limited_greedy, q_proj, no shared experts, rows of 64 (its AVX-512 path)."""
     from hearth.models.arch import MlaSpec, ModelArch, MoeSpec
     from hearth.models.deepseek import DeepseekV3ForCausalLM
+    from hearth.models.quant import quantize_absorb
 
     v3 = variant == "v3"
-    mla = MlaSpec(kv_lora_rank=32 if v3 else 56, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    nope = 32 if v3 else 16  # V3: the absorbed up-projections packed (Q8_0); V2: kv_b float
+    mla = MlaSpec(kv_lora_rank=32 if v3 else 56, qk_nope_head_dim=nope, qk_rope_head_dim=8,
                   v_head_dim=16, q_lora_rank=32 if v3 else None)
     moe = MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=32,
                   dense_layers=(0,), scoring_func="sigmoid" if v3 else "softmax",
@@ -652,7 +654,7 @@ def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
                   norm_topk_prob=v3)
     arch = ModelArch("deepseek_v3" if v3 else "deepseek_v2", vocab_size=96, hidden_size=64,
                      intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=4,
-                     head_dim=24, max_position_embeddings=256, moe=moe, mla=mla)
+                     head_dim=nope + 8, max_position_embeddings=256, moe=moe, mla=mla)
     torch.manual_seed(11)
     model = DeepseekV3ForCausalLM(arch)
     for p in model.parameters():
@@ -663,6 +665,7 @@ def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
         layer.mlp.gate.data.normal_(0, 1.0)  # well-separated routing scores
     model.use_kernels(kernels)
     quantize_for_kernels(model, kernels)
+    assert quantize_absorb(model, kernels) == ({"absorbed-q8_0": 3} if v3 else {"none": 3})
     assert model.enable_fused_decode()
     calls = []
     op = model._fused_all.op
@@ -703,17 +706,19 @@ def test_fused_mla_layers_reject_what_they_do_not_cover(kernels):
     cos = torch.ones(16, 4)
     dims = [4, 16, 8, 16, 32, 32, 2, 4, 2, 1, 2, 1, 0, 96, 32]
     kvb = torch.zeros(4 * 32, 32)
-    w = [torch.empty(0)] * 30
+    w = [torch.empty(0)] * 36
     w[10] = kvb
 
-    def call(caches, weights=w, types=[0] * 7, d=dims):
+    def call(caches, weights=w, types=[0] * 9, d=dims):
         return kernels.ops.mla_decode_layers(x, x, False, weights, types, [0], [torch.empty(0)],
                                              cos, cos, pos, caches, slots, table, ctx, d,
                                              [1e-6, 0.1, 1.0], 512, 1)
 
     good = torch.zeros(2, 16, 1, 40)
-    with pytest.raises(RuntimeError, match="per layer 30 tensors"):
-        call([good], weights=w[:29])
+    with pytest.raises(RuntimeError, match="per layer 36 tensors"):
+        call([good], weights=w[:35])
+    with pytest.raises(RuntimeError, match="per layer 36 tensors, 9 types"):
+        call([good], types=[0] * 7)
     with pytest.raises(RuntimeError, match="15 dims"):
         call([good], d=dims[:14])
     with pytest.raises(RuntimeError, match="cache 0 must be float32 or bfloat16"):
@@ -722,7 +727,41 @@ def test_fused_mla_layers_reject_what_they_do_not_cover(kernels):
         call([torch.zeros(2, 16, 1, 40, dtype=torch.int8)])
     with pytest.raises(RuntimeError, match="kv_b_proj float32"):
         call([good], weights=w[:10] + [kvb[:64]] + w[11:])
+    # packed W_UK rows where these heads have none (nope 16: no whole 32-element blocks)
+    bad_uk = [torch.zeros(4 * 16, 16, dtype=torch.uint8), torch.zeros(4 * 16, 1, dtype=torch.half),
+              torch.empty(0, dtype=torch.half)]
+    with pytest.raises(RuntimeError, match="mla_decode_layers: W_UK: in_features must be"):
+        call([good], weights=w[:30] + bad_uk + w[33:], types=[0] * 7 + [8, 8])
     assert not good.any()
+
+
+@pytest.mark.parametrize("int8_act", [False, True])
+def test_mla_absorb_is_each_heads_qlinear(kernels, int8_act):
+    """`mla_absorb`: x [T, H, K] (a strided view, as q_nope inside q is) through each head's
+    rows of one packed [H N, K] weight equals qlinear on that head's rows alone, row for row
+    (float32 activations: exactly the dequantized weight's products; 8-bit: the same numbers
+    as qlinear's int8 path), and float reference within Q8_0 error."""
+    gen = torch.Generator().manual_seed(5)
+    T, H, N, K = 3, 5, 40, 64
+    q = torch.randn(T, H, K + 8, generator=gen)
+    x = q[..., :K]  # unit last stride, not contiguous
+    w = torch.randn(H * N, K, generator=gen) * 0.1
+    pw = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(w), int8_act=int8_act)
+    got = kernels.ops.mla_absorb(x, pw.qs, pw.d, pw.m, pw.qtype, N, 2, int8_act)
+    assert got.shape == (T, H, N)
+    for h in range(H):
+        head = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(w[h * N:(h + 1) * N]),
+                         int8_act=int8_act)
+        torch.testing.assert_close(got[:, h], kernels.qlinear(x[:, h].contiguous(), head),
+                                   rtol=1e-5, atol=1e-5)
+    ref = torch.einsum("thk,hnk->thn", x, w.view(H, N, K))
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    empty = kernels.ops.mla_absorb(x[:0], pw.qs, pw.d, pw.m, pw.qtype, N, 2, int8_act)
+    assert empty.shape == (0, H, N)
+    with pytest.raises(RuntimeError, match="mla_absorb: qs does not match"):
+        kernels.ops.mla_absorb(x, pw.qs, pw.d, pw.m, pw.qtype, N + 1, 2, int8_act)
+    with pytest.raises(RuntimeError, match="mla_absorb: x must be float32"):
+        kernels.ops.mla_absorb(x.double(), pw.qs, pw.d, pw.m, pw.qtype, N, 2, int8_act)
 
 
 def test_decode_layers_rejects_mismatched_lists(kernels):

@@ -115,6 +115,8 @@ TORCH_LIBRARY(hearth, m) {
         "int[] dims, float[] fdims, int split, int threads=64, bool int8_act=False, "
         "Tensor? query_lens=None) -> (Tensor, Tensor)",
         &hearth::mla_decode_layers);
+  m.def("mla_absorb(Tensor x, Tensor qs, Tensor d, Tensor m, int qtype, int rows, int threads=64, "
+        "bool int8_act=False) -> Tensor", &hearth::mla_absorb);
   m.def("moe_topk(Tensor logits, int k, bool renormalize, Tensor(a!) counts) -> (Tensor, Tensor)",
         &hearth::moe_topk);
   m.def("repack_ggml(Tensor[] parts, int[] rows_per_group, int groups, int qtype, int threads=64) "

@@ -19,19 +19,87 @@
 //   bottleneck) / o_proj / gate_up / down (the dense MLP, or the shared experts), the q and kv
 //   bottleneck norms, kv_b_proj's float32 weight [H (nope + v), L] (W_UK and W_UV, absorbed),
 //   the router [E, hidden] float32 and its correction bias [E], the experts' stacked float
-//   weights (shapes only) and their packed [qs, d, m] rows.
+//   weights (shapes only) and their packed [qs, d, m] rows, then the absorbed up-projections
+//   packed (W_UK_h^T [H L, nope] and W_UV_h [H v, L], heads_qlinear; empty: kv_b_proj's float
+//   rows are used).
 enum MlaSlot : int64_t {
   kMlaInNorm = 0, kMlaPostNorm = 1, kMlaQkvA = 2, kMlaQANorm = 5, kMlaQ = 6, kMlaKvANorm = 9,
   kMlaKvB = 10, kMlaO = 11, kMlaGateUp = 14, kMlaDown = 17, kMlaRouter = 20, kMlaBias = 21,
-  kMlaW13 = 22, kMlaW2 = 23, kMlaQ13 = 24, kMlaQ2 = 27, kMlaSlots = 30
+  kMlaW13 = 22, kMlaW2 = 23, kMlaQ13 = 24, kMlaQ2 = 27, kMlaUk = 30, kMlaUv = 33,
+  kMlaSlots = 36
 };
-// ggml types per layer in `types`: qkv_a, q, o, gate_up, down, experts' w13, experts' w2.
-constexpr int64_t kMlaTypes = 7;
+// ggml types per layer in `types`: qkv_a, q, o, gate_up, down, experts' w13, experts' w2,
+// W_UK^T, W_UV.
+constexpr int64_t kMlaTypes = 9;
 // `dims`: heads, qk_nope, qk_rope, v_head, kv_lora_rank (L), q_lora_rank (0: none), top_k,
 // n_group, topk_group, scoring (0 softmax, 1 sigmoid), method (0 greedy, 1
 // group_limited_greedy, 2 noaux_tc), renormalize, expert_start, dense width, shared width.
 // `fdims`: rms eps, softmax scale, routed scaling factor.
 constexpr int64_t kMlaDims = 15, kMlaFdims = 3;
+
+// MLA's absorbed up-projections in a block format: out[t, h, :N] = x[t, h, :K] through head h's
+// N rows of w ([H N, K] packed, head after head). The query side is W_UK_h^T (N = L rows of
+// K = nope), the output side W_UV_h (N = v rows of K = L). Float32 (kv_b_proj's own copy)
+// these were 25 of the 190 MB a step of the bench model reads; Q8_0 takes them to 6.6. The
+// rows of x are gathered head-major so each head's rows are one qlinear tile input (and, with
+// int8_act, one run of 8-bit activations), a task per (head, 64 weight rows).
+void heads_qlinear(const QWeight& w, int64_t H, int64_t N, const float* x, int64_t T,
+                   int64_t ldx_t, int64_t ldx_h, float* out, int64_t ldo_t, int64_t ldo_h,
+                   int64_t threads, bool int8_act) {
+  const int64_t K = w.K;
+  TORCH_CHECK(w.N == H * N, "heads_qlinear: the packed weight must hold ", H, " x ", N, " rows");
+  // the calling thread's buffers, addressed by pointer: a thread_local named inside the task
+  // would be the worker thread's own (empty) one
+  thread_local std::vector<float> xbuf, ybuf;
+  xbuf.resize(H * T * K);
+  ybuf.resize(H * T * N);
+  float* xs = xbuf.data();
+  float* ys = ybuf.data();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(xs + (h * T + t) * K, x + t * ldx_t + h * ldx_h, K * sizeof(float));
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> sc;
+  int64_t dxe_row = 0;
+  QAct act{};
+  if (int8_act) act = quantize_act(xs, H * T, K, w.qtype, qx, sc, dxe_row);
+  constexpr int64_t NR = 4, kRowsPerTask = 64;
+  const int64_t per_head = (N + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_tasks(H * per_head, [&](int64_t task) {
+    const int64_t h = task / per_head, r0 = (task % per_head) * kRowsPerTask;
+    const int64_t r1 = std::min(N, r0 + kRowsPerTask);
+    const QWeight wh = expert_rows(w, h, N);
+    float* o = ys + h * T * N;
+    int64_t n = r0;
+    if (int8_act) {
+      const QAct a{T, act.nb, act.stride, act.q + h * T * act.stride, act.dx + h * T * act.nb,
+                   act.xs + h * T * act.nb, act.dxe + h * T * dxe_row};
+      for (; n + NR <= r1; n += NR) qlinear_rows_i8<NR>(wh, n, a, o);
+      for (; n < r1; ++n) qlinear_rows_i8<1>(wh, n, a, o);
+      return;
+    }
+    const float* xh = xs + h * T * K;
+    for (; n + NR <= r1; n += NR) qlinear_rows<NR>(wh, n, xh, T, o);
+    for (; n < r1; ++n) qlinear_rows<1>(wh, n, xh, T, o);
+  }, threads);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(out + t * ldo_t + h * ldo_h, ys + (h * T + t) * N, N * sizeof(float));
+}
+
+// The op: x float32 [T, H, K] (any strides with a unit last one) -> [T, H, N].
+at::Tensor mla_absorb(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                      const at::Tensor& m, int64_t qtype, int64_t rows, int64_t threads,
+                      bool int8_act) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "mla_absorb: x must be float32 [T, H, K] with a unit last stride");
+  const int64_t T = x.size(0), H = x.size(1), K = x.size(2);
+  const QWeight w = packed_weight(qs, d, m, qtype, H * rows, K, "mla_absorb");
+  at::Tensor out = at::empty({T, H, rows}, x.options());
+  if (T) heads_qlinear(w, H, rows, x.data_ptr<float>(), T, x.stride(0), x.stride(1),
+                       out.data_ptr<float>(), H * rows, rows, threads, int8_act);
+  return out;
+}
 
 // DeepSeek's router for T tokens (hearth/models/moe.py `route_grouped`, in fp32): scores by
 // softmax or sigmoid; noaux_tc / group_limited_greedy keep only the experts of the topk_group
@@ -165,8 +233,13 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
       rotate(qp + (t * H + h) * qk + nope, qlp + (t * H + h) * D + L, t);
   }
   // q_lat_h[:L] = q_nope_h W_UK_h (kv_b_proj rows [h (nope + v), h (nope + v) + nope))
+  const bool packed_absorb = w[kMlaUk].numel() > 0;
   const float* kvb = w[kMlaKvB].data_ptr<float>();
-  parallel_tasks(H, [&](int64_t h) {
+  if (packed_absorb)
+    heads_qlinear(packed_weight(w[kMlaUk], w[kMlaUk + 1], w[kMlaUk + 2], types[7], H * L, nope,
+                                "mla_decode_layers: W_UK"),
+                  H, L, qp, T, H * qk, qk, qlp, H * D, D, threads, int8_act);
+  else parallel_tasks(H, [&](int64_t h) {
     const float* wuk = kvb + h * (nope + V) * L;
     for (int64_t t = 0; t < T; ++t) std::fill_n(qlp + (t * H + h) * D, L, 0.0f);
     for (int64_t n = 0; n < nope; ++n) {
@@ -185,7 +258,11 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
   at::Tensor attn = at::empty({T, H * V}, a.options());
   const float* olp = o_lat.data_ptr<float>();
   float* attp = attn.data_ptr<float>();
-  parallel_tasks(H, [&](int64_t h) {
+  if (packed_absorb)
+    heads_qlinear(packed_weight(w[kMlaUv], w[kMlaUv + 1], w[kMlaUv + 2], types[8], H * V, L,
+                                "mla_decode_layers: W_UV"),
+                  H, V, olp, T, H * D, D, attp, H * V, V, threads, int8_act);
+  else parallel_tasks(H, [&](int64_t h) {
     const float* wuv = kvb + (h * (nope + V) + nope) * L;
     for (int64_t j = 0; j < V; ++j) {
       const float* wr = wuv + j * L;
@@ -262,6 +339,13 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layers(
     TORCH_CHECK(kvb.scalar_type() == at::kFloat && kvb.is_contiguous() &&
                     kvb.numel() == dims[0] * (dims[1] + dims[3]) * dims[4],
                 "mla_decode_layers: kv_b_proj float32 [H (nope + v), L] in layer ", l);
+    const at::TensorList lw = w.slice(kMlaSlots * l, kMlaSlots);
+    if (lw[kMlaUk].numel()) {  // the packed absorbed up-projections: checked before any write
+      packed_weight(lw[kMlaUk], lw[kMlaUk + 1], lw[kMlaUk + 2], types[kMlaTypes * l + 7],
+                    dims[0] * dims[4], dims[1], "mla_decode_layers: W_UK");
+      packed_weight(lw[kMlaUv], lw[kMlaUv + 1], lw[kMlaUv + 2], types[kMlaTypes * l + 8],
+                    dims[0] * dims[3], dims[4], "mla_decode_layers: W_UV");
+    }
   }
   at::Tensor hidden = x, residual = residual_in;
   bool has = has_residual;

@@ -87,7 +87,14 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
 // VNNI; the 8-bit-activation tiles, which take the same prefetch, 8.3 -> 21.6 on 1 thread).
 // A DeepSeek-V3-shaped decode step at ~100 tokens of context: 11.7 -> 9.4 ms (q8_0) / 8.3
 // (q8_0-a8). 16 or 32 rows ahead, or T2, measured the same as 8.
-constexpr int64_t kAheadRows = 8;
+// Short rows take more of them: the distance is at least kAheadBytes of rows (an MLA head's
+// absorbed W_UK^T has rows of 64 bytes, a MoE expert's down projection of 256-512), and it runs
+// on past the rows this call owns (a prefetch never faults, and the rows after an expert's or a
+// head's are usually the next task's).
+constexpr int64_t kAheadRows = 8, kAheadBytes = 8192;
+inline int64_t ahead_rows(int64_t row_bytes) {
+  return std::max<int64_t>(kAheadRows, (kAheadBytes + row_bytes - 1) / row_bytes);
+}
 
 #if defined(__AVX512F__)
 template <int NR, int MT>
@@ -107,11 +114,11 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
     for (int i = 0; i < MT; ++i)
       for (int a = 0; a < NA; ++a) acc[r][i][a] = _mm512_setzero_ps();
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const bool ahead = n + NR + kAheadRows <= w.N;
+  const int64_t ahead = ahead_rows(row);
   for (int64_t b = 0; b < w.nb; ++b) {
-    if (ahead && (b * qb) % 64 == 0)
+    if ((b * qb) % 64 == 0)
       for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * row + b * qb),
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + b * qb),
                      _MM_HINT_T1);
     __m512 xl[MT], xh[MT];
     for (int i = 0; i < MT; ++i) {
@@ -172,11 +179,11 @@ void qlinear_tile(const QWeight& w, int64_t n, const float* sd, const float* sm,
     for (int i = 0; i < MT; ++i)
       for (int a = 0; a < NA; ++a) acc[r][i][a] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi32(0x0F);
-  const bool ahead = n + NR + kAheadRows <= w.N;
+  const int64_t ahead = ahead_rows(row);
   for (int64_t b = 0; b < w.nb; ++b) {
-    if (ahead && (b * qb) % 64 == 0)
+    if ((b * qb) % 64 == 0)
       for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * row + b * qb),
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + b * qb),
                      _MM_HINT_T1);
     for (int r = 0; r < NR; ++r) {
       const uint8_t* q = q0 + r * row + b * qb;

@@ -83,11 +83,10 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
     const __m512i ones = _mm512_set1_epi8(1);
     const __m512i pair_idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const int64_t np = (nb + 1) / 2;
-    const bool ahead = n + NR + kAheadRows <= w.N;  // qlinear_tile's prefetch (qlinear.h)
+    const int64_t ahead = ahead_rows(w.K);  // qlinear_tile's prefetch (qlinear.h)
     for (int64_t p = 0; p < np; ++p) {
-      if (ahead)
-        for (int r = 0; r < NR; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * w.K + p * 64), _MM_HINT_T1);
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * w.K + p * 64), _MM_HINT_T1);
       const bool full = 2 * p + 1 < nb;
       __m512i xv[MT];
       __m512 dxv[MT];
@@ -117,11 +116,10 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i quad_idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const int64_t nq = (nb + 3) / 4;
-  const bool ahead = n + NR + kAheadRows <= w.N;
+  const int64_t ahead = ahead_rows(w.K / 2);
   for (int64_t c = 0; c < nq; ++c) {
-    if (ahead)
-      for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * (w.K / 2) + c * 64), _MM_HINT_T1);
+    for (int r = 0; r < NR; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * (w.K / 2) + c * 64), _MM_HINT_T1);
     const int64_t rem = std::min<int64_t>(4, nb - 4 * c);
     __m512i xlo[MT], xhi[MT];
     __m512 dxv[MT];
@@ -178,11 +176,11 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
   // qlinear_tile's prefetch of the rows kAheadRows on (M = 1: 14.6 -> 10.8 ms on 1 thread,
   // 9.2 -> 7.1 on 2, against prefetch_weight_rows' whole rows per group)
   const int64_t qb = q8 ? 32 : 16;
-  const bool ahead = n + NR + kAheadRows <= w.N;
+  const int64_t ahead = ahead_rows(row);
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead && (b * qb) % 64 == 0)
+    if ((b * qb) % 64 == 0)
       for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + kAheadRows) * row + b * qb),
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + b * qb),
                      _MM_HINT_T1);
     __m256i xv[MT];
     for (int i = 0; i < MT; ++i) {
