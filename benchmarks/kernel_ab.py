@@ -14,7 +14,8 @@ Per build and round:
   ones, on `--threads` threads (the decode runs with as many); best of 5 passes, ms.
 * decode: one stream on the default model (~100-token prompt, 128 new tokens, greedy) with
   `--quantization` (auto: the GGUF's own Q4_1/Q8_0 blocks, float32 activations; gguf-a8: 8-bit
-  activations), output tok/s as `hearth bench` counts it; 3 runs per child.
+  activations), output tok/s as `hearth bench` counts it; 3 runs per child. `--model` decodes
+  another model instead (e.g. /tmp/mla-bench, benchmarks/mla_bench.py's, with q8_0 / q8_0-a8).
 Writes every sample to `--json`.
 """
 
@@ -64,11 +65,11 @@ def qlinear_ms(threads: int) -> dict[str, float]:
     return out
 
 
-def decode_tok_s(variant: str, quantization: str) -> list[float]:
+def decode_tok_s(variant: str, quantization: str, model: str) -> list[float]:
     from hearth.bench.engine import hearth_decode, make_prompts
     from hearth.engine.llm import LLM
 
-    llm = LLM("smollm2-135m-instruct", cpu_kernels=variant, quantization=quantization)
+    llm = LLM(model, cpu_kernels=variant, quantization=quantization, max_model_len=4096)
     try:
         prompt = make_prompts(llm.tokenizer, 1, 100)
         hearth_decode(llm, prompt, 16)  # warm-up
@@ -77,7 +78,7 @@ def decode_tok_s(variant: str, quantization: str) -> list[float]:
         llm.engine.close()
 
 
-def child(build: str, threads: int, quantization: str) -> None:
+def child(build: str, threads: int, quantization: str, model: str) -> None:
     import torch
 
     from hearth.ops.build_kernels import ISA
@@ -86,7 +87,7 @@ def child(build: str, threads: int, quantization: str) -> None:
     variant = {isa: v for v, isa in ISA.items()}[torch.ops.hearth.isa()]
     torch.set_num_threads(threads)
     report = {"variant": variant, **qlinear_ms(threads)}
-    report[f"decode 1 stream, {quantization} (tok/s)"] = decode_tok_s(variant, quantization)
+    report[f"decode 1 stream, {quantization} (tok/s)"] = decode_tok_s(variant, quantization, model)
     print(json.dumps(report))
 
 
@@ -97,12 +98,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads of each child (its qlinear passes and its decode)")
     ap.add_argument("--quantization", default="auto", help="decode weights (hearth serve's flag)")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="the decode's model (e.g. benchmarks/mla_bench.py's folder)")
     ap.add_argument("--json", type=Path, default=RESULTS / "kernel_ab.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        child(args.child, args.threads, args.quantization)
+        child(args.child, args.threads, args.quantization, args.model)
         return
     if not args.builds:
         ap.error("name at least one build (.so)")
@@ -111,7 +114,8 @@ def main() -> None:
     for r in range(args.rounds):
         for build in args.builds:
             proc = subprocess.run([sys.executable, __file__, "--child", build, "--threads",
-                                   str(args.threads), "--quantization", args.quantization],
+                                   str(args.threads), "--quantization", args.quantization,
+                                   "--model", args.model],
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"{build}: the child failed:\n{proc.stderr[-3000:]}")
@@ -130,7 +134,8 @@ def main() -> None:
         print(f"| {metric}, min / median | " + " | ".join(cells) + " |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(
-        {"threads": args.threads, "quantization": args.quantization, "variants": variants,
+        {"threads": args.threads, "quantization": args.quantization, "model": args.model,
+         "variants": variants,
          "samples": samples}, indent=1))
 
 
