@@ -881,3 +881,28 @@ def test_short_queries_over_one_wide_latent_head_equal_torch(kernels, width, cac
         assert err.max() < 8e-3 and err.mean() < 5e-4, (err.max(), err.mean())
     else:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [200, 300, 16])
+def test_one_wide_request_splits_across_threads(kernels, cache_dtype, ctx):
+    """One request whose context fits one split but is work enough (16 heads on one 320-wide
+    row, as MLA's decode): with 2 threads the kernel cuts the context so each thread has a
+    part, merged by log-sum-exp; the result equals the one-thread call (one split) up to float
+    summation order (with AVX512-BF16 dot products for a bf16 cache, each split's
+    probabilities are rounded to bf16 against its own maximum: bf16 rounding apart). A
+    16-token context stays one item."""
+    gen = torch.Generator().manual_seed(9)
+    block_size, heads, width = 16, 16, 320
+    num_blocks = -(-ctx // block_size) + 2
+    cache = random_cache(gen, (num_blocks, block_size, 1, width), cache_dtype)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-ctx // block_size)].to(torch.int32)[None]
+    q = torch.randn(1, heads, width, generator=gen)
+    lens = torch.tensor([ctx], dtype=torch.int32)
+    one = kernels.ops.decode_attention(q, cache, cache, table, lens, width ** -0.5, 512, 1)
+    two = kernels.ops.decode_attention(q, cache, cache, table, lens, width ** -0.5, 512, 2)
+    if cache_dtype == torch.bfloat16 and kernels.ops.bf16_dot_products():
+        err = (two - one).abs()
+        assert err.max() < 8e-3 and err.mean() < 5e-4
+    else:
+        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)

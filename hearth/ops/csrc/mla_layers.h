@@ -63,11 +63,14 @@ void heads_qlinear(const QWeight& w, int64_t H, int64_t N, const float* x, int64
   int64_t dxe_row = 0;
   QAct act{};
   if (int8_act) act = quantize_act(xs, H * T, K, w.qtype, qx, sc, dxe_row);
-  constexpr int64_t NR = 4, kRowsPerTask = 64;
-  const int64_t per_head = (N + kRowsPerTask - 1) / kRowsPerTask;
+  // a task: at least 16 KB of weight rows (W_UK^T's rows are 64 bytes for nope = 64: tasks of
+  // 64 rows, 4 KB, spent more time starting than reading)
+  constexpr int64_t NR = 4;
+  const int64_t rows_per_task = std::max<int64_t>(64, 16384 / w.qs_row()) / NR * NR;
+  const int64_t per_head = (N + rows_per_task - 1) / rows_per_task;
   parallel_tasks(H * per_head, [&](int64_t task) {
-    const int64_t h = task / per_head, r0 = (task % per_head) * kRowsPerTask;
-    const int64_t r1 = std::min(N, r0 + kRowsPerTask);
+    const int64_t h = task / per_head, r0 = (task % per_head) * rows_per_task;
+    const int64_t r1 = std::min(N, r0 + rows_per_task);
     const QWeight wh = expert_rows(w, h, N);
     float* o = ys + h * T * N;
     int64_t n = r0;
