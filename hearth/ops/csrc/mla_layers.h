@@ -42,7 +42,7 @@ constexpr int64_t kMlaDims = 15, kMlaFdims = 3;
 // K = nope), the output side W_UV_h (N = v rows of K = L). Float32 (kv_b_proj's own copy)
 // these were 25 of the 190 MB a step of the bench model reads; Q8_0 takes them to 6.6. The
 // rows of x are gathered head-major so each head's rows are one qlinear tile input (and, with
-// int8_act, one run of 8-bit activations), a task per (head, 64 weight rows).
+// int8_act, one run of 8-bit activations), a task per (head, >= 16 KB of its rows).
 void heads_qlinear(const QWeight& w, int64_t H, int64_t N, const float* x, int64_t T,
                    int64_t ldx_t, int64_t ldx_h, float* out, int64_t ldo_t, int64_t ldo_h,
                    int64_t threads, bool int8_act) {
