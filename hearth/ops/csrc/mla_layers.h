@@ -70,20 +70,8 @@ void heads_qlinear(const QWeight& w, int64_t H, int64_t N, const float* x, int64
   const int64_t per_head = (N + rows_per_task - 1) / rows_per_task;
   parallel_tasks(H * per_head, [&](int64_t task) {
     const int64_t h = task / per_head, r0 = (task % per_head) * rows_per_task;
-    const int64_t r1 = std::min(N, r0 + rows_per_task);
-    const QWeight wh = expert_rows(w, h, N);
-    float* o = ys + h * T * N;
-    int64_t n = r0;
-    if (int8_act) {
-      const QAct a{T, act.nb, act.stride, act.q + h * T * act.stride, act.dx + h * T * act.nb,
-                   act.xs + h * T * act.nb, act.dxe + h * T * dxe_row};
-      for (; n + NR <= r1; n += NR) qlinear_rows_i8<NR>(wh, n, a, o);
-      for (; n < r1; ++n) qlinear_rows_i8<1>(wh, n, a, o);
-      return;
-    }
-    const float* xh = xs + h * T * K;
-    for (; n + NR <= r1; n += NR) qlinear_rows<NR>(wh, n, xh, T, o);
-    for (; n < r1; ++n) qlinear_rows<1>(wh, n, xh, T, o);
+    group_rows(w, h, N, r0, std::min(N, r0 + rows_per_task), h * T, T, xs, ys,
+               int8_act ? &act : nullptr, dxe_row);
   }, threads);
   for (int64_t h = 0; h < H; ++h)
     for (int64_t t = 0; t < T; ++t)

@@ -56,12 +56,34 @@ QWeight expert_rows(const QWeight& w, int64_t e, int64_t rows) {
   return v;
 }
 
+// Weight rows [r0, r1) of group g (rows [g g_rows, (g + 1) g_rows) of `w`) against the M rows
+// of `in` (float [., K], or with `act` its 8-bit form) starting at row p0, into out [., g_rows]
+// at row p0: an expert's share of a step's pairs (experts_qlinear), or an MLA head's rows
+// (heads_qlinear, mla_layers.h).
+void group_rows(const QWeight& w, int64_t g, int64_t g_rows, int64_t r0, int64_t r1, int64_t p0,
+                int64_t M, const float* in, float* out, const QAct* act, int64_t dxe_row) {
+  constexpr int64_t NR = 4;
+  const QWeight wg = expert_rows(w, g, g_rows);
+  float* o = out + p0 * g_rows;
+  int64_t n = r0;
+  if (act) {  // this group's rows of the quantized activations
+    const QAct a{M, act->nb, act->stride, act->q + p0 * act->stride, act->dx + p0 * act->nb,
+                 act->xs + p0 * act->nb, act->dxe + p0 * dxe_row};
+    for (; n + NR <= r1; n += NR) qlinear_rows_i8<NR>(wg, n, a, o);
+    for (; n < r1; ++n) qlinear_rows_i8<1>(wg, n, a, o);
+    return;
+  }
+  const float* x = in + p0 * w.K;
+  for (; n + NR <= r1; n += NR) qlinear_rows<NR>(wg, n, x, M, o);
+  for (; n < r1; ++n) qlinear_rows<1>(wg, n, x, M, o);
+}
+
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
 // into out [P, w_rows]: one task per (active expert, 64 weight rows).
 void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
                      float* out, int64_t threads, const QAct* act = nullptr,
                      int64_t dxe_row = 0) {
-  constexpr int64_t NR = 4, kRowsPerTask = 256;
+  constexpr int64_t kRowsPerTask = 256;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e)
@@ -70,20 +92,8 @@ void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, con
     const int64_t e = active[task / tasks_per_expert];
     const int64_t r0 = (task % tasks_per_expert) * kRowsPerTask;
     const int64_t r1 = std::min(w_rows, r0 + kRowsPerTask);
-    const QWeight we = expert_rows(w, e, w_rows);
-    const int64_t p0 = s.offset[e], M = s.offset[e + 1] - p0;
-    float* o = out + p0 * w_rows;
-    int64_t n = r0;
-    if (act) {  // this expert's rows of the quantized activations
-      const QAct a{M, act->nb, act->stride, act->q + p0 * act->stride, act->dx + p0 * act->nb,
-                   act->xs + p0 * act->nb, act->dxe + p0 * dxe_row};
-      for (; n + NR <= r1; n += NR) qlinear_rows_i8<NR>(we, n, a, o);
-      for (; n < r1; ++n) qlinear_rows_i8<1>(we, n, a, o);
-      return;
-    }
-    const float* x = in + p0 * w.K;
-    for (; n + NR <= r1; n += NR) qlinear_rows<NR>(we, n, x, M, o);
-    for (; n < r1; ++n) qlinear_rows<1>(we, n, x, M, o);
+    const int64_t p0 = s.offset[e];
+    group_rows(w, e, w_rows, r0, r1, p0, s.offset[e + 1] - p0, in, out, act, dxe_row);
   }, threads);
 }
 
