@@ -154,6 +154,33 @@ def test_fused_decode_layers_serve_the_fast_formats(tiny_deepseek):
             assert abs(a.logprob - b.logprob) < 1e-3
 
 
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_fused_layers_fold_one_shared_expert_into_the_routed_call(tmp_path: Path, n_shared):
+    """One shared expert of the routed width (DeepSeek-V3, Kimi K2) runs inside the routed
+    experts' calls of `mla_decode_layers` (its rows against every token's own row); two (a
+    shared MLP twice as wide) keep their own dense MLP. Either way, with 8-bit activations, the
+    tokens and logprobs equal the module path's."""
+    folder = str(write_random_deepseek(tmp_path / "m", num_layers=3, n_shared_experts=n_shared))
+    runs = []
+    for fused in (True, False):
+        llm = LLM(folder, quantization="q8_0-a8", kv_cache_dtype="bfloat16")
+        try:
+            model = llm.engine.executor.model
+            if getattr(model.attn_backend, "kernels", None) is None:
+                pytest.skip("no CPU kernel build is usable here")
+            assert model._fused_all is not None
+            if not fused:
+                model._fused_all = None
+            runs.append(llm.generate(PROMPTS[:4], GREEDY))
+            assert llm.engine.kv_pool_is_whole()
+        finally:
+            llm.engine.close()
+    for g, w in zip(*runs):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-3
+
+
 def test_broken_deepseek_checkpoints_fail_at_load_naming_the_problem(tmp_path: Path):
     from safetensors.torch import load_file, save_file
 

@@ -79,7 +79,7 @@ inline void softmax_scores(float* scores, int64_t n, int64_t R, const int64_t* l
 // Writes per head: part[h] = (max score, sum of exp, unnormalized output[D]).
 template <typename KV>
 void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* off, int64_t t0,
-                    int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D,
+                    int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D, int64_t Dv,
                     float scale, const int64_t* lim, float* part, float* scores) {
   const int64_t n = t1 - t0, pstride = D + 2, rs = row_stride<KV>(D);
   for (int64_t t = t0; t < t1; ++t) {
@@ -95,7 +95,7 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* 
   }
   softmax_scores(scores, n, G, lim, part, pstride);
   for (int64_t h = 0; h < G; ++h)
-    for (int64_t j = 0; j < D; ++j) part[h * pstride + 2 + j] = 0;
+    for (int64_t j = 0; j < Dv; ++j) part[h * pstride + 2 + j] = 0;
   for (int64_t t = t0; t < t1; ++t) {
     const KV* v = vc + off[t - t0] + g * rs;
     const float vs = row_scale(v, D);
@@ -103,7 +103,7 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* 
       const float p = scores[h * n + (t - t0)] * vs;
       float* o = part + h * pstride + 2;
 #pragma omp simd
-      for (int64_t j = 0; j < D; ++j) o[j] += p * load_kv(v, j);
+      for (int64_t j = 0; j < Dv; ++j) o[j] += p * load_kv(v, j);
     }
   }
 }
@@ -370,9 +370,9 @@ HEARTH_TARGET_BF16 void wide_values_bf16(const float* scores, const uint16_t* vc
 
 template <typename KV>
 void attend_wide_avx512(const float* qg, const KV* kc, const KV* vc, const int64_t* off,
-                        int64_t t0, int64_t t1, int64_t R, int64_t D, float scale,
+                        int64_t t0, int64_t t1, int64_t R, int64_t D, int64_t Dv, float scale,
                         const int64_t* lim, float* part, float* scores) {
-  const int64_t n = t1 - t0, pstride = D + 2, dv = D / 16;
+  const int64_t n = t1 - t0, pstride = D + 2, dv = Dv / 16;
   if constexpr (std::is_same_v<KV, uint16_t>) {
     if (bf16_dot_products() && D % 32 == 0) {
       wide_scores_bf16(qg, kc, off, t0, t1, R, D, scale, scores);
@@ -417,8 +417,8 @@ void attend_wide_avx512(const float* qg, const KV* kc, const KV* vc, const int64
 values:
   softmax_scores(scores, n, R, lim, part, pstride);
   if constexpr (std::is_same_v<KV, uint16_t>) {
-    if (bf16_dot_products() && D % 32 == 0) {
-      wide_values_bf16(scores, vc, off, t0, t1, R, D, part, pstride);
+    if (bf16_dot_products() && Dv % 32 == 0) {
+      wide_values_bf16(scores, vc, off, t0, t1, R, Dv, part, pstride);
       return;
     }
   }
@@ -473,9 +473,10 @@ inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, 
 template <typename KV>
 void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int32_t* tables,
                            const int32_t* ctx, const int32_t* qlen, const int64_t* qstart,
-                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
-                           int64_t max_blocks, float scale, int64_t split, int64_t num_splits,
-                           int64_t max_q, float* partial, float* out, int64_t threads) {
+                           int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t Dv,
+                           int64_t block_size, int64_t max_blocks, float scale, int64_t split,
+                           int64_t num_splits, int64_t max_q, float* partial, float* out,
+                           int64_t threads) {
   const int64_t G = H / KVH, pstride = D + 2, RG = max_q * G;  // RG: rows per (item, kv head)
   auto part_at = [&](int64_t b, int64_t g, int64_t s) {
     return partial + ((b * KVH + g) * num_splits + s) * RG * pstride;
@@ -497,7 +498,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
     for (int64_t j = 0; j < ql; ++j)
       for (int64_t h = 0; h < G; ++h) lim[j * G + h] = ctx[b] - ql + j + 1 - t0;
 #if defined(__AVX512F__)
-    if ((D == 64 || D == 128) && t0 < t1) {
+    if ((D == 64 || D == 128) && Dv == D && t0 < t1) {
       thread_local std::vector<const float*> qgs;
       thread_local std::vector<float*> parts;
       qgs.resize(KVH);
@@ -526,7 +527,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
       if (KVH == 1 && D % 16 == 0 && t0 < t1) {  // MLA's latent row (absorbed decode)
         const float* qg = q + qstart[b] * H * D;  // rows j * G + h: already in that order
         scores.resize(R * (t1 - t0));
-        attend_wide_avx512<KV>(qg, kc, vc, offs.data(), t0, t1, R, D, scale, lim.data(),
+        attend_wide_avx512<KV>(qg, kc, vc, offs.data(), t0, t1, R, D, Dv, scale, lim.data(),
                                part_at(b, 0, s), scores.data());
         return;
       }
@@ -546,14 +547,14 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
         qg = qbuf.data();
       }
       scores.resize(R * (t1 - t0));
-      attend_generic<KV>(qg, kc, vc, offs.data(), t0, t1, R, KVH, g, D, scale,
+      attend_generic<KV>(qg, kc, vc, offs.data(), t0, t1, R, KVH, g, D, Dv, scale,
                  lim.data(), part, scores.data());
     }
   };
   auto merge_fn = [&](int64_t b) {
     for (int64_t j = 0; j < qlen[b]; ++j)
       for (int64_t h = 0; h < H; ++h)
-        merge_splits(part_at(b, h / G, 0) + (j * G + h % G) * pstride, num_splits, RG * pstride, D,
+        merge_splits(part_at(b, h / G, 0) + (j * G + h % G) * pstride, num_splits, RG * pstride, Dv,
                      out + ((qstart[b] + j) * H + h) * D);
   };
   const int64_t items = B * num_splits;
@@ -570,10 +571,14 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
 // q [T, H, D] float32: the new tokens of B requests, packed in request order; caches
 // [num_blocks, block_size, KVH, D] (int8: D + 4, kv_quant.py); block_tables [B, max_blocks] int32; context_lens [B] int32;
 // query_lens [B] int32 (each 1 when absent: one decode token per request). Returns [T, H, D].
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables_in,
-                            const at::Tensor& context_lens_in, double scale, int64_t split,
-                            int64_t threads, const std::optional<at::Tensor>& query_lens_in) {
+// v_dim (< D, a multiple of 16; mla_layers.h): only the first v_dim values of each row are V
+// -- MLA's latent [c | k_pe], whose rope part is a key only -- and only out[..., :v_dim] is
+// written (0: all D).
+at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                              const at::Tensor& context_lens_in, double scale, int64_t split,
+                              int64_t threads, const std::optional<at::Tensor>& query_lens_in,
+                              int64_t v_dim) {
   at::Tensor q = q_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "decode_attention: q float32 [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
@@ -584,6 +589,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == (is_scaled_cache(k_cache) ? D + kScaleBytes : D),
               "decode_attention: head shapes");
+  const int64_t Dv = v_dim > 0 ? v_dim : D;
+  TORCH_CHECK(Dv == D || (Dv < D && Dv % 16 == 0), "decode_attention: v_dim ", Dv,
+              " must be the head size or a multiple of 16 below it");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B, "decode_attention: one block table per request");
   at::Tensor qlens = query_lens_in.has_value() ? query_lens_in->to(at::kInt).contiguous()
                                                : at::ones({B}, ctx.options());
@@ -619,7 +627,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
   const int64_t max_blocks = tables.size(1);
   auto run = [&](auto* kc, auto* vc) {
     decode_attention_impl(q.data_ptr<float>(), kc, vc, tables.data_ptr<int32_t>(), cp, qp,
-                          qstart.data(), B, H, KVH, D, block_size, max_blocks,
+                          qstart.data(), B, H, KVH, D, Dv, block_size, max_blocks,
                           static_cast<float>(scale), split, num_splits, max_q,
                           partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   };
@@ -631,16 +639,24 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     decode_attention_impl<uint16_t>(
         q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, qp,
-        qstart.data(), B, H, KVH, D, block_size, max_blocks, static_cast<float>(scale), split,
+        qstart.data(), B, H, KVH, D, Dv, block_size, max_blocks, static_cast<float>(scale), split,
         num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat,
                 "decode_attention: cache float32, bfloat16, int8 or float8_e4m3fn");
     decode_attention_impl<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(),
                                  v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, qp,
-                                 qstart.data(), B, H, KVH, D, block_size, max_blocks,
+                                 qstart.data(), B, H, KVH, D, Dv, block_size, max_blocks,
                                  static_cast<float>(scale), split, num_splits, max_q,
                                  partial.data_ptr<float>(), out.data_ptr<float>(), threads);
   }
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale, int64_t split,
+                            int64_t threads, const std::optional<at::Tensor>& query_lens) {
+  return decode_attention_v(q, k_cache, v_cache, block_tables, context_lens, scale, split,
+                            threads, query_lens, 0);
 }

@@ -243,8 +243,9 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
       }
     }
   }, threads);
-  at::Tensor o_lat = decode_attention(q_lat, cache, cache, block_tables, context_lens,
-                                      fdims[1], split, threads, query_lens);  // [T, H, D]
+  // [T, H, D], of which only [:L] (the latent's c) is V and written
+  at::Tensor o_lat = decode_attention_v(q_lat, cache, cache, block_tables, context_lens,
+                                        fdims[1], split, threads, query_lens, L % 16 ? 0 : L);
   // out_h = o_lat_h[:L] W_UV_h^T (kv_b_proj rows [h (nope + v) + nope, (h + 1)(nope + v)))
   at::Tensor attn = at::empty({T, H * V}, a.options());
   const float* olp = o_lat.data_ptr<float>();
@@ -283,11 +284,26 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
                      w[kMlaBias].numel() ? w[kMlaBias].data_ptr<float>() : nullptr,
                      topk_w.data_ptr<float>(), topk_ids.data_ptr<int64_t>(),
                      counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
-  at::Tensor out = moe_experts(normed2, w[kMlaW13], w[kMlaW2], topk_w, topk_ids, dims[12],
-                               {w[kMlaQ13], w[kMlaQ13 + 1], w[kMlaQ13 + 2], w[kMlaQ2],
-                                w[kMlaQ2 + 1], w[kMlaQ2 + 2]},
-                               {types[5], types[6]}, threads, int8_act);
-  if (w[kMlaGateUp].numel()) out.add_(dense_mlp(dims[14]));
+  // The shared experts join the routed experts' calls when they are one expert's shape and
+  // formats (DeepSeek-V3, Kimi K2: one shared expert of the routed width); otherwise their own
+  // dense MLP, added after.
+  const int64_t I = w[kMlaW2].size(2);
+  const bool has_shared = w[kMlaGateUp].numel() > 0;
+  const bool fold = has_shared && w[kMlaQ13].numel() > 0 && dims[14] == I &&
+                    types[3] == types[5] && types[4] == types[6];
+  SharedExpert shared;
+  if (fold) {
+    shared.w13 = packed_weight(w[kMlaGateUp], w[kMlaGateUp + 1], w[kMlaGateUp + 2], types[3],
+                               2 * I, hidden, "mla_decode_layers: shared gate_up");
+    shared.w2 = packed_weight(w[kMlaDown], w[kMlaDown + 1], w[kMlaDown + 2], types[4], hidden, I,
+                              "mla_decode_layers: shared down");
+  }
+  at::Tensor out = moe_experts_impl(normed2, w[kMlaW13], w[kMlaW2], topk_w, topk_ids, dims[12],
+                                    {w[kMlaQ13], w[kMlaQ13 + 1], w[kMlaQ13 + 2], w[kMlaQ2],
+                                     w[kMlaQ2 + 1], w[kMlaQ2 + 2]},
+                                    {types[5], types[6]}, threads, int8_act,
+                                    fold ? &shared : nullptr);
+  if (has_shared && !fold) out.add_(dense_mlp(dims[14]));
   return {out, residual};
 }
 

@@ -79,19 +79,31 @@ void group_rows(const QWeight& w, int64_t g, int64_t g_rows, int64_t r0, int64_t
 }
 
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
-// into out [P, w_rows]: one task per (active expert, 64 weight rows).
+// into out [P, w_rows]: one task per (active expert, 256 weight rows). With `shared` (the
+// always-on shared expert, the same row count and format as one routed expert), its rows run
+// against rows [P, P + T) of `in` in the same task pool (one parallel region for both: the
+// shared expert's own pair of calls had run at ~17 GB/s, their ~0.8 MB too little for a region).
 void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
                      float* out, int64_t threads, const QAct* act = nullptr,
-                     int64_t dxe_row = 0) {
+                     int64_t dxe_row = 0, const QWeight* shared = nullptr, int64_t shared_m = 0) {
   constexpr int64_t kRowsPerTask = 256;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t P = s.offset[E];
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e)
     if (s.offset[e + 1] > s.offset[e]) active.push_back(e);
-  parallel_tasks(active.size() * tasks_per_expert, [&](int64_t task) {
-    const int64_t e = active[task / tasks_per_expert];
-    const int64_t r0 = (task % tasks_per_expert) * kRowsPerTask;
+  const int64_t routed = active.size() * tasks_per_expert;
+  const int64_t extra = shared && shared_m > 0 ? tasks_per_expert : 0;
+  parallel_tasks(routed + extra, [&](int64_t task) {
+    const bool mine = task >= routed;  // the shared expert's rows
+    const int64_t local = mine ? task - routed : task;
+    const int64_t r0 = (local % tasks_per_expert) * kRowsPerTask;
     const int64_t r1 = std::min(w_rows, r0 + kRowsPerTask);
+    if (mine) {
+      group_rows(*shared, 0, w_rows, r0, r1, P, shared_m, in, out, act, dxe_row);
+      return;
+    }
+    const int64_t e = active[local / tasks_per_expert];
     const int64_t p0 = s.offset[e];
     group_rows(w, e, w_rows, r0, r1, p0, s.offset[e + 1] - p0, in, out, act, dxe_row);
   }, threads);
@@ -156,10 +168,17 @@ std::tuple<at::Tensor, at::Tensor> moe_topk(const at::Tensor& logits_in, int64_t
   return {weights, ids};
 }
 
-at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
-                       const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                       int64_t expert_start, std::vector<at::Tensor> q, std::vector<int64_t> qtypes,
-                       int64_t threads, bool int8_act) {
+// The shared expert folded into moe_experts' quantized path (mla_decode_layers): its packed
+// [gate | up] and down rows, the same shapes and formats as one routed expert's.
+struct SharedExpert {
+  QWeight w13, w2;
+};
+
+at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                            int64_t expert_start, std::vector<at::Tensor> q,
+                            std::vector<int64_t> qtypes, int64_t threads, bool int8_act,
+                            const SharedExpert* shared) {
   TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, H]");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) &&
                   w13.size(2) == x_in.size(1) && w2.size(1) == x_in.size(1) &&
@@ -176,28 +195,33 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::
   at::Tensor tw = topk_weights.to(at::kFloat).contiguous();
   const ExpertPairs s = sort_pairs(ids.data_ptr<int64_t>(), T, k, E, expert_start);
   const int64_t P = s.offset[E];
+  TORCH_CHECK(!shared || !q.empty(), "moe_experts: a folded shared expert needs packed experts");
+  // With the shared expert: rows [P, P + T) of xs, gu, act and ys are every token's own
+  const int64_t S = shared ? T : 0;
   at::Tensor out = at::zeros({T, H}, x_in.options().dtype(at::kFloat));
-  if (P == 0) return out;
+  if (P + S == 0) return out;
   at::Tensor ys;
   if (!q.empty()) {
     TORCH_CHECK(x_in.scalar_type() == at::kFloat, "moe_experts: quantized experts take float32 x");
     const QWeight q13 =
         packed_weight(q[0], q[1], q[2], qtypes[0], E * 2 * I, H, "moe_experts: w13");
     const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "moe_experts: w2");
-    at::Tensor xs = gather_rows(x_in.contiguous(), s.token, threads);  // [P, H]
-    at::Tensor gu = at::empty({P, 2 * I}, xs.options());
+    std::vector<int64_t> rows = s.token;
+    for (int64_t t = 0; t < S; ++t) rows.push_back(t);
+    at::Tensor xs = gather_rows(x_in.contiguous(), rows, threads);  // [P + S, H]
+    at::Tensor gu = at::empty({P + S, 2 * I}, xs.options());
     thread_local std::vector<int8_t> qx;
     thread_local std::vector<float> sc;
     int64_t dxe_row = 0;
     QAct a13{}, a2{};
-    if (int8_act) a13 = quantize_act(xs.data_ptr<float>(), P, H, q13.qtype, qx, sc, dxe_row);
+    if (int8_act) a13 = quantize_act(xs.data_ptr<float>(), P + S, H, q13.qtype, qx, sc, dxe_row);
     experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads,
-                    int8_act ? &a13 : nullptr, dxe_row);
-    at::Tensor act = silu_mul(gu);  // [P, I]
-    ys = at::empty({P, H}, xs.options());
-    if (int8_act) a2 = quantize_act(act.data_ptr<float>(), P, I, q2.qtype, qx, sc, dxe_row);
+                    int8_act ? &a13 : nullptr, dxe_row, shared ? &shared->w13 : nullptr, S);
+    at::Tensor act = silu_mul(gu);  // [P + S, I]
+    ys = at::empty({P + S, H}, xs.options());
+    if (int8_act) a2 = quantize_act(act.data_ptr<float>(), P + S, I, q2.qtype, qx, sc, dxe_row);
     experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads,
-                    int8_act ? &a2 : nullptr, dxe_row);
+                    int8_act ? &a2 : nullptr, dxe_row, shared ? &shared->w2 : nullptr, S);
   } else {
     TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
     at::Tensor xs = gather_rows(x_in.to(w13.scalar_type()).contiguous(), s.token, threads);
@@ -225,6 +249,19 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::
 #pragma omp simd
       for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
     }
+    if (S) {  // after the routed sum, as the separate shared MLP's output was added
+      const float* y = yp + (P + t) * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) o[h] += y[h];
+    }
   }, T >= 4 ? threads : 1);
   return out;
+}
+
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                       const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                       int64_t expert_start, std::vector<at::Tensor> q, std::vector<int64_t> qtypes,
+                       int64_t threads, bool int8_act) {
+  return moe_experts_impl(x_in, w13, w2, topk_weights, topk_ids, expert_start, std::move(q),
+                          std::move(qtypes), threads, int8_act, nullptr);
 }
