@@ -8,8 +8,9 @@ output length pinned with max_tokens + ignore_eos). Figures (--figures, all by d
   prefill    prompt tok/s of a ~2k-token prompt: usage.prompt_tokens / TTFT with max_tokens=1
   decode100  single-stream decode tok/s at ~100 tokens of context: (completion_tokens - 1) /
              (last token time - first token time)
-  decode6k   the same at ~6,000 tokens of context (one long prompt per server, reused by repeats:
-             only the decode after its prefill is timed)
+  decode6k   the same at ~6,000 tokens of context (--long-context-words): one long prompt per
+             server whose repeats differ only in a short tail (a prefix hit after the first; only
+             the decode after the prefill is timed; distinct outputs, so no draft copies one)
   batch8     8 concurrent streams, short distinct prompts: total output tokens / wall
   batch32    the same with 32
   agent      real agent sessions from ../shared/traces replayed 8 at once (hearth/bench/agent_replay.py
@@ -108,7 +109,12 @@ class Bench:
         return await self.decode(prompt(f"{self.name}-short-{rep}", self.args.short_context_words))
 
     async def decode6k(self, rep: int) -> dict:
-        return await self.decode(self.long_prompt)
+        # The long part is shared (a prefix hit after the first repeat), the request's own tail
+        # is not: an identical request would repeat the first one's output, which suffix drafts
+        # (hearth's default speculation) then accept wholesale -- a copy, not a decode rate.
+        long = self.long_prompt[0]["content"]
+        tail = prompt(f"{self.name}-long-tail-{rep}", 8)[0]["content"]
+        return await self.decode([{"role": "user", "content": f"{long}\n{tail}"}])
 
     async def batch(self, rep: int, width: int) -> dict:
         start = time.perf_counter()

@@ -21,13 +21,16 @@ from hearth.engine.sampling_params import SamplingParams
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [B] float; 0 for greedy rows
-    top_p: torch.Tensor  # [B] float
-    top_k: torch.Tensor  # [B] int64; vocab size when disabled
-    min_p: torch.Tensor  # [B] float
-    presence_penalty: torch.Tensor  # [B, 1] float
-    frequency_penalty: torch.Tensor  # [B, 1] float
-    repetition_penalty: torch.Tensor  # [B, 1] float
+    # The per-row parameters as tensors; None where the batch cannot read them (the draw's for
+    # an all-greedy batch, the penalties' for a batch without penalties): a greedy decode step
+    # builds none of them.
+    temperature: torch.Tensor | None  # [B] float; 0 for greedy rows
+    top_p: torch.Tensor | None  # [B] float
+    top_k: torch.Tensor | None  # [B] int64; vocab size when disabled
+    min_p: torch.Tensor | None  # [B] float
+    presence_penalty: torch.Tensor | None  # [B, 1] float
+    frequency_penalty: torch.Tensor | None  # [B, 1] float
+    repetition_penalty: torch.Tensor | None  # [B, 1] float
     output_counts: torch.Tensor | None  # [B, V] int: occurrences of each token in the output
     seen_mask: torch.Tensor | None  # [B, V] bool: token occurs in prompt or output
     generators: list[torch.Generator | None]  # per-row seeded generator (None: shared)
@@ -41,8 +44,7 @@ def make_sampling_batch(params: list[SamplingParams], token_histories: list[tupl
                         vocab_size: int) -> SamplingBatch:
     """`token_histories[i]` is (prompt ids, output ids) of row i; only read when penalties apply."""
     n = len(params)
-    temp = torch.tensor([0.0 if p.greedy else p.temperature for p in params])
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
+    all_greedy = all(p.greedy for p in params)
     penalised = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                     for p in params)
     counts = seen = None
@@ -56,19 +58,25 @@ def make_sampling_batch(params: list[SamplingParams], token_histories: list[tupl
             if params[i].repetition_penalty != 1.0 and prompt:
                 seen[i, torch.tensor(prompt, dtype=torch.long).clamp_(0, vocab_size - 1)] = True
         seen |= counts > 0
+    drawn = not all_greedy
     return SamplingBatch(
-        temperature=temp,
-        top_p=torch.tensor([p.top_p for p in params]),
-        top_k=top_k,
-        min_p=torch.tensor([p.min_p for p in params]),
-        presence_penalty=torch.tensor([[p.presence_penalty] for p in params]),
-        frequency_penalty=torch.tensor([[p.frequency_penalty] for p in params]),
-        repetition_penalty=torch.tensor([[p.repetition_penalty] for p in params]),
+        temperature=(torch.tensor([0.0 if p.greedy else p.temperature for p in params])
+                     if drawn else None),
+        top_p=torch.tensor([p.top_p for p in params]) if drawn else None,
+        top_k=(torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
+               if drawn else None),
+        min_p=torch.tensor([p.min_p for p in params]) if drawn else None,
+        presence_penalty=(torch.tensor([[p.presence_penalty] for p in params])
+                          if penalised else None),
+        frequency_penalty=(torch.tensor([[p.frequency_penalty] for p in params])
+                           if penalised else None),
+        repetition_penalty=(torch.tensor([[p.repetition_penalty] for p in params])
+                            if penalised else None),
         output_counts=counts,
         seen_mask=seen,
         generators=generators,
         num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-        all_greedy=all(p.greedy for p in params),
+        all_greedy=all_greedy,
         needs_filters=any(p.top_p < 1.0 or 0 < p.top_k < vocab_size or p.min_p > 0
                           for p in params),
     )

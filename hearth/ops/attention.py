@@ -21,7 +21,8 @@ them in place; the torch backends widen what they gather.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,8 +42,6 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks_of_request] int64
     # Decode requests (query_len == 1), batched:
     decode_token_index: torch.Tensor  # [num_decodes] int64: row of each decode in the packed tokens
-    decode_block_table: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
     num_tokens: int = 0
     # Short-query requests (1 <= query_len <= SHORT_QUERY_MAX), the CPU kernel's input:
     short_token_index: torch.Tensor | None = None  # [num_short_tokens] int64 rows, request order
@@ -51,10 +50,32 @@ class AttentionMetadata:
     short_block_table_i32: torch.Tensor | None = None  # [num_short, max_blocks] int32, 0-padded
     num_short_tokens: int = 0
     short_max: int = SHORT_QUERY_MAX  # the limit these were built with (the kernel path reads it)
+    # The decodes' block tables and context lengths as lists: `decode_block_table` and
+    # `decode_mask` (only the torch backends read them) are built from these on first use, not
+    # on every step the kernels run.
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_context_lens: list[int] = field(default_factory=list)
+    block_size: int = 0
+    device: torch.device | str = "cpu"
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_token_index.numel())
+
+    @functools.cached_property
+    def decode_block_table(self) -> torch.Tensor:
+        """[num_decodes, max_blocks] int64, padded with 0."""
+        width = max((len(t) for t in self.decode_tables), default=0)
+        return torch.tensor([[*t, *([0] * (width - len(t)))] for t in self.decode_tables],
+                            dtype=torch.long).reshape(len(self.decode_tables), width).to(self.device)
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool: True = attend."""
+        width = self.decode_block_table.shape[1] * self.block_size
+        ctx = torch.tensor(self.decode_context_lens, dtype=torch.long)
+        mask = torch.arange(width)[None, :] < ctx[:, None]
+        return mask[:, None, None, :].to(self.device)
 
 
 def build_attention_metadata(
@@ -92,16 +113,9 @@ def build_attention_metadata(
             p_ctx.append(ctx_len)
             p_tables.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=device))
         start += q_len
-    max_blocks = max((len(t) for t in d_tables), default=0)
-    table = torch.zeros((len(d_tables), max_blocks), dtype=torch.long)
-    for i, t in enumerate(d_tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    ctx = torch.tensor(d_ctx, dtype=torch.long)
-    mask = torch.arange(max_blocks * block_size)[None, :] < ctx[:, None]
-    s_table = torch.zeros((len(s_tables), max((len(t) for t in s_tables), default=0)),
-                          dtype=torch.int32)
-    for i, t in enumerate(s_tables):
-        s_table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    width = max((len(t) for t in s_tables), default=0)
+    s_table = torch.tensor([[*t, *([0] * (width - len(t)))] for t in s_tables],
+                           dtype=torch.int32).reshape(len(s_tables), width)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         prefill_query_starts=p_starts,
@@ -109,8 +123,6 @@ def build_attention_metadata(
         prefill_context_lens=p_ctx,
         prefill_block_tables=p_tables,
         decode_token_index=torch.tensor(d_index, dtype=torch.long, device=device),
-        decode_block_table=table.to(device),
-        decode_mask=mask[:, None, None, :].to(device),
         num_tokens=start,
         short_token_index=torch.tensor(s_index, dtype=torch.long, device=device),
         short_query_lens=torch.tensor(s_lens, dtype=torch.int32, device=device),
@@ -118,6 +130,10 @@ def build_attention_metadata(
         short_block_table_i32=s_table.to(device),
         num_short_tokens=len(s_index),
         short_max=short_max,
+        decode_tables=d_tables,
+        decode_context_lens=d_ctx,
+        block_size=block_size,
+        device=device,
     )
 
 
