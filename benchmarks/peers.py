@@ -17,7 +17,8 @@ output length pinned with max_tokens + ignore_eos). Figures (--figures, all by d
              for the scaling): wall, output tok/s, cached_tokens hit ratio vs the infinite-cache ceiling
   neighbour  decode100 while a spinning python process is pinned (taskset) to the last core
 
-Every figure is measured --repeats times with distinct prompts; tables give min and median, the
+Every figure is measured --repeats times with distinct prompts (--rounds N: every server N times
+in turn, samples pooled); tables give min and median, the
 ratio table divides hearth's median by each peer's. JSON and a PNG go to benchmarks/results/.
 
 usage (peers installed per ../shared/peers/README.md):
@@ -168,7 +169,7 @@ class Bench:
             stop_busy_neighbour(spinner)
 
 
-async def measure_server(spec: ServerSpec, args: argparse.Namespace) -> dict:
+async def measure_server(spec: ServerSpec, args: argparse.Namespace, first_rep: int = 0) -> dict:
     log = RESULTS / f"peers-{spec.name}.log"
     record: dict = {"command": shlex.join(spec.command()), "env": spec.env, "figures": {}}
     print(f"\n## {spec.name}: {record['command']}", flush=True)
@@ -180,7 +181,7 @@ async def measure_server(spec: ServerSpec, args: argparse.Namespace) -> dict:
     cold = [server.cold_start_s]
     print(f"   cold start {server.cold_start_s:.1f} s", flush=True)
     try:
-        await measure_figures(spec, args, record)
+        await measure_figures(spec, args, record, first_rep)
     except (httpx.HTTPError, RuntimeError) as exc:  # the server broke: keep what was measured
         print(f"   stopped measuring: {exc}", flush=True)
         record["error"] = str(exc)
@@ -199,12 +200,13 @@ async def measure_server(spec: ServerSpec, args: argparse.Namespace) -> dict:
     return record
 
 
-async def measure_figures(spec: ServerSpec, args: argparse.Namespace, record: dict) -> None:
+async def measure_figures(spec: ServerSpec, args: argparse.Namespace, record: dict,
+                          first_rep: int = 0) -> None:
     bench = Bench(spec.url, await model_of(spec.url, {}), args, spec.name)
     checked(await bench.chat(prompt(f"{spec.name}-warmup", 16), 8), "warm-up")  # not timed
     for figure in (f for f in args.figures if f != "cold"):
         runs = record["figures"][figure] = []
-        for rep in range(args.repeats):
+        for rep in range(first_rep, first_rep + args.repeats):
             try:
                 runs.append(await getattr(bench, figure)(rep))
             except RuntimeError as exc:
@@ -222,6 +224,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8110, help="port of --server definitions")
     p.add_argument("--figures", default=",".join(FIGURES))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every server this many times in turn (order reversed each "
+                        "round), --repeats each time, samples pooled: a slow spell of a shared "
+                        "machine then hits every server, not just the one measured during it")
     p.add_argument("--hearth-args", default="", help="extra arguments of `hearth serve`")
     add_peer_path_args(p)
     p.add_argument("--vllm-args", default="")
@@ -281,9 +287,19 @@ def main() -> None:
     header = peer_report.machine_header(probe_roofline=not args.no_roofline)
     header["agent_scaling"] = args.replay.describe()
     print(peer_report.format_header(header), flush=True)
-    servers = {}
-    for name in names:
-        servers[name] = asyncio.run(measure_server(specs[name], args))
+    servers: dict[str, dict] = {}
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if args.rounds > 1:
+                print(f"\n# round {r + 1}/{args.rounds}", flush=True)
+            record = asyncio.run(measure_server(specs[name], args, r * args.repeats))
+            if name not in servers:
+                servers[name] = record
+                continue
+            for figure, runs in record["figures"].items():
+                servers[name]["figures"].setdefault(figure, []).extend(runs)
+            if "error" in record:
+                servers[name]["error"] = record["error"]
     report = {"header": header, "args": {k: v for k, v in vars(args).items() if k != "replay"},
               "servers": servers}
     write_report(report, Path(args.out))

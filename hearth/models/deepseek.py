@@ -43,7 +43,7 @@ from hearth.models.layers import (QLINEAR_MAX_ROWS, ColumnParallelLinear, RMSNor
                                   RotaryEmbedding, RowParallelLinear)
 from hearth.models.llama import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock, route_grouped
-from hearth.ops.attention import AttentionMetadata
+from hearth.ops.attention import AttentionMetadata, build_attention_metadata
 from hearth.ops.attention_backends import AttentionBackend
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
@@ -166,9 +166,40 @@ class MLAAttention(nn.Module):
                                                 meta.prefill_context_lens, meta.prefill_block_tables):
             if q_len <= meta.short_max:
                 continue  # a short query: done above
-            qi = torch.cat([q_nope[start:start + q_len], q_pe[start:start + q_len]], dim=-1)
-            out[start:start + q_len] = self._expanded_attention(qi, cache, table, ctx_len)
+            rows = slice(start, start + q_len)
+            if self.absorbs_chunk(q_len, ctx_len):
+                out[rows] = self._absorbed_chunk(q_nope[rows], q_pe[rows], cache, table, ctx_len)
+                continue
+            qi = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)
+            out[rows] = self._expanded_attention(qi, cache, table, ctx_len)
         return self.o_proj(out.reshape(T, H * self.v_dim))
+
+    # A chunk is absorbed where that costs fewer multiply-adds, weighted by the rates they run
+    # at: the absorbed attention's bf16 dot products (or fp32 FMAs) vs the up-projection GEMM
+    # and flash attention, ~1.5x apart on the 2-core EPYC of docs/benchmarks.md.
+    ABSORBED_SPEEDUP = 1.5
+
+    def absorbs_chunk(self, q_len: int, ctx_len: int) -> bool:
+        """Whether a prompt chunk of `q_len` new tokens ending a context of `ctx_len` attends
+        absorbed (over the latent rows, as decode does) rather than expanded. Expanded costs an
+        up-projection of every context row through kv_b_proj, whatever q_len: a later agent turn
+        of a few dozen tokens over a 16k prefix spent ~3 s there, ~10x the absorbed cost."""
+        H, L, R = self.num_heads, self.rank, self.rope
+        absorbed = q_len * ctx_len * H * (2 * L + R) + q_len * H * L * (self.nope + self.v_dim)
+        # flash attention pads V to the key width: (nope + R) twice per (query, key)
+        expanded = (ctx_len * L * H * (self.nope + self.v_dim)
+                    + q_len * (ctx_len - q_len / 2) * H * 2 * (self.nope + R))
+        return absorbed < expanded * self.ABSORBED_SPEEDUP
+
+    def _absorbed_chunk(self, q_nope, q_pe, cache, table, ctx_len: int) -> torch.Tensor:
+        """A prompt chunk attended as decode steps are (absorbed, over the latent rows in place;
+        causal among its own tokens). Returns [q, H, v]."""
+        q_len = q_nope.shape[0]
+        chunk = build_attention_metadata([q_len], [ctx_len], [table.tolist()], cache.shape[1],
+                                         q_nope.device, short_max=q_len)
+        q_lat = torch.cat([self.absorb_query(q_nope), q_pe], dim=-1)
+        o_lat = self.backend.mla_decode(q_lat, cache, chunk, self.scale, self.rank)
+        return self.absorb_output(o_lat.to(q_nope.dtype))
 
     def _expanded_attention(self, qi: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
                             ctx_len: int) -> torch.Tensor:

@@ -154,6 +154,40 @@ def test_fused_decode_layers_serve_the_fast_formats(tiny_deepseek):
             assert abs(a.logprob - b.logprob) < 1e-3
 
 
+def test_short_chunks_over_a_cached_prefix_attend_absorbed(tiny_deepseek, monkeypatch):
+    """A prompt chunk of more than 16 tokens whose absorbed attention is cheaper than
+    up-projecting its context (a later agent turn over a long cached prefix) attends as decode
+    does; its tokens and logprobs equal the expanded path's (exact formats), and the pool is
+    whole after both."""
+    from hearth.models.deepseek import MLAAttention
+
+    base = [(5 * j) % 200 + 3 for j in range(40)]
+    turn = base + [(11 * j) % 200 + 7 for j in range(20)]  # a 20-token chunk after 40 cached
+    calls: list[int] = []
+    absorbed = MLAAttention._absorbed_chunk
+    monkeypatch.setattr(MLAAttention, "_absorbed_chunk",
+                        lambda self, qn, *a: calls.append(qn.shape[0]) or absorbed(self, qn, *a))
+    runs = []
+    for speedup in (1e9, 0.0):  # always absorbed where a chunk may be, then never
+        monkeypatch.setattr(MLAAttention, "ABSORBED_SPEEDUP", speedup)
+        llm = LLM(tiny_deepseek, **EXACT)
+        try:
+            llm.generate([base], GREEDY)
+            calls.clear()
+            out = llm.generate([turn], GREEDY)[0]
+            assert out.cached_tokens == 32  # whole blocks of the 40-token prefix
+            # the chunk after the cached blocks, in every layer (or in none)
+            layers = len(llm.engine.executor.model.layers)
+            assert calls == ([28] * layers if speedup > 1 else [])
+            runs.append(out)
+            assert llm.engine.kv_pool_is_whole()
+        finally:
+            llm.engine.close()
+    assert runs[0].token_ids == runs[1].token_ids
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4
+
+
 @pytest.mark.parametrize("n_shared", [1, 2])
 def test_fused_layers_fold_one_shared_expert_into_the_routed_call(tmp_path: Path, n_shared):
     """One shared expert of the routed width (DeepSeek-V3, Kimi K2) runs inside the routed
