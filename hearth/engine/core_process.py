@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import time
 from typing import TYPE_CHECKING, Callable
 
 from hearth.engine.core_messages import (
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("hearth.core")
 
 IDLE_WAKE_SECONDS = 1.0  # an idle core looks at its rank set this often
+# Step outputs carry the per-expert token counts (MoE metrics) at most this often, and whenever
+# a request ends (so the totals are exact once a request is answered).
+EXPERT_LOAD_PERIOD_S = 1.0
 
 
 class EngineCore:
@@ -63,6 +67,7 @@ class EngineCore:
         self.live_request_ids: set[str] = set()
         self.unanswered_ids: set[str] = set()  # added, AddResult deferred until the grammar compiles
         self.running = True
+        self._experts_sent = float("-inf")  # when step outputs last carried the expert counts
 
     def handle(self, message: ToCore) -> None:
         if isinstance(message, AddRequest):
@@ -115,11 +120,17 @@ class EngineCore:
                           len(self.live_request_ids))
             outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
         outputs = self._answer_deferred(outputs)
+        ended = False
         for output in outputs:
             if output.finished:
                 self.live_request_ids.discard(output.request_id)
+                ended = True
         if outputs:
-            self.channel.send(StepOutputs(outputs, self.engine.stats()))
+            now = time.monotonic()
+            experts = ended or now - self._experts_sent >= EXPERT_LOAD_PERIOD_S
+            if experts:
+                self._experts_sent = now
+            self.channel.send(StepOutputs(outputs, self.engine.stats(expert_load=experts)))
 
     def _end_all(self, exc: Exception) -> None:
         """The rank set is lost: every request in flight ends with the error, then RankSetLost

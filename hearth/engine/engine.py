@@ -374,8 +374,11 @@ class LLMEngine:
         return self.outputs.output(req, kept + forced, text, new_lp)
 
     # ---- introspection --------------------------------------------------------------------
-    def stats(self) -> EngineStats:
-        """The load report; first applies finished KV transfers so free blocks are current."""
+    def stats(self, expert_load: bool = True) -> EngineStats:
+        """The load report; first applies finished KV transfers so free blocks are current.
+        `expert_load=False` leaves the per-expert counts out (an empty dict: no news), as the
+        core process does for most steps: DeepSeek-V3's 58 x 256 counts, listed, pickled and
+        walked by the server's metrics every token, cost more than the token's HTTP work."""
         if self.pd is not None:
             self.pd.poll()
         s = self.scheduler
@@ -399,7 +402,7 @@ class LLMEngine:
             num_grammars_compiling=self.grammars.num_compiling,
             num_forced_tokens=self.counters.forced,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
-            moe_expert_tokens=self.executor.expert_load(),
+            moe_expert_tokens=self.executor.expert_load() if expert_load else {},
             **self._spec_stats(),
         )
 

@@ -51,7 +51,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_waiting_for_grammar: int = 0  # guided requests whose grammar is compiling (in num_waiting)
     num_grammars_compiling: int = 0  # compiles queued or running (timed-out ones until they end)
     # Mixture-of-Experts: tokens routed to each expert since start, per MoE layer (layer index
-    # -> [num_experts] counts); empty for a dense model or with tensor/pipeline ranks
+    # -> [num_experts] counts); empty for a dense model, with tensor/pipeline ranks, and in the
+    # step outputs between two reports (core_process.py: at most once a second, and whenever a
+    # request ends): empty means no news, not zero
     moe_expert_tokens: dict[int, list[int]] = {}
     # speculative decoding (counters since start; zero with --speculative-method off)
     num_spec_drafts: int = 0  # request-steps that verified draft tokens

@@ -154,7 +154,9 @@ class ServerMetrics:
         self.expert_tokens = counter("moe_expert_tokens", "Tokens routed to each expert, per "
                                      "MoE layer (a token counts once per expert it picked).",
                                      ("layer", "expert"))
-        self._expert_seen: dict[tuple[int, int], int] = {}
+        # per MoE layer: each expert's total already counted, and its labelled counter
+        self._expert_seen: dict[int, list[int]] = {}
+        self._expert_children: dict[int, dict[int, object]] = {}
         self.offload_gauges = {
             key: gauge("kv_offload_" + name, doc) for key, (name, doc) in OFFLOAD_COUNTERS.items()}
         self.msp_gauges = {name: Gauge(name, doc, labels, registry=self.registry)
@@ -215,11 +217,18 @@ class ServerMetrics:
                 metric.inc(delta)
                 self._spec_seen[key] = total
         for layer, counts in stats.moe_expert_tokens.items():
+            seen = self._expert_seen.setdefault(layer, [])
+            seen.extend([0] * (len(counts) - len(seen)))
+            children = self._expert_children.setdefault(layer, {})
             for expert, total in enumerate(counts):
-                delta = total - self._expert_seen.get((layer, expert), 0)
+                delta = total - seen[expert]
                 if delta > 0:
-                    self._m(self.expert_tokens, layer=str(layer), expert=str(expert)).inc(delta)
-                    self._expert_seen[layer, expert] = total
+                    child = children.get(expert)
+                    if child is None:  # prometheus' labels() lookup: ~3 us, once per series
+                        child = children[expert] = self._m(
+                            self.expert_tokens, layer=str(layer), expert=str(expert))
+                    child.inc(delta)
+                    seen[expert] = total
         for tier, counters in stats.kv_tiers.items():
             names = OFFLOAD_COUNTERS if tier == "offload" else TIER_COUNTERS
             for key, value in counters.items():

@@ -74,7 +74,7 @@ class ScriptedEngine:
                 del self.requests[request_id]
         return outputs
 
-    def stats(self):
+    def stats(self, expert_load=True):
         from hearth.engine.stats import EngineStats
 
         return EngineStats(num_running=len(self.requests), num_free_blocks=10, num_total_blocks=10)
