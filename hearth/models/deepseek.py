@@ -178,6 +178,10 @@ class MLAAttention(nn.Module):
     # at: the absorbed attention's bf16 dot products (or fp32 FMAs) vs the up-projection GEMM
     # and flash attention, ~1.5x apart on the 2-core EPYC of docs/benchmarks.md.
     ABSORBED_SPEEDUP = 1.5
+    # The absorbed kernel keeps a partial result (max, sum, output row) per query row, head and
+    # context split of 512 tokens: a chunk absorbs only while those stay under this many bytes
+    # (DeepSeek-V3's 128 heads of 576 reach it at ~14 new tokens over 16k; decode rows are 1).
+    ABSORBED_PARTIAL_BYTES = 128 << 20
 
     def absorbs_chunk(self, q_len: int, ctx_len: int) -> bool:
         """Whether a prompt chunk of `q_len` new tokens ending a context of `ctx_len` attends
@@ -185,6 +189,8 @@ class MLAAttention(nn.Module):
         up-projection of every context row through kv_b_proj, whatever q_len: a later agent turn
         of a few dozen tokens over a 16k prefix spent ~3 s there, ~10x the absorbed cost."""
         H, L, R = self.num_heads, self.rank, self.rope
+        if q_len * H * -(-ctx_len // 512) * (L + R + 2) * 4 > self.ABSORBED_PARTIAL_BYTES:
+            return False
         absorbed = q_len * ctx_len * H * (2 * L + R) + q_len * H * L * (self.nope + self.v_dim)
         # flash attention pads V to the key width: (nope + R) twice per (query, key)
         expanded = (ctx_len * L * H * (self.nope + self.v_dim)
