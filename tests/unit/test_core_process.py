@@ -39,6 +39,7 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.explode_once = False
         self.admissions = []  # this stand-in never defers a request for its grammar
+        self.produced = 0
 
     def is_waiting_for_grammar(self, request_id):
         return False
@@ -68,6 +69,7 @@ class ScriptedEngine:
         self.aborted = []
         for request_id in list(self.requests):
             self.requests[request_id] += 1
+            self.produced += 1
             done = self.requests[request_id] >= self.length
             outputs.append(RequestOutput(request_id, [7], "x", done, "length" if done else None))
             if done:
@@ -77,7 +79,10 @@ class ScriptedEngine:
     def stats(self, expert_load=True):
         from hearth.engine.stats import EngineStats
 
-        return EngineStats(num_running=len(self.requests), num_free_blocks=10, num_total_blocks=10)
+        # a MoE engine's per-expert counts: one layer, the tokens produced so far
+        counts = {0: [self.produced]} if expert_load else {}
+        return EngineStats(num_running=len(self.requests), num_free_blocks=10, num_total_blocks=10,
+                           moe_expert_tokens=counts)
 
     def kv_pool_is_whole(self):
         return not self.requests
@@ -118,6 +123,24 @@ def test_add_step_finish(core_pair):
     assert server.recv() == AddResult("a", None)
     outputs = receive_until_finished(server, {"a"})["a"]
     assert [o.new_text for o in outputs] == ["x", "x", "x"] and outputs[-1].finish_reason == "length"
+
+
+def test_step_outputs_carry_expert_counts_when_a_request_ends_not_every_token(core_pair):
+    """Per-expert counts (DeepSeek-V3: 58 x 256 of them) ride the first step's outputs, then
+    only those of a step where a request ends (or a second later): exact totals once a request
+    is answered, no per-token cost."""
+    engine, server = core_pair
+    engine.length = 5
+    server.send(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=5)))
+    assert server.recv() == AddResult("a", None)
+    reports = []
+    while len(reports) < 5:
+        message = server.recv()
+        if isinstance(message, StepOutputs):
+            reports.append(message.stats.moe_expert_tokens)
+    assert reports[0] == {0: [1]}  # the first report of the process
+    assert reports[1:4] == [{}, {}, {}]  # no news within the second
+    assert reports[4] == {0: [5]}  # the request ended: the exact total
 
 
 def test_rejected_request_is_an_add_result_with_the_error(core_pair):
