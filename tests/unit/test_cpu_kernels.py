@@ -906,3 +906,22 @@ def test_one_wide_request_splits_across_threads(kernels, cache_dtype, ctx):
         assert err.max() < 8e-3 and err.mean() < 5e-4
     else:
         torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_over_many_splits_take_fewer_longer_splits(kernels):
+    """A verify step of 16 tokens x 64 heads over one wide latent row with 16-token splits
+    would keep 128 splits' partial results (169 MB); the kernel takes fewer, longer splits
+    (under 64 MB of partials) and the result still equals torch's."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, heads, width, ctx, q_len = 16, 64, 320, 2048, 16
+    num_blocks = ctx // block_size + 1
+    cache = random_cache(gen, (num_blocks, block_size, 1, width), torch.float32)
+    table = torch.randperm(num_blocks, generator=gen)[: ctx // block_size].to(torch.int32)[None]
+    q = torch.randn(q_len, heads, width, generator=gen)
+    got = kernels.ops.decode_attention(q, cache, cache, table, torch.tensor([ctx], dtype=torch.int32),
+                                       width ** -0.5, 16, 2, torch.tensor([q_len], dtype=torch.int32))
+    rows = cache[table[0].long()].reshape(-1, width)
+    scores = torch.einsum("qhd,kd->hqk", q, rows) * width ** -0.5
+    seen = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + ctx - q_len
+    want = torch.einsum("hqk,kd->qhd", torch.softmax(scores.masked_fill(~seen, float("-inf")), -1), rows)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -621,6 +621,18 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
     split = std::max<int64_t>(block_size, ((max_ctx + per - 1) / per + block_size - 1) /
                                               block_size * block_size);
   }
+  // The partial results hold (max, sum, output row) per query row, head and split. Many rows
+  // over a long context (DeepSeek-V3's 128 heads of 576 in a 16-token verify step at 128k:
+  // 1.2 GB, written and page-faulted per layer) take fewer, longer splits instead, so they stay
+  // under kPartialBytes (each item's scores grow to rows x split floats), keeping at least a
+  // split per thread.
+  constexpr int64_t kPartialBytes = int64_t{64} << 20;
+  const int64_t split_bytes = B * max_q * H * (D + 2) * int64_t{sizeof(float)};
+  if ((max_ctx + split - 1) / split * split_bytes > kPartialBytes) {
+    const int64_t most = std::max<int64_t>(kPartialBytes / split_bytes, (nt + B - 1) / B);
+    split = std::max<int64_t>(split, ((max_ctx + most - 1) / most + block_size - 1) / block_size *
+                                         block_size);
+  }
   const int64_t num_splits = (max_ctx + split - 1) / split;
   at::Tensor partial = at::empty({B * KVH * num_splits * max_q * (H / KVH) * (D + 2)}, q.options());
   at::Tensor out = at::empty_like(q);
