@@ -187,7 +187,7 @@ class MLAAttention(nn.Module):
         """Whether a prompt chunk of `q_len` new tokens ending a context of `ctx_len` attends
         absorbed (over the latent rows, as decode does) rather than expanded. Expanded costs an
         up-projection of every context row through kv_b_proj, whatever q_len: a later agent turn
-        of a few dozen tokens over a 16k prefix spent ~3 s there, ~10x the absorbed cost."""
+        of a few dozen tokens over a 16k prefix spent ~3 s there, ~4x the absorbed cost."""
         H, L, R = self.num_heads, self.rank, self.rope
         if q_len * H * -(-ctx_len // 512) * (L + R + 2) * 4 > self.ABSORBED_PARTIAL_BYTES:
             return False
