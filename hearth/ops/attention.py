@@ -65,9 +65,7 @@ class AttentionMetadata:
     @functools.cached_property
     def decode_block_table(self) -> torch.Tensor:
         """[num_decodes, max_blocks] int64, padded with 0."""
-        width = max((len(t) for t in self.decode_tables), default=0)
-        return torch.tensor([[*t, *([0] * (width - len(t)))] for t in self.decode_tables],
-                            dtype=torch.long).reshape(len(self.decode_tables), width).to(self.device)
+        return padded_table(self.decode_tables, torch.long).to(self.device)
 
     @functools.cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -76,6 +74,13 @@ class AttentionMetadata:
         ctx = torch.tensor(self.decode_context_lens, dtype=torch.long)
         mask = torch.arange(width)[None, :] < ctx[:, None]
         return mask[:, None, None, :].to(self.device)
+
+
+def padded_table(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """[len(tables), longest] block tables, each padded with 0, in one torch.tensor call."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([[*t, *([0] * (width - len(t)))] for t in tables],
+                        dtype=dtype).reshape(len(tables), width)
 
 
 def build_attention_metadata(
@@ -113,9 +118,7 @@ def build_attention_metadata(
             p_ctx.append(ctx_len)
             p_tables.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=device))
         start += q_len
-    width = max((len(t) for t in s_tables), default=0)
-    s_table = torch.tensor([[*t, *([0] * (width - len(t)))] for t in s_tables],
-                           dtype=torch.int32).reshape(len(s_tables), width)
+    s_table = padded_table(s_tables, torch.int32)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         prefill_query_starts=p_starts,

@@ -127,6 +127,14 @@ def test_default_formats_agree_with_float32(tiny_deepseek):
         fast.engine.close()
 
 
+def assert_same_outputs(got: list, want: list, tol: float) -> None:
+    """Two runs' completions: the same tokens, each logprob within `tol`."""
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert abs(a.logprob - b.logprob) < tol
+
+
 def test_fused_decode_layers_serve_the_fast_formats(tiny_deepseek):
     """Where the CPU kernels run, decode and speculative verify steps of the fast formats go
     through one `mla_decode_layers` call for all layers; tokens and logprobs equal the module
@@ -148,10 +156,7 @@ def test_fused_decode_layers_serve_the_fast_formats(tiny_deepseek):
             assert llm.engine.speculator.counters.num_accepted_tokens > 0
         finally:
             llm.engine.close()
-    for g, w in zip(*runs):
-        assert g.token_ids == w.token_ids
-        for a, b in zip(g.logprobs, w.logprobs):
-            assert abs(a.logprob - b.logprob) < 1e-3
+    assert_same_outputs(*runs, tol=1e-3)
 
 
 def test_short_chunks_over_a_cached_prefix_attend_absorbed(tiny_deepseek, monkeypatch):
@@ -183,9 +188,7 @@ def test_short_chunks_over_a_cached_prefix_attend_absorbed(tiny_deepseek, monkey
             assert llm.engine.kv_pool_is_whole()
         finally:
             llm.engine.close()
-    assert runs[0].token_ids == runs[1].token_ids
-    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
-        assert abs(a.logprob - b.logprob) < 1e-4
+    assert_same_outputs([runs[0]], [runs[1]], tol=1e-4)
 
 
 @pytest.mark.parametrize("n_shared", [1, 2])
@@ -209,10 +212,7 @@ def test_fused_layers_fold_one_shared_expert_into_the_routed_call(tmp_path: Path
             assert llm.engine.kv_pool_is_whole()
         finally:
             llm.engine.close()
-    for g, w in zip(*runs):
-        assert g.token_ids == w.token_ids
-        for a, b in zip(g.logprobs, w.logprobs):
-            assert abs(a.logprob - b.logprob) < 1e-3
+    assert_same_outputs(*runs, tol=1e-3)
 
 
 def test_broken_deepseek_checkpoints_fail_at_load_naming_the_problem(tmp_path: Path):
