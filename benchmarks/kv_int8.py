@@ -1,7 +1,7 @@
 """The single-stream decode step at long context with a bfloat16, an int8 and an fp8 (e4m3) KV
 cache, against the memory roofline of the bytes each step must read.
 
-    .venv/bin/python benchmarks/kv_int8.py [--contexts 4096 16384 32768] [--repeats 3]
+    .venv/bin/python benchmarks/kv_int8.py [--contexts 4096 16384 32768] [--repeats 3] [--scatter]
         [--dtypes bfloat16 int8 fp8] [--json benchmarks/results/kv_int8.json]
 
 Model: random weights of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads of
@@ -81,10 +81,13 @@ def fill_context(runner, context: int, gen: torch.Generator) -> None:
             kv[layer, plane, :blocks] = kv_quant.to_cache(rows, kv.dtype)
 
 
-def step_times(runner, context: int, steps: int) -> list[float]:
-    """Seconds of each decode step at position `context` (after 3 warm-up steps)."""
+def step_times(runner, context: int, steps: int, scatter: bool = False) -> list[float]:
+    """Seconds of each decode step at position `context` (after 3 warm-up steps). `scatter`:
+    the request's blocks in a random order (a pool after churn), else in pool order."""
     model = runner.model
     table = list(range(context // BLOCK + 1))
+    if scatter:
+        table = torch.randperm(len(table), generator=torch.Generator().manual_seed(context)).tolist()
     meta = build_attention_metadata([1], [context + 1], [table], BLOCK)
     ids, positions = torch.tensor([7]), torch.tensor([context])
     times = []
@@ -105,6 +108,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "int8", "fp8"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--scatter", action="store_true",
+                    help="block tables in random order (a pool after churn), not pool order")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not (args.model_dir / "model.safetensors").exists():
@@ -113,7 +118,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split()
                     if f.startswith(("avx512", "amx", "avx2", "fma"))})
-    results = {"shape": SHAPE, "read_bandwidth_gbs": bandwidth, "cpu_flags": flags,
+    results = {"shape": SHAPE, "scatter": args.scatter, "read_bandwidth_gbs": bandwidth, "cpu_flags": flags,
                "threads": torch.get_num_threads(), "runs": {}}
     num_blocks = max(args.contexts) // BLOCK + 2
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +131,7 @@ def main() -> None:
         per_token = kv.shape[0] * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()
         for ctx in args.contexts:
             fill_context(runner, ctx, gen)
-            medians = [statistics.median(step_times(runner, ctx, args.steps)) * 1000
+            medians = [statistics.median(step_times(runner, ctx, args.steps, args.scatter)) * 1000
                        for _ in range(args.repeats)]
             read = weights + ctx * per_token
             results["runs"][f"{dtype}@{ctx}"] = {

@@ -75,6 +75,18 @@ inline void softmax_scores(float* scores, int64_t n, int64_t R, const int64_t* l
   }
 }
 
+// Read ahead into L2 the cache records (`bytes` each: every KV head's row of a token) of tokens
+// [a, b) of a work item, off[t - t0] the records' element offsets (elem bytes each). The splits'
+// blocks are scattered over the pool, so the hardware prefetchers see short runs; a software
+// prefetch a few tokens ahead lets the DRAM reads overlap the dot products (2-core EPYC, 30
+// layers of 9 x 64 heads over 32k tokens: bf16 48 -> 38 ms, one thread 95 -> 67).
+inline void prefetch_records(const void* base, const int64_t* off, int64_t a, int64_t b,
+                             int64_t elem, int64_t bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t t = a; t < b; ++t)
+    for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(p + off[t] * elem + x, _MM_HINT_T1);
+}
+
 // One work item: query heads [g*G, (g+1)*G) of request b over context tokens [t0, t1).
 // Writes per head: part[h] = (max score, sum of exp, unnormalized output[D]).
 template <typename KV>
@@ -82,7 +94,11 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* 
                     int64_t t1, int64_t G, int64_t KVH, int64_t g, int64_t D, int64_t Dv,
                     float scale, const int64_t* lim, float* part, float* scores) {
   const int64_t n = t1 - t0, pstride = D + 2, rs = row_stride<KV>(D);
+  const int64_t row = rs * int64_t{sizeof(KV)};
+  constexpr int64_t kAhead = 16;  // tokens read ahead (prefetch_records)
+  prefetch_records(kc + g * rs, off - t0, t0, std::min(t1, t0 + kAhead), sizeof(KV), row);
   for (int64_t t = t0; t < t1; ++t) {
+    if (t + kAhead < t1) prefetch_records(kc + g * rs, off - t0, t + kAhead, t + kAhead + 1, sizeof(KV), row);
     const KV* k = kc + off[t - t0] + g * rs;
     const float ks = scale * row_scale(k, D);
     for (int64_t h = 0; h < G; ++h) {
@@ -96,7 +112,9 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* 
   softmax_scores(scores, n, G, lim, part, pstride);
   for (int64_t h = 0; h < G; ++h)
     for (int64_t j = 0; j < Dv; ++j) part[h * pstride + 2 + j] = 0;
+  prefetch_records(vc + g * rs, off - t0, t0, std::min(t1, t0 + kAhead), sizeof(KV), row);
   for (int64_t t = t0; t < t1; ++t) {
+    if (t + kAhead < t1) prefetch_records(vc + g * rs, off - t0, t + kAhead, t + kAhead + 1, sizeof(KV), row);
     const KV* v = vc + off[t - t0] + g * rs;
     const float vs = row_scale(v, D);
     for (int64_t h = 0; h < G; ++h) {
@@ -162,8 +180,13 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
   constexpr int HB = DV <= 4 ? 3 : 2;  // HB * 8 accumulators + DV key registers fit in 32
   const int64_t n = t1 - t0, pstride = D + 2;
   const __m256 vscale = _mm256_set1_ps(scale);
+  constexpr int64_t kAhead = 16;  // tokens of K read ahead
+  const int64_t record = KVH * RS * int64_t{sizeof(KV)};
+  prefetch_records(kc, off - t0, t0, std::min(t1, t0 + kAhead), sizeof(KV), record);
   int64_t t = t0;
   for (; t + 8 <= t1; t += 8) {
+    prefetch_records(kc, off - t0, std::min(t1, t + kAhead), std::min(t1, t + kAhead + 8),
+                     sizeof(KV), record);
     for (int64_t g = 0; g < KVH; ++g) {
       const KV* krow[8];
       for (int i = 0; i < 8; ++i) krow[i] = kc + off[t + i - t0] + g * RS;
@@ -206,15 +229,17 @@ void attend_heads_avx512(const float* const* qgs, const KV* kc, const KV* vc, co
         scores[(g * R + h) * n + (t - t0)] = _mm512_reduce_add_ps(acc) * ks;
       }
     }
+  constexpr int64_t kChunk = 64;  // 64 tokens of V, all heads: 48 KB (fp32)
+  prefetch_records(vc, off - t0, t0, std::min(t1, t0 + kChunk), sizeof(KV), record);
   for (int64_t g = 0; g < KVH; ++g) {
     softmax_scores(scores + g * R * n, n, R, lim, parts[g], pstride);
     for (int64_t h = 0; h < R; ++h)
       for (int64_t j = 0; j < D; ++j) parts[g][h * pstride + 2 + j] = 0.0f;
   }
   constexpr int VB = DV <= 4 ? 6 : 3;  // VB * DV output registers + DV value registers fit in 32
-  constexpr int64_t kChunk = 64;  // 64 tokens of V, all heads: 48 KB (fp32)
   for (int64_t c0 = t0; c0 < t1; c0 += kChunk) {
     const int64_t c1 = std::min(t1, c0 + kChunk);
+    prefetch_records(vc, off - t0, c1, std::min(t1, c1 + kChunk), sizeof(KV), record);  // the next chunk
     for (int64_t g = 0; g < KVH; ++g) {
       const float* sg = scores + g * R * n;
       float* part = parts[g];
