@@ -178,6 +178,165 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
       _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_load_ps(o + r * D + 16 * c), inv));
   }
 }
+
+// A bf16 cache on AVX512-BF16 (Zen 4, Sapphire Rapids without AMX's tile path): the same flash
+// loop with bf16 dot products, 32 multiply-adds per vdpbf16ps instead of 16 per FMA, and the
+// cached rows used as stored (no widened copy of each tile). S^T: Q^T is kept as pairs of
+// adjacent dims (bf16 of q[r][2i], q[r][2i + 1], scaled), one key's dim pair broadcast from the
+// cache against them. O += P V: two keys' V rows interleaved (16-bit unpacks) against the
+// broadcast pair (P[j][r], P[j + 1][r]); the unpacks leave each 32-value chunk of the output
+// in (lo, hi) lane order, put back when the item's rows are written. The query (times its scale)
+// and P are rounded to bf16, as the cached K/V already are (MLA's decode on bf16 caches does
+// the same, decode_attention.h); sums, max and exp in float32.
+template <int DV>
+HEARTH_TARGET_BF16 void prefill_item_bf16(const float* q, const uint16_t* kc, const uint16_t* vc,
+                                          const int32_t* table, const PrefillShape& s, int64_t g,
+                                          int64_t tile, float scale, float* out) {
+  constexpr int64_t D = 16 * DV, RV = kRows / 16, DP = D / 2, VC = D / 32;
+  constexpr int RB = DV <= 4 ? 6 : 2;  // RB * VC * 2 accumulators + 2 * VC value registers
+  const int64_t G = s.G, first = tile * s.QT;
+  const int64_t npos = std::min(s.QT, s.q_len - first), rows = npos * G;
+  const int64_t pos0 = s.ctx_len - s.q_len + first, key_end = pos0 + npos;
+  alignas(64) uint32_t qt[DP * kRows];      // Q^T in dim pairs, scaled by scale * log2(e)
+  alignas(64) float st[kKeys * kRows];      // S^T, then P^T
+  alignas(64) uint32_t pp[kKeys / 2 * kRows];  // P^T in key pairs
+  alignas(64) float o[kRows * D];           // per 32-value chunk: 16 (lo) + 16 (hi) lanes
+  alignas(64) float m[kRows], l[kRows];
+  alignas(64) int32_t qpos[kRows];
+  alignas(64) static const uint16_t zero_row[D] = {};
+  const float qscale = scale * kLog2e;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const bool real = r < rows;
+    const float* qr = real ? q + ((first + r / G) * s.H + g * G + r % G) * D : nullptr;
+    for (int64_t i = 0; i < DP; ++i)
+      qt[i * kRows + r] = real ? float_to_bf16(qr[2 * i] * qscale) |
+                                     static_cast<uint32_t>(float_to_bf16(qr[2 * i + 1] * qscale)) << 16
+                               : 0u;
+    qpos[r] = real ? static_cast<int32_t>(pos0 + r / G) : INT32_MAX;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  std::memset(o, 0, sizeof(o));
+  __m512i qposv[RV];
+  for (int v = 0; v < RV; ++v) qposv[v] = _mm512_load_si512(qpos + 16 * v);
+  // word 2r <- P[j][r] (lanes 0..15 of cvtne2ps's result), word 2r + 1 <- P[j + 1][r] (16..31)
+  alignas(64) static const int16_t pair_order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pidx = _mm512_load_si512(pair_order);
+  const uint16_t* krow[kKeys];
+  const uint16_t* vrow[kKeys];
+  for (int64_t j0 = 0; j0 < key_end; j0 += kKeys) {
+    const int64_t jn = std::min(kKeys, key_end - j0), jpad = (jn + 7) / 8 * 8;
+    for_each_slot(table, s.block_size, j0, j0 + jn, [&](int64_t t, int64_t slot) {
+      const int64_t off = (slot * s.KVH + g) * D;
+      krow[t - j0] = kc + off;
+      vrow[t - j0] = vc + off;
+    });
+    for (int64_t j = jn; j < jpad; ++j) krow[j] = vrow[j] = zero_row;
+    for (int64_t jb = 0; jb < jpad; jb += 8) {
+      __m512 acc[8][RV];
+      for (int jj = 0; jj < 8; ++jj)
+        for (int v = 0; v < RV; ++v) acc[jj][v] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < DP; ++i) {
+        __m512bh qv[RV];
+        for (int v = 0; v < RV; ++v)
+          qv[v] = reinterpret_cast<__m512bh>(_mm512_load_si512(qt + i * kRows + 16 * v));
+        for (int jj = 0; jj < 8; ++jj) {
+          int32_t kp;
+          std::memcpy(&kp, krow[jb + jj] + 2 * i, sizeof(kp));
+          const __m512bh kb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(kp));
+          for (int v = 0; v < RV; ++v) acc[jj][v] = _mm512_dpbf16_ps(acc[jj][v], kb, qv[v]);
+        }
+      }
+      for (int jj = 0; jj < 8; ++jj)
+        for (int v = 0; v < RV; ++v) _mm512_store_ps(st + (jb + jj) * kRows + 16 * v, acc[jj][v]);
+    }
+    const bool masked = j0 + jpad - 1 > pos0;
+    __m512 mx[RV], alpha[RV], sum[RV];
+    for (int v = 0; v < RV; ++v) mx[v] = _mm512_load_ps(m + 16 * v);
+    for (int64_t j = 0; j < jpad; ++j)
+      for (int v = 0; v < RV; ++v) {
+        __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
+        if (masked) {
+          const __mmask16 hide = _mm512_cmpgt_epi32_mask(
+              _mm512_set1_epi32(static_cast<int32_t>(j0 + j)), qposv[v]);
+          x = _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
+          _mm512_store_ps(st + j * kRows + 16 * v, x);
+        }
+        mx[v] = _mm512_max_ps(mx[v], x);
+      }
+    for (int v = 0; v < RV; ++v) {
+      const __m512 old = _mm512_load_ps(m + 16 * v);
+      alpha[v] = exp2_ps(_mm512_sub_ps(old, mx[v]));
+      sum[v] = _mm512_mul_ps(_mm512_load_ps(l + 16 * v), alpha[v]);
+      _mm512_store_ps(m + 16 * v, mx[v]);
+    }
+    for (int64_t j = 0; j < jpad; ++j)
+      for (int v = 0; v < RV; ++v) {
+        const __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
+        __m512 p = exp2_ps(_mm512_sub_ps(x, mx[v]));
+        if (masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
+        sum[v] = _mm512_add_ps(sum[v], p);
+        _mm512_store_ps(st + j * kRows + 16 * v, p);
+      }
+    alignas(64) float al[kRows];
+    for (int v = 0; v < RV; ++v) {
+      _mm512_store_ps(l + 16 * v, sum[v]);
+      _mm512_store_ps(al + 16 * v, alpha[v]);
+    }
+    const int64_t np = (jn + 1) / 2;  // key pairs (a padded key's P is 0, its row zeros)
+    for (int64_t jp = 0; jp < np; ++jp)
+      for (int v = 0; v < RV; ++v) {
+        const __m512i two = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+            _mm512_load_ps(st + (2 * jp + 1) * kRows + 16 * v), _mm512_load_ps(st + 2 * jp * kRows + 16 * v)));
+        _mm512_store_si512(pp + jp * kRows + 16 * v, _mm512_permutexvar_epi16(pidx, two));
+      }
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      const int rn = static_cast<int>(std::min<int64_t>(RB, rows - r0));
+      __m512 acc[RB][VC][2];
+      for (int rr = 0; rr < RB; ++rr) {
+        if (rr >= rn) break;
+        const __m512 a = _mm512_set1_ps(al[r0 + rr]);
+        for (int c = 0; c < VC; ++c)
+          for (int h = 0; h < 2; ++h)
+            acc[rr][c][h] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + rr) * D + 32 * c + 16 * h), a);
+      }
+      for (int64_t jp = 0; jp < np; ++jp) {
+        __m512bh vv[VC][2];
+        for (int c = 0; c < VC; ++c) {
+          const __m512i a = _mm512_loadu_si512(vrow[2 * jp] + 32 * c);
+          const __m512i b = _mm512_loadu_si512(vrow[2 * jp + 1] + 32 * c);
+          vv[c][0] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+          vv[c][1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+        }
+        for (int rr = 0; rr < RB; ++rr) {
+          if (rr >= rn) break;
+          const __m512bh p = reinterpret_cast<__m512bh>(
+              _mm512_set1_epi32(static_cast<int>(pp[jp * kRows + r0 + rr])));
+          for (int c = 0; c < VC; ++c)
+            for (int h = 0; h < 2; ++h) acc[rr][c][h] = _mm512_dpbf16_ps(acc[rr][c][h], p, vv[c][h]);
+        }
+      }
+      for (int rr = 0; rr < RB; ++rr) {
+        if (rr >= rn) break;
+        for (int c = 0; c < VC; ++c)
+          for (int h = 0; h < 2; ++h)
+            _mm512_store_ps(o + (r0 + rr) * D + 32 * c + 16 * h, acc[rr][c][h]);
+      }
+    }
+  }
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + ((first + r / G) * s.H + g * G + r % G) * D;
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    for (int c = 0; c < VC; ++c) {
+      const __m512 lo = _mm512_load_ps(o + r * D + 32 * c), hi = _mm512_load_ps(o + r * D + 32 * c + 16);
+      _mm512_storeu_ps(dst + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, lo_idx, hi), inv));
+      _mm512_storeu_ps(dst + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, hi_idx, hi), inv));
+    }
+  }
+}
 #endif
 
 // Any build and head size: the same flash loop, one query row at a time, in plain loops.
@@ -235,6 +394,12 @@ void prefill_attention_impl(const float* q, const KV* kc, const KV* vc, const in
     // Last tiles first: they see the most keys, so the tail of the queue is the short work.
     const int64_t tile = tiles - 1 - item / s.KVH, g = item % s.KVH;
 #if defined(__AVX512F__)
+    if constexpr (std::is_same_v<KV, uint16_t>) {
+      if (bf16_dot_products()) {
+        if (s.D == 64) return prefill_item_bf16<4>(q, kc, vc, table, s, g, tile, scale, out);
+        if (s.D == 128) return prefill_item_bf16<8>(q, kc, vc, table, s, g, tile, scale, out);
+      }
+    }
     if (s.D == 64) return prefill_item_avx512<KV, 4>(q, kc, vc, table, s, g, tile, scale, out);
     if (s.D == 128) return prefill_item_avx512<KV, 8>(q, kc, vc, table, s, g, tile, scale, out);
 #endif
