@@ -11,6 +11,11 @@ output length pinned with max_tokens + ignore_eos). Figures (--figures, all by d
   decode6k   the same at ~6,000 tokens of context (--long-context-words): one long prompt per
              server whose repeats differ only in a short tail (a prefix hit after the first; only
              the decode after the prefill is timed; distinct outputs, so no draft copies one)
+  prefilllong  prompt tok/s of a fresh prompt of --long-context-words (unique head per repeat)
+  turn       TTFT (s) of a later agent turn: the long prompt (decode6k's, cached: sent again
+             untimed unless decode6k or turn sent it last, not prefilllong, whose fresh long
+             prompts may evict it) + an assistant reply + a new user turn of
+             --turn-words, max_tokens=1 -- ~1k tokens of work plus attention over the prefix
   batch8     8 concurrent streams, short distinct prompts: total output tokens / wall
   batch32    the same with 32
   agent      real agent sessions from ../shared/traces replayed 8 at once (hearth/bench/agent_replay.py
@@ -53,7 +58,8 @@ from hearth.bench.server_process import (ServerSpec, ServerStartError, start_bus
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-FIGURES = ("cold", "prefill", "decode100", "decode6k", "batch8", "batch32", "agent", "neighbour")
+FIGURES = ("cold", "prefill", "decode100", "decode6k", "prefilllong", "turn", "batch8", "batch32",
+           "agent", "neighbour")
 
 
 def builtin_servers(args: argparse.Namespace) -> dict[str, ServerSpec]:
@@ -93,6 +99,7 @@ class Bench:
     def __init__(self, url: str, model: str, args: argparse.Namespace, name: str):
         self.url, self.model, self.args, self.name = url, model, args, name
         self.long_prompt = prompt(f"{name}-long", args.long_context_words)
+        self.long_cached = False  # the long prompt has been sent (decode6k or turn)
 
     async def chat(self, messages: list[dict], max_tokens: int) -> RequestResult:
         return await stream_chat(self.url, self.model, messages, max_tokens, {})
@@ -115,7 +122,25 @@ class Bench:
         # (hearth's default speculation) then accept wholesale -- a copy, not a decode rate.
         long = self.long_prompt[0]["content"]
         tail = prompt(f"{self.name}-long-tail-{rep}", 8)[0]["content"]
-        return await self.decode([{"role": "user", "content": f"{long}\n{tail}"}])
+        result = await self.decode([{"role": "user", "content": f"{long}\n{tail}"}])
+        self.long_cached = True
+        return result
+
+    async def prefilllong(self, rep: int) -> dict:
+        r = checked(await self.chat(prompt(f"{self.name}-prefill-long-{rep}", self.args.long_context_words), 1),
+                    "long prefill")
+        self.long_cached = False  # a server's cache may have given the long prompt's room to this one
+        return {"value": r.prompt_tokens / r.ttft, "prompt_tokens": r.prompt_tokens, "ttft_s": r.ttft}
+
+    async def turn(self, rep: int) -> dict:
+        if not self.long_cached:  # the session so far, not timed
+            checked(await self.chat(self.long_prompt, 1), "turn: the long prompt")
+            self.long_cached = True
+        new = prompt(f"{self.name}-turn-{rep}", self.args.turn_words)[0]["content"]
+        messages = [*self.long_prompt, {"role": "assistant", "content": "Done: the file is updated."},
+                    {"role": "user", "content": new}]
+        r = checked(await self.chat(messages, 1), "turn")
+        return {"value": r.ttft, "prompt_tokens": r.prompt_tokens}
 
     async def batch(self, rep: int, width: int) -> dict:
         start = time.perf_counter()
@@ -235,6 +260,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-words", type=int, default=2000, help="~1 token per word")
     p.add_argument("--short-context-words", type=int, default=90)
     p.add_argument("--long-context-words", type=int, default=6000)
+    p.add_argument("--turn-words", type=int, default=1000, help="the new user turn of `turn`")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--batch-tokens", type=int, default=64, help="output tokens per stream in batch8/32")
     p.add_argument("--traces", default=str(REPO.parent / "shared/traces"))

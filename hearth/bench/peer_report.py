@@ -19,7 +19,9 @@ FIGURE_INFO = {
     "cold": ("cold start", "s", False),
     "prefill": ("prefill ~2k prompt", "tok/s", True),
     "decode100": ("decode, ~100 ctx", "tok/s", True),
-    "decode6k": ("decode, ~6k ctx", "tok/s", True),
+    "decode6k": ("decode, long ctx", "tok/s", True),
+    "prefilllong": ("prefill, long prompt", "tok/s", True),
+    "turn": ("later turn TTFT (+~1k over cached long)", "s", False),
     "batch8": ("8 streams, output", "tok/s", True),
     "batch32": ("32 streams, output", "tok/s", True),
     "agent": ("agent replay wall", "s", False),
@@ -115,7 +117,7 @@ def _notes(figure: str, runs: list[dict]) -> str:
     if figure == "agent" and values(runs):
         notes.append(f"hit {median(runs, 'hit_ratio'):.3f} of ceiling {median(runs, 'hit_ceiling'):.3f}, "
                      f"{median(runs, 'output_tok_s'):.1f} out tok/s, {median(runs, 'num_requests'):.0f} req")
-    elif figure in ("prefill", "decode100", "decode6k", "neighbour") and values(runs):
+    elif figure in ("prefill", "decode100", "decode6k", "prefilllong", "turn", "neighbour") and values(runs):
         notes.append(f"{median(runs, 'prompt_tokens'):.0f} prompt tokens")
     elif figure.startswith("batch") and values(runs):
         notes.append(f"ITL p50 {median(runs, 'itl_median_ms'):.0f} ms")

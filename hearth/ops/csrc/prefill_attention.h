@@ -232,6 +232,15 @@ HEARTH_TARGET_BF16 void prefill_item_bf16(const float* q, const uint16_t* kc, co
       krow[t - j0] = kc + off;
       vrow[t - j0] = vc + off;
     });
+    // the next tile's rows into L2 while this one computes (its blocks lie anywhere in the pool)
+    for_each_slot(table, s.block_size, j0 + jn, std::min(key_end, j0 + jn + kKeys),
+                  [&](int64_t, int64_t slot) {
+      const int64_t off = (slot * s.KVH + g) * D;
+      for (int64_t x = 0; x < D; x += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(kc + off + x), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vc + off + x), _MM_HINT_T1);
+      }
+    });
     for (int64_t j = jn; j < jpad; ++j) krow[j] = vrow[j] = zero_row;
     for (int64_t jb = 0; jb < jpad; jb += 8) {
       __m512 acc[8][RV];
