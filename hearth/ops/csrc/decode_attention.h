@@ -79,7 +79,9 @@ inline void softmax_scores(float* scores, int64_t n, int64_t R, const int64_t* l
 // [a, b) of a work item, off[t - t0] the records' element offsets (elem bytes each). The splits'
 // blocks are scattered over the pool, so the hardware prefetchers see short runs; a software
 // prefetch a few tokens ahead lets the DRAM reads overlap the dot products (2-core EPYC, 30
-// layers of 9 x 64 heads over 32k tokens: bf16 48 -> 38 ms, one thread 95 -> 67).
+// layers of 9 x 64 heads over 32k tokens, 2 threads: scattered tables bf16 76 -> 49 ms, int8
+// 62 -> 25; tables in pool order bf16 51 -> 38). MLA's wide rows (long runs the hardware
+// follows) got slower with it (21 -> 27 ms at 16k) and take none.
 inline void prefetch_records(const void* base, const int64_t* off, int64_t a, int64_t b,
                              int64_t elem, int64_t bytes) {
   const char* p = static_cast<const char*>(base);
