@@ -41,6 +41,47 @@ inline __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// One key tile of the flash loop's online softmax, shared by the float32 and bf16 tiles:
+// S^T [jpad][kRows] in st -> P^T in place (the causal mask only on tiles that reach past the
+// query tile's first position pos0), the running max m and sum l updated per row, and al[r]
+// the factor the row's output so far is to be scaled by.
+inline void softmax_tile(float* st, float* m, float* l, float* al, const __m512i* qposv,
+                         int64_t j0, int64_t jpad, int64_t pos0) {
+  constexpr int64_t RV = kRows / 16;
+  const bool masked = j0 + jpad - 1 > pos0;
+  __m512 mx[RV], alpha[RV], sum[RV];
+  for (int v = 0; v < RV; ++v) mx[v] = _mm512_load_ps(m + 16 * v);
+  for (int64_t j = 0; j < jpad; ++j)
+    for (int v = 0; v < RV; ++v) {
+      __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
+      if (masked) {
+        const __mmask16 hide = _mm512_cmpgt_epi32_mask(
+            _mm512_set1_epi32(static_cast<int32_t>(j0 + j)), qposv[v]);
+        x = _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
+        _mm512_store_ps(st + j * kRows + 16 * v, x);
+      }
+      mx[v] = _mm512_max_ps(mx[v], x);
+    }
+  for (int v = 0; v < RV; ++v) {
+    const __m512 old = _mm512_load_ps(m + 16 * v);
+    alpha[v] = exp2_ps(_mm512_sub_ps(old, mx[v]));  // old = -inf (first tile): ~0, o and l are 0
+    sum[v] = _mm512_mul_ps(_mm512_load_ps(l + 16 * v), alpha[v]);
+    _mm512_store_ps(m + 16 * v, mx[v]);
+  }
+  for (int64_t j = 0; j < jpad; ++j)
+    for (int v = 0; v < RV; ++v) {
+      const __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
+      __m512 p = exp2_ps(_mm512_sub_ps(x, mx[v]));
+      if (masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
+      sum[v] = _mm512_add_ps(sum[v], p);
+      _mm512_store_ps(st + j * kRows + 16 * v, p);
+    }
+  for (int v = 0; v < RV; ++v) {
+    _mm512_store_ps(l + 16 * v, sum[v]);
+    _mm512_store_ps(al + 16 * v, alpha[v]);
+  }
+}
+
 template <typename KV, int DV>
 void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32_t* table,
                          const PrefillShape& s, int64_t g, int64_t tile, float scale, float* out) {
@@ -112,40 +153,8 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
       for (int jj = 0; jj < 8; ++jj)
         for (int v = 0; v < RV; ++v) _mm512_store_ps(st + (jb + jj) * kRows + 16 * v, acc[jj][v]);
     }
-    // Causal mask (only tiles that reach past the tile's first query), row max, P, row sum.
-    const bool masked = j0 + jpad - 1 > pos0;
-    __m512 mx[RV], alpha[RV], sum[RV];
-    for (int v = 0; v < RV; ++v) mx[v] = _mm512_load_ps(m + 16 * v);
-    for (int64_t j = 0; j < jpad; ++j)
-      for (int v = 0; v < RV; ++v) {
-        __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
-        if (masked) {
-          const __mmask16 hide = _mm512_cmpgt_epi32_mask(
-              _mm512_set1_epi32(static_cast<int32_t>(j0 + j)), qposv[v]);
-          x = _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
-          _mm512_store_ps(st + j * kRows + 16 * v, x);
-        }
-        mx[v] = _mm512_max_ps(mx[v], x);
-      }
-    for (int v = 0; v < RV; ++v) {
-      const __m512 old = _mm512_load_ps(m + 16 * v);
-      alpha[v] = exp2_ps(_mm512_sub_ps(old, mx[v]));  // old = -inf (first tile): ~0, o and l are 0
-      sum[v] = _mm512_mul_ps(_mm512_load_ps(l + 16 * v), alpha[v]);
-      _mm512_store_ps(m + 16 * v, mx[v]);
-    }
-    for (int64_t j = 0; j < jpad; ++j)
-      for (int v = 0; v < RV; ++v) {
-        const __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
-        __m512 p = exp2_ps(_mm512_sub_ps(x, mx[v]));
-        if (masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
-        sum[v] = _mm512_add_ps(sum[v], p);
-        _mm512_store_ps(st + j * kRows + 16 * v, p);
-      }
     alignas(64) float al[kRows];
-    for (int v = 0; v < RV; ++v) {
-      _mm512_store_ps(l + 16 * v, sum[v]);
-      _mm512_store_ps(al + 16 * v, alpha[v]);
-    }
+    softmax_tile(st, m, l, al, qposv, j0, jpad, pos0);  // mask, P^T in place, m, l, rescale
     // O = O * alpha + P V, RB rows at a time.
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       const int rn = static_cast<int>(std::min<int64_t>(RB, rows - r0));
@@ -260,39 +269,8 @@ HEARTH_TARGET_BF16 void prefill_item_bf16(const float* q, const uint16_t* kc, co
       for (int jj = 0; jj < 8; ++jj)
         for (int v = 0; v < RV; ++v) _mm512_store_ps(st + (jb + jj) * kRows + 16 * v, acc[jj][v]);
     }
-    const bool masked = j0 + jpad - 1 > pos0;
-    __m512 mx[RV], alpha[RV], sum[RV];
-    for (int v = 0; v < RV; ++v) mx[v] = _mm512_load_ps(m + 16 * v);
-    for (int64_t j = 0; j < jpad; ++j)
-      for (int v = 0; v < RV; ++v) {
-        __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
-        if (masked) {
-          const __mmask16 hide = _mm512_cmpgt_epi32_mask(
-              _mm512_set1_epi32(static_cast<int32_t>(j0 + j)), qposv[v]);
-          x = _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
-          _mm512_store_ps(st + j * kRows + 16 * v, x);
-        }
-        mx[v] = _mm512_max_ps(mx[v], x);
-      }
-    for (int v = 0; v < RV; ++v) {
-      const __m512 old = _mm512_load_ps(m + 16 * v);
-      alpha[v] = exp2_ps(_mm512_sub_ps(old, mx[v]));
-      sum[v] = _mm512_mul_ps(_mm512_load_ps(l + 16 * v), alpha[v]);
-      _mm512_store_ps(m + 16 * v, mx[v]);
-    }
-    for (int64_t j = 0; j < jpad; ++j)
-      for (int v = 0; v < RV; ++v) {
-        const __m512 x = _mm512_load_ps(st + j * kRows + 16 * v);
-        __m512 p = exp2_ps(_mm512_sub_ps(x, mx[v]));
-        if (masked) p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), p);
-        sum[v] = _mm512_add_ps(sum[v], p);
-        _mm512_store_ps(st + j * kRows + 16 * v, p);
-      }
     alignas(64) float al[kRows];
-    for (int v = 0; v < RV; ++v) {
-      _mm512_store_ps(l + 16 * v, sum[v]);
-      _mm512_store_ps(al + 16 * v, alpha[v]);
-    }
+    softmax_tile(st, m, l, al, qposv, j0, jpad, pos0);  // mask, P^T in place, m, l, rescale
     const int64_t np = (jn + 1) / 2;  // key pairs (a padded key's P is 0, its row zeros)
     for (int64_t jp = 0; jp < np; ++jp)
       for (int v = 0; v < RV; ++v) {
