@@ -37,8 +37,10 @@ STORE = 80 * 2**20
 SERVE_FLAGS = ("--num-kv-blocks=512", *EXACT_FLAGS)
 WORKER_ARGS = [f"--worker-arg={flag}" for flag in SERVE_FLAGS]
 WORKER_KEY = "cluster-test-worker-key"  # so the tests can read each worker's own /load
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
-    "type": "array", "items": {"type": "integer"}, "maxItems": 40}},
+# Bounded so that every text it admits fits the stream's max_tokens: sampled at temperature 1 the
+# tiny model once wrote a 40th day of unbounded digits and hit the length limit (CI, 2026-12-06).
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}, "days": {
+    "type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 31}, "maxItems": 10}},
     "required": ["city", "days"], "additionalProperties": False}
 
 
