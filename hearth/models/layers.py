@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.ops.lowp_gemm import LowpWeight
 from hearth.ops.parallel import ParallelGroup
 
 
@@ -28,7 +29,10 @@ QLINEAR_MAX_ROWS = 32
 # With --prefill-dtype bfloat16, steps of more rows than this multiply through the bf16 weight
 # copy. On an AMX Xeon (2026-12-02) the 120 linears took, qlinear against bf16 GEMM, 9.2 / 18.2
 # ms at 8 rows, 17.0 / 17.3 at 16, 25.5 / 18.2 at 24, 33.7 / 20.7 at 32 (32 streams decoding).
-LOWP_MIN_ROWS = 16
+# With the bf16 weights prepacked for oneDNN (lowp_gemm.py), whole decode steps of N streams
+# (engine alone, AMX Xeon, 2026-12-06), fused qlinear against bf16: 12.9 / 20.8 ms at 6 streams,
+# 17.7 / 21.2 at 8, 25.3 / 23.8 at 12, 35.5 / 25.8 at 16, 50.7 / 32.3 at 24.
+LOWP_MIN_ROWS = 10
 
 
 class QuantizedWeight:
@@ -41,22 +45,22 @@ class QuantizedWeight:
 
     qweight = None  # hearth.ops.cpu_kernels.PackedWeight
     kernels = None
-    weight_lowp = None  # torch.Tensor (bfloat16) or None
+    weight_lowp = None  # hearth.ops.lowp_gemm.LowpWeight (bfloat16, packed for oneDNN) or None
 
     def set_quantized(self, qweight, kernels) -> None:
         self.qweight, self.kernels = qweight, kernels
 
     def set_lowp_weight(self, dtype: torch.dtype) -> None:
-        self.weight_lowp = self.weight.detach().to(dtype).contiguous()
+        self.weight_lowp = LowpWeight(self.weight, dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows, fp32 = x.shape[0], x.dtype == torch.float32
         lowp = self.weight_lowp
         if lowp is not None and x.dtype == lowp.dtype:  # bf16 activations stay bf16
-            out = F.linear(x, lowp)
+            out = lowp(x)
             return out if bias is None else out + bias.to(out.dtype)
         if lowp is not None and fp32 and rows > LOWP_MIN_ROWS:
-            out = F.linear(x.to(lowp.dtype), lowp).float()
+            out = lowp(x.to(lowp.dtype)).float()
         elif self.qweight is not None and fp32 and rows <= QLINEAR_MAX_ROWS:
             out = self.kernels.qlinear(x, self.qweight)
         else:

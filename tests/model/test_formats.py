@@ -147,7 +147,7 @@ def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 
 
-def test_prefill_dtype_takes_decode_batches_above_16_rows_off_the_fused_kernel(models):
+def test_prefill_dtype_takes_decode_batches_above_lowp_min_rows_off_the_fused_kernel(models):
     """--prefill-dtype bfloat16: a step of 20 decodes runs the bf16 GEMMs (they beat the fused
     qlinear kernel above LOWP_MIN_ROWS rows), a step of 8 the fused fp32 kernel; both give the
     same next tokens as far as bf16 allows (here: all 20)."""

@@ -169,7 +169,11 @@ def test_pd_moves_scaled_blocks_with_their_scales_and_refuses_another_dtype(mode
 def test_a_disk_tier_loads_scaled_blocks_back_byte_for_byte(models, tmp_path, kv_cache_dtype):
     """An int8 (fp8) engine whose 20-block pool cannot hold two ~200-token prompts: the second
     pushes the first out to the disk tier, and running the first again loads its full blocks
-    back (counted as cached) with the bytes they were evicted with, so the output repeats."""
+    back (counted as cached) with the bytes they were evicted with, and the request then runs as
+    over the same blocks cached in the pool. (Not token for token as the first run: there the
+    prompt's last rows were computed in the same chunk as the rest, here after a cached prefix by
+    another kernel, and fp8's 3-bit mantissa can round their K/V rows differently: on an AMX Xeon
+    the fp8 output parted after ~8 tokens.)"""
     config = replace(models.config(num_blocks=20, kv_cache_dtype=kv_cache_dtype),
                      kv_offload=KVOffloadConfig(directory=str(tmp_path / "kv")))
     engine = models.engine(config, store_factory=make_store)
@@ -198,6 +202,8 @@ def test_a_disk_tier_loads_scaled_blocks_back_byte_for_byte(models, tmp_path, kv
         assert engine.stats().kv_tiers["disk"]["hits"] > 0
         for h, want in evicted.items():
             assert torch.equal(block(h), want)
-        assert again == first
+        pooled, cached_in_pool = run_one("a3", a)  # the same blocks, now from the pool
+        assert cached_in_pool == cached and again == pooled
+        assert again[0] == first[0]
     finally:
         engine.close()

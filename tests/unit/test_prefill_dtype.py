@@ -55,7 +55,7 @@ def test_only_many_row_steps_use_the_bf16_copy():
     many = torch.randn(GEMM_MIN_ROWS + 1, 64)
     out = layer(many)
     exact = torch.nn.functional.linear(many, layer.weight, layer.bias)
-    lowp = torch.nn.functional.linear(many.bfloat16(), layer.weight_lowp).float() + layer.bias
+    lowp = torch.nn.functional.linear(many.bfloat16(), layer.weight.bfloat16()).float() + layer.bias
     assert out.dtype == torch.float32
     assert torch.equal(out, lowp)
     assert not torch.equal(out, exact)  # it really took the bf16 path
