@@ -457,10 +457,11 @@ def needs_amx(kernels):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (10, 2)])
 # fresh prompts of 1, 17 (one query block + 1) and 100 tokens; chunks after a prefix that ends
-# inside a 32-key block and one longer than the chunk; tiny blocks
+# inside a 32-key block and one longer than the chunk; tiny blocks; a context packed in several
+# tasks per kv head (more than 16 groups of 32 keys)
 @pytest.mark.parametrize("prefix, q_len, block_size", [(0, 1, 16), (0, 17, 16), (0, 100, 16),
                                                        (40, 77, 16), (63, 33, 16), (300, 20, 4),
-                                                       (17, 3, 8)])
+                                                       (17, 3, 8), (1000, 45, 16)])
 def test_amx_prefill_attention_equals_masked_softmax(kernels, cache_dtype, heads, kv_heads,
                                                      prefix, q_len, block_size):
     """bf16 queries and bf16 probabilities on the tiles, fp32 softmax statistics: within bf16
