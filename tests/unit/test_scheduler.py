@@ -110,3 +110,27 @@ def test_abort_waiting_and_running_frees_everything():
     assert s.num_unfinished == 0
     assert s.kv.pool.is_whole()
     s.kv.pool.check_integrity()
+
+
+def test_a_step_with_prompt_tokens_grants_no_drafts():
+    """Drafts are verified in pure decode steps only: a step that computes a new prompt (or the
+    next chunk of one) leaves them out, with the budget they would have taken."""
+    s = make_scheduler(budget=16)
+    s.add(make_request("dec", 5))
+    advance(s, s.schedule())
+    dec = s.requests["dec"]
+    dec.spec_token_ids = [7, 8, 9]
+    out = s.schedule()  # decoding alone: its drafts ride along
+    assert grants(out) == [("dec", 1)] and out.drafts == {"dec": [7, 8, 9]}
+    assert out.num_batched_tokens == 4
+    s.commit(dec, 1, [999], 3)  # no draft accepted: it goes on with the sampled token
+    s.add(make_request("new", 30, start=100))
+    out = s.schedule()  # a prompt chunk in the step: no drafts, the budget goes to the prompt
+    assert grants(out) == [("dec", 1), ("new", 15)] and out.drafts == {}
+    assert out.num_batched_tokens == 16
+    advance(s, out)
+    out = s.schedule()  # the prompt's last chunk: still none
+    assert grants(out) == [("dec", 1), ("new", 15)] and out.drafts == {}
+    advance(s, out)
+    out = s.schedule()  # both decoding: drafts again
+    assert grants(out) == [("dec", 1), ("new", 1)] and out.drafts == {"dec": [7, 8, 9]}
