@@ -97,3 +97,14 @@ def test_invalid_params_name_the_field(field, value):
     with pytest.raises(RequestRejected, match=field) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
+
+
+def test_greedy_takes_the_first_maximal_index_as_argmax_does():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (6, V), generator=gen).float()  # ties in every row
+    logits[2, 5] = float("nan")  # NaN wins, as in argmax
+    for rows in ([SamplingParams(temperature=0)] * 6,  # all greedy
+                 [SamplingParams(temperature=0)] * 5 + [SamplingParams(temperature=1.0, seed=1)]):
+        b = make_sampling_batch(rows, [([], [])] * 6, [None] * 5 + [torch.Generator()], V)
+        tokens = sample(logits, b)[0]
+        assert torch.equal(tokens[:5], logits.argmax(-1)[:5])
