@@ -38,7 +38,7 @@ ENGINE_OPTIONS = (("engine", (
                 "(~1.9x bf16's tokens per GB, not exact)"),
     Option("--prefill-dtype", "engine.model.prefill_dtype", default="auto",
            choices=("float32", "bfloat16", "auto"),
-           help="compute dtype of prefill chunks and large batches (steps of more than 16 rows) "
+           help="compute dtype of prefill chunks and large batches (steps of more than 10 rows) "
                 "of a float32 model: bfloat16 runs ~3x faster prefill where the CPU has AMX, not "
                 "exact; auto (default) = bfloat16 where AMX runs, else float32, the exact "
                 "reference (docs/formats.md)"),
