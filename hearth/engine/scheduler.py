@@ -14,8 +14,8 @@ Speculative decoding: a decoding request (exactly one uncomputed token) that car
 tokens (`Request.spec_token_ids`, proposed before the step) is granted them too, budget and
 blocks permitting: `SchedulerOutput.drafts[request_id]` lists the drafts it computes after its
 own token. Drafts are the first thing dropped when blocks are short (before anyone is
-preempted), and a step that will compute prompt tokens grants none. After the step, `commit` advances each request by what was kept
-(hearth/engine/step.py has the whole step contract).
+preempted), and a step that will compute prompt tokens grants none. After the step, `commit`
+advances each request by what was kept (hearth/engine/step.py has the whole step contract).
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class Scheduler:
         # request with a free seat) verifies no drafts: their rows (up to 8 per decoding
         # request, each attending over its whole context) would lengthen the step a new agent
         # turn waits on, and take budget from its prompt. Engine-alone agent replay (8 sessions,
-        # AMX Xeon): later-turn TTFT p50 91-93 -> 75-82 ms at the same wall. The decodes draft
-        # again from the next pure decode step.
+        # AMX Xeon): later-turn TTFT p50 91-93 -> 65-75 ms at the same wall. The decodes draft
+        # again from the next pure decode step. (A waiting request that cannot get blocks also
+        # holds drafts back while it waits; blocks that short drop drafts anyway.)
         prompt_step = any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running) or (
             bool(self.waiting)
             and len(self.running) + len(self.importing) < self.config.max_num_seqs)

@@ -19,6 +19,8 @@ def test_packed_weight_equals_f_linear(rows):
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
     assert torch.equal(out, F.linear(x, weight.bfloat16()))
     assert lowp(x[::2]).shape == (len(range(0, rows, 2)), 200)  # a strided view is fine too
+    x3 = x[:rows - rows % 3].view(-1, 3, 96)  # leading dims beyond rows, as F.linear takes
+    assert torch.equal(lowp(x3), F.linear(x3, weight.bfloat16()))
 
 
 def test_packing_replaces_the_plain_copy_where_it_works():
