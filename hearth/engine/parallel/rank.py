@@ -44,6 +44,9 @@ def rank_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if kind == "cuda" else torch.device("cpu")
 
 
+STORE_CHECK_TIMEOUT_S = 2.0  # a last look at the store after a failed step
+
+
 def _exit_with(message: str) -> None:
     """Called from the heartbeat thread while the main thread may sit in a dead collective."""
     sys.stderr.write(f"hearth: {message}; exiting\n")
@@ -70,6 +73,15 @@ def serve_rank(spec: RankSpec) -> int:
         log.error("%s: step failed (%s: %s); waiting for the heartbeat to name the cause", me,
                   type(exc).__name__, exc)
         time.sleep(heartbeat.stale_after_s + 2 * heartbeat.interval_s)
+        # Silent heartbeat: its own store call may still be blocked (a client can retry a dead
+        # master until its timeout; a full suite run once saw a rank exit naming only the gloo
+        # error after its driver was killed). Ask the store once more, briefly.
+        try:
+            connect_store(spec.store_host, spec.store_port, False, STORE_CHECK_TIMEOUT_S).add(
+                f"hearth/heartbeat/{spec.rank}", 0)
+        except Exception as lost:  # noqa: BLE001
+            _exit_with(f"{me}: lost the rendezvous store (hosted by rank 0 or the launcher): "
+                       f"{lost}")
         _exit_with(f"{me}: {type(exc).__name__}: {exc}")
     heartbeat.stop()
     close_rank_groups()
