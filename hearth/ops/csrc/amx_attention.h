@@ -52,14 +52,27 @@ void amx_configure() {
 // Transposes the 32 x 32 bf16 matrix in r (row i = r[i]) in place: at each scale s, the
 // off-diagonal s x s blocks of every 2s x 2s block swap (rows a and a + s, a's bit s clear),
 // one two-source word permute per row.
+struct alignas(64) TransposeIndices {
+  uint16_t a[5][32], b[5][32];  // per scale 16, 8, 4, 2, 1: the permutes of rows a and a + s
+};
+
+inline const TransposeIndices& transpose_indices() {
+  static const TransposeIndices idx = [] {
+    TransposeIndices t;
+    for (int level = 0, s = 16; s >= 1; ++level, s /= 2)
+      for (int j = 0; j < 32; ++j) {
+        t.a[level][j] = static_cast<uint16_t>(j & s ? 32 + j - s : j);  // b's left block moves in
+        t.b[level][j] = static_cast<uint16_t>(j & s ? 32 + j : j + s);  // a's right block moves in
+      }
+    return t;
+  }();
+  return idx;
+}
+
 inline void transpose32x32_epi16(__m512i* r) {
-  for (int s = 16; s >= 1; s /= 2) {
-    alignas(64) uint16_t ia[32], ib[32];
-    for (int j = 0; j < 32; ++j) {
-      ia[j] = static_cast<uint16_t>(j & s ? 32 + j - s : j);  // row a: b's left block moves in
-      ib[j] = static_cast<uint16_t>(j & s ? 32 + j : j + s);  // row b: a's right block moves in
-    }
-    const __m512i xa = _mm512_load_si512(ia), xb = _mm512_load_si512(ib);
+  const TransposeIndices& idx = transpose_indices();
+  for (int level = 0, s = 16; s >= 1; ++level, s /= 2) {
+    const __m512i xa = _mm512_load_si512(idx.a[level]), xb = _mm512_load_si512(idx.b[level]);
     for (int a = 0; a < 32; ++a) {
       if (a & s) continue;
       const __m512i lo = r[a], hi = r[a + s];
@@ -80,12 +93,10 @@ void amx_pack_kv(const KV* kc, const KV* vc, const int32_t* table, int64_t block
     const int64_t t0 = b * 32, n = std::clamp<int64_t>(ctx - t0, 0, 32);
     const KV* krow[32];
     const KV* vrow[32];
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i, blk = t / block_size;
-      const int64_t slot = static_cast<int64_t>(table[blk]) * block_size + t % block_size;
-      krow[i] = kc + (slot * KVH + g) * kAmxD;
-      vrow[i] = vc + (slot * KVH + g) * kAmxD;
-    }
+    for_each_slot(table, block_size, t0, t0 + n, [&](int64_t t, int64_t slot) {
+      krow[t - t0] = kc + (slot * KVH + g) * kAmxD;
+      vrow[t - t0] = vc + (slot * KVH + g) * kAmxD;
+    });
     uint16_t* kg = kp + t0 * kAmxD;
     uint16_t* vg = vt + t0 * kAmxD;
     if constexpr (std::is_same_v<KV, uint16_t>) {  // a bf16 cache: rows as stored
