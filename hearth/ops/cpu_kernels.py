@@ -19,8 +19,10 @@ from hearth.ops import build_kernels
 
 log = logging.getLogger("hearth.ops")
 
-# ggml block formats the kernels read directly: type id -> (bytes per 32-element block, name)
-QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0")}
+# ggml block formats the kernels read directly: type id -> (bytes per 32-element block, name).
+# Q4_K's 144-byte super-blocks hold 256 elements (18 bytes per 32).
+QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0"), 12: (18, "q4_k")}
+Q4_K = 12
 QTYPE_IDS = {name: qtype for qtype, (_, name) in QTYPES.items()}
 
 
@@ -30,9 +32,9 @@ class PackedWeight:
     the block bytes with the fp16 scales (and Q4_1 offsets) moved into their own arrays."""
 
     qtype: int
-    qs: torch.Tensor  # [N, K/2] uint8 nibbles (Q4_0/Q4_1) or [N, K] int8 as uint8 (Q8_0)
-    d: torch.Tensor  # [N, K/32] float16 scales
-    m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1), else empty
+    qs: torch.Tensor  # [N, K/2] uint8 nibbles (Q4_0/Q4_1/Q4_K) or [N, K] int8 as uint8 (Q8_0)
+    d: torch.Tensor  # [N, K/32] float16 scales (Q4_K: [N, K/256 * 2], each super-block's d, dmin)
+    m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1); Q4_K: [N, K/32 * 2] uint8 (scale, min)
     out_features: int
     in_features: int
     int8_act: bool = False  # activations quantized to 8 bits per 32-element block (not exact)
@@ -42,6 +44,8 @@ def pack_ggml(qtype: int, blocks: torch.Tensor, int8_act: bool = False) -> Packe
     """`[N, K/32 * block_bytes]` uint8 ggml rows -> PackedWeight (same bytes, rearranged)."""
     if qtype not in QTYPES:
         raise ValueError(f"ggml type {qtype} is not one the CPU kernels read ({QTYPES})")
+    if qtype == Q4_K:
+        return _pack_q4_k(blocks, int8_act)
     bbytes = QTYPES[qtype][0]
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, bbytes)
@@ -53,6 +57,27 @@ def pack_ggml(qtype: int, blocks: torch.Tensor, int8_act: bool = False) -> Packe
     qs = b[:, :, head:].reshape(n, -1).contiguous()
     in_features = nb * 32
     return PackedWeight(qtype, qs, d, m, n, in_features, int8_act)
+
+
+def _pack_q4_k(blocks: torch.Tensor, int8_act: bool) -> PackedWeight:
+    """Q4_K super-blocks -> qlinear's Q4_K layout (csrc/decode_layers.h, repack_q4_k_row):
+    (d, dmin) per super-block, each 32-block's 6-bit (scale, min) as bytes, nibbles in Q4_1's
+    order (byte i: element i low, element i + 16 high)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 144)
+    ns = b.shape[1]
+    d = b[:, :, 0:4].contiguous().view(torch.float16).reshape(n, ns * 2)
+    p = b[:, :, 4:16].long()
+    lo_s, lo_m, mixed = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    scales = torch.cat([lo_s & 63, (mixed & 0x0F) | ((lo_s >> 6) << 4)], -1)  # [n, ns, 8]
+    mins = torch.cat([lo_m & 63, (mixed >> 4) | ((lo_m >> 6) << 4)], -1)
+    ks = torch.stack([scales, mins], -1).to(torch.uint8).reshape(n, ns * 16)
+    q = b[:, :, 16:].reshape(n, ns, 4, 2, 16)  # [.., pair j, first/second 16 bytes, 16]
+    a, c = q[:, :, :, 0], q[:, :, :, 1]
+    low = (a & 0x0F) | (c << 4)  # block 2j: elements i (low nibble) and i + 16 (high)
+    high = (a >> 4) | (c & 0xF0)  # block 2j + 1
+    qs = torch.stack([low, high], 3).reshape(n, ns * 128).contiguous()
+    return PackedWeight(Q4_K, qs, d, ks, n, ns * 256, int8_act)
 
 
 def pack_ggml_parts(qtype: int, parts: list[torch.Tensor], rows_per_group: list[int],
@@ -67,7 +92,8 @@ def pack_ggml_parts(qtype: int, parts: list[torch.Tensor], rows_per_group: list[
         return pack_ggml(qtype, stacked.reshape(-1, stacked.shape[-1]), int8_act)
     qs, d, m = torch.ops.hearth.repack_ggml([p.contiguous() for p in parts],
                                             list(rows_per_group), groups, qtype, 64)
-    return PackedWeight(qtype, qs, d, m, qs.shape[0], d.shape[1] * 32, int8_act)
+    in_features = qs.shape[1] * (1 if qtype == QTYPE_IDS["q8_0"] else 2)
+    return PackedWeight(qtype, qs, d, m, qs.shape[0], in_features, int8_act)
 
 
 @contextmanager
@@ -126,6 +152,14 @@ class CpuKernels:
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
                                         w.in_features, self.threads.count, w.int8_act)
+
+    def dequant_rows(self, w: PackedWeight, rows: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `rows` (int64) of `w` as `dtype` (float32 or bfloat16) values [len, K]: the
+        exact values qlinear multiplies by (an embedding row lookup, or a prompt step's tile)."""
+        return torch.ops.hearth.dequant_rows(w.qs, w.d, w.m, w.qtype, w.out_features,
+                                             w.in_features, rows, dtype == torch.bfloat16,
+                                             self.threads.count)
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,

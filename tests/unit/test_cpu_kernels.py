@@ -126,9 +126,85 @@ def test_qlinear_rejects_bad_shapes(kernels):
     with pytest.raises(RuntimeError, match="repacked ggml layout"):
         op(torch.randn(2, 64), w.qs, w.d, w.m, w.qtype, 4, 64)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        op(torch.randn(2, 64), w.qs, w.d, w.m, 12, 8, 64)
+        op(torch.randn(2, 64), w.qs, w.d, w.m, 13, 8, 64)  # Q5_K
     with pytest.raises(RuntimeError, match="Q4_1 needs m"):
         op(torch.randn(2, 64), w.qs[:, :32].contiguous(), w.d, w.m, QTYPE_IDS["q4_1"], 8, 64)
+
+
+def make_q4_k_blocks(n: int, k: int, gen) -> torch.Tensor:
+    """Random ggml Q4_K super-blocks: [n, k/256 * 144] uint8, with sane fp16 d and dmin."""
+    ns = k // 256
+    d = (torch.rand(n, ns, 2, generator=gen) * 0.01 + 0.001).half()
+    rest = torch.randint(0, 256, (n, ns, 140), generator=gen, dtype=torch.uint8)
+    return torch.cat([d.view(torch.uint8).reshape(n, ns, 4), rest], -1).reshape(n, -1).contiguous()
+
+
+def make_blocks(fmt: str, n: int, k: int, gen) -> torch.Tensor:
+    if fmt == "q8_0":
+        return quantize_q8_0(torch.randn(n, k, generator=gen))
+    if fmt == "q4_k":
+        return make_q4_k_blocks(n, k, gen)
+    return make_q4_blocks(n, k, fmt == "q4_1", gen)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17])
+@pytest.mark.parametrize("int8_act", [False, True])
+def test_qlinear_q4_k_equals_dequantized_matmul(kernels, rows, int8_act):
+    """Q4_K in its own super-block form: the kernel's weights are ggml's dequantization of the
+    file's blocks (exact, so only summation order differs), at every tile shape."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 70, 512
+    blocks = make_q4_k_blocks(n, k, gen)
+    weight = dequantize(blocks.reshape(-1), QTYPE_IDS["q4_k"], (n, k))
+    x = torch.randn(rows, k, generator=gen)
+    got = kernels.qlinear(x, pack_ggml(QTYPE_IDS["q4_k"], blocks, int8_act=int8_act))
+    want = (quantize_activations(x) if int8_act else x) @ weight.T
+    # float32 summation order over 512 products of weights up to ~10
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k"])
+def test_repack_ggml_equals_torch_pack(kernels, fmt):
+    """The kernels' repack (QKV-style parts stacked, and expert-style groups) gives the torch
+    reference's layout byte for byte."""
+    from hearth.ops.cpu_kernels import pack_ggml_parts
+    gen = torch.Generator().manual_seed(3)
+    qtype, k = QTYPE_IDS[fmt], 512
+    parts = [make_blocks(fmt, 2 * r, k, gen) for r in (6, 2)]
+    got = pack_ggml_parts(qtype, parts, [6, 2], groups=2)
+    stacked = torch.cat([p.view(2, r, -1) for p, r in zip(parts, (6, 2))], 1).reshape(16, -1)
+    want = pack_ggml(qtype, stacked)
+    for name in ("qs", "d", "m"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.out_features, got.in_features) == (16, k)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k"])
+def test_dequant_rows_are_the_files_values(kernels, fmt):
+    """dequant_rows gives gguf's dequantization bit for bit (float32), rounded once (bf16), for
+    any rows in any order; a row out of range is an error naming it."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 37, 512
+    blocks = make_blocks(fmt, n, k, gen)
+    qtype = QTYPE_IDS[fmt]
+    weight = dequantize(blocks.reshape(-1), qtype, (n, k))
+    w = pack_ggml(qtype, blocks)
+    rows = torch.tensor([36, 0, 5, 5, 17])
+    assert torch.equal(kernels.dequant_rows(w, rows), weight[rows])
+    assert torch.equal(kernels.dequant_rows(w, torch.arange(n)), weight)
+    assert torch.equal(kernels.dequant_rows(w, rows, torch.bfloat16), weight[rows].bfloat16())
+    assert kernels.dequant_rows(w, torch.zeros(0, dtype=torch.long)).shape == (0, k)
+    with pytest.raises(RuntimeError, match="row 37 out of range"):
+        kernels.dequant_rows(w, torch.tensor([37]))
+
+
+def test_q4_k_rejects_widths_not_whole_super_blocks(kernels):
+    w = pack_ggml(QTYPE_IDS["q4_k"], make_q4_k_blocks(4, 256, torch.Generator().manual_seed(0)))
+    with pytest.raises(RuntimeError, match="Q4_K needs in_features % 256"):
+        kernels.ops.qlinear(torch.randn(1, 224), w.qs[:, :112].contiguous(), w.d, w.m, w.qtype,
+                            4, 224)
+    with pytest.raises(RuntimeError, match="Q4_K needs m uint8"):
+        kernels.ops.qlinear(torch.randn(1, 256), w.qs, w.d, w.d, w.qtype, 4, 256)
 
 
 def test_q8_0_quantization_error_is_within_half_a_step():

@@ -121,6 +121,9 @@ TORCH_LIBRARY(hearth, m) {
         &hearth::moe_topk);
   m.def("repack_ggml(Tensor[] parts, int[] rows_per_group, int groups, int qtype, int threads=64) "
         "-> Tensor[]", &hearth::repack_ggml);
+  m.def("dequant_rows(Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
+        "int in_features, Tensor rows, bool bf16_out=False, int threads=64) -> Tensor",
+        &hearth::dequant_rows);
   m.def("isa() -> int", &hearth::isa);
   m.def("bf16_dot_products() -> bool", &hearth::bf16_dot_products);
   m.def("amx_attention_usable() -> bool", &hearth::amx_attention_usable);

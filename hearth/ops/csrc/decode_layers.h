@@ -69,6 +69,38 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {hidden, residual};
 }
 
+// One row of Q4_K super-blocks (144 bytes each: d fp16 | dmin fp16 | 12 bytes of 6-bit scales
+// and mins | 128 bytes of nibbles) -> qlinear's Q4_K layout (qlinear.h): (d, dmin) pairs, each
+// block's (scale, min) as bytes, and the nibbles in Q4_1's order. A super-block's byte 32j + i
+// holds element i of block 2j (low nibble) and of block 2j + 1 (high nibble); qlinear's block
+// byte i holds elements i (low) and i + 16 (high).
+//   scales bytes 0-3: EEaaaaaa (a: scale j = 0..3, E: high 2 bits of scale j + 4)
+//          bytes 4-7: FFbbbbbb (b: min j = 0..3,   F: high 2 bits of min j + 4)
+//          bytes 8-11: ffffeeee (e: low 4 bits of scale j + 4, f: low 4 bits of min j + 4)
+inline void repack_q4_k_row(const uint8_t* row, int64_t num_super, uint8_t* qs, uint16_t* d,
+                            uint8_t* ks) {
+  for (int64_t s = 0; s < num_super; ++s) {
+    const uint8_t* blk = row + s * 144;
+    std::memcpy(d + 2 * s, blk, 4);  // d, dmin
+    const uint8_t* p = blk + 4;
+    uint8_t* k = ks + s * 16;
+    for (int j = 0; j < 4; ++j) {
+      k[2 * j] = p[j] & 63;
+      k[2 * j + 1] = p[j + 4] & 63;
+      k[2 * (j + 4)] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+      k[2 * (j + 4) + 1] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+    const uint8_t* q = blk + 16;
+    uint8_t* out = qs + s * 128;
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t a = q[32 * j + i], b = q[32 * j + i + 16];
+        out[32 * j + i] = static_cast<uint8_t>((a & 0x0F) | (b << 4));
+        out[32 * j + 16 + i] = static_cast<uint8_t>((a >> 4) | (b & 0xF0));
+      }
+  }
+}
+
 // ggml blocks -> the layout qlinear reads (hearth.ops.cpu_kernels.pack_ggml): each block's fp16
 // scale (and Q4_1 offset) moved to its own array, its quants kept in row order. The output rows
 // interleave the parts by group: for each of `groups` groups, rows_per_group[p] rows of each
@@ -77,12 +109,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
                                     const std::vector<int64_t>& rows_per_group, int64_t groups,
                                     int64_t qtype, int64_t threads) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "repack_ggml: ggml type ", qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K,
+              "repack_ggml: ggml type ", qtype);
   TORCH_CHECK(!parts.empty() && parts.size() == rows_per_group.size() && groups >= 1,
               "repack_ggml: one rows_per_group entry per part");
-  const int64_t bbytes = qtype == kQ8_0 ? 34 : qtype == kQ4_1 ? 20 : 18;
-  const int64_t head = qtype == kQ4_1 ? 4 : 2, qbytes = bbytes - head;
-  const int64_t row_bytes = parts[0].size(-1), nb = row_bytes / bbytes;
+  const bool k4 = qtype == kQ4_K;  // 144-byte super-blocks of 8 blocks (repack_q4_k_row)
+  const int64_t bbytes = k4 ? 144 : qtype == kQ8_0 ? 34 : qtype == kQ4_1 ? 20 : 18;
+  const int64_t head = qtype == kQ4_1 ? 4 : 2, qbytes = k4 ? 16 : bbytes - head;
+  const int64_t row_bytes = parts[0].size(-1), nb = row_bytes / bbytes * (k4 ? 8 : 1);
   int64_t group_rows = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
     TORCH_CHECK(parts[p].scalar_type() == at::kByte && parts[p].is_contiguous() &&
@@ -95,8 +129,10 @@ std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
   const int64_t N = groups * group_rows;
   auto u8 = parts[0].options();
   at::Tensor qs = at::empty({N, nb * qbytes}, u8);
-  at::Tensor d = at::empty({N, nb}, u8.dtype(at::kHalf));
-  at::Tensor m = qtype == kQ4_1 ? at::empty({N, nb}, u8.dtype(at::kHalf)) : at::empty({0}, u8.dtype(at::kHalf));
+  at::Tensor d = at::empty({N, k4 ? nb / 4 : nb}, u8.dtype(at::kHalf));
+  at::Tensor m = qtype == kQ4_1 ? at::empty({N, nb}, u8.dtype(at::kHalf))
+                 : k4          ? at::empty({N, nb * 2}, u8)
+                               : at::empty({0}, u8.dtype(at::kHalf));
   uint8_t* qp = qs.data_ptr<uint8_t>();
   uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr());
   uint16_t* mp = qtype == kQ4_1 ? reinterpret_cast<uint16_t*>(m.data_ptr()) : nullptr;
@@ -108,6 +144,10 @@ std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* row = src + r * row_bytes;
       const int64_t o = out_row + r;
+      if (k4) {
+        repack_q4_k_row(row, nb / 8, qp + o * nb * 16, dp + o * (nb / 4), m.data_ptr<uint8_t>() + o * nb * 2);
+        continue;
+      }
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * bbytes;
         std::memcpy(dp + o * nb + b, blk, 2);

@@ -51,8 +51,9 @@ QWeight expert_rows(const QWeight& w, int64_t e, int64_t rows) {
   QWeight v = w;
   v.N = rows;
   v.qs = w.qs + e * rows * w.qs_row();
-  v.d = w.d + e * rows * w.nb;
+  v.d = w.d + e * rows * w.d_row();
   v.m = w.m ? w.m + e * rows * w.nb : nullptr;
+  v.ks = w.ks ? w.ks + e * rows * w.nb * 2 : nullptr;
   return v;
 }
 

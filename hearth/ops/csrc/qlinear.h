@@ -8,10 +8,19 @@
 // ---------------------------------------------------------------------------------------------
 // qlinear: out[m, n] = sum_k x[m, k] * W[n, k], W in a ggml block format repacked by row:
 //
-//   qs [N, K/32 * 16] uint8 (Q4_0/Q4_1: block b's 32 nibbles, low nibbles = elements 0..15)
-//      or [N, K] int8 (Q8_0)
+//   qs [N, K/32 * 16] uint8 (Q4_0/Q4_1/Q4_K: block b's 32 nibbles, low nibbles = elements
+//      0..15) or [N, K] int8 (Q8_0)
 //   d  [N, K/32] fp16 scale per block;  m [N, K/32] fp16 offset per block (Q4_1; Q4_0: -8 d)
 //   w[n, 32 b + j] = d[n, b] * q[n, b, j] + m[n, b]      (exactly ggml's dequantization)
+//
+// Q4_K (the blocks of Q4_K_M / Q4_K_S files) keeps its super-block form, so it costs 4.625
+// bits per weight (the file's 4.5 plus the 6-bit scales widened to bytes):
+//   d  [N, K/256, 2] fp16: each super-block's (d, dmin)
+//   m  [N, K/32, 2] uint8: each 32-block's 6-bit (scale, min), unpacked from the 12 bytes
+//   w[n, 32 b + j] = (d sc) q - dmin mn,  the super-block s = b / 8
+// row_scales turns (d, sc) into the block's scale d sc and (dmin, mn) into its offset -dmin mn,
+// both exact in float32 (11-bit mantissas times 6-bit integers), and q d_b is exact too, so the
+// tiles' one FMA per weight gives ggml's two-step value bit for bit; from there on Q4_K is Q4_1.
 //
 // The bytes are ggml's, with the scales moved out of the blocks so a row's scales convert to
 // float in a few vector instructions and the block loop is loads, nibble unpacks and FMAs.
@@ -23,7 +32,9 @@ struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;  // null unless Q4_1
+  const uint8_t* ks = nullptr;  // Q4_K: [N, nb, 2] sub-block (scale, min)
   int64_t qs_row() const { return qtype == kQ8_0 ? K : K / 2; }
+  int64_t d_row() const { return qtype == kQ4_K ? nb / 4 : nb; }  // d's elements per row
 };
 
 #if defined(__AVX2__)
@@ -46,6 +57,19 @@ inline float reduce_add8(__m256 v) {
 // The NR rows' scales (and offsets) starting at row n, as float: sd[r * nb + b].
 inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm) {
   const int64_t count = NR * w.nb;  // the NR rows' scales are contiguous
+  if (w.qtype == kQ4_K) {  // (d, dmin) per 8 blocks, (sc, mn) per block
+    const uint16_t* dd = w.d + n * w.d_row();
+    const uint8_t* ks = w.ks + n * w.nb * 2;
+    for (int64_t s = 0; s < count / 8; ++s) {
+      const float d = _cvtsh_ss(dd[2 * s]), dmin = _cvtsh_ss(dd[2 * s + 1]);
+#pragma omp simd
+      for (int64_t j = 0; j < 8; ++j) {
+        sd[8 * s + j] = d * static_cast<float>(ks[2 * (8 * s + j)]);
+        sm[8 * s + j] = -(dmin * static_cast<float>(ks[2 * (8 * s + j) + 1]));
+      }
+    }
+    return;
+  }
   const uint16_t* d = w.d + n * w.nb;
   const uint16_t* m = w.m ? w.m + n * w.nb : nullptr;
 #if defined(__AVX512F__)
@@ -276,8 +300,9 @@ inline void prefetch_weight_rows(const QWeight& w, int64_t n, int NR, bool rows)
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
   };
   if (rows) fetch(w.qs + ahead * w.qs_row(), NR * w.qs_row());
-  fetch(w.d + ahead * w.nb, NR * w.nb * 2);
+  fetch(w.d + ahead * w.d_row(), NR * w.d_row() * 2);
   if (w.m) fetch(w.m + ahead * w.nb, NR * w.nb * 2);
+  if (w.ks) fetch(w.ks + ahead * w.nb * 2, NR * w.nb * 2);
 }
 
 // MT rows of x against the NR weight rows at n, in tiles of 2 weight rows: measured faster
@@ -337,18 +362,76 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
 // out), checked; errors start with `what` (the op, and which weight).
 QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                       int64_t qtype, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, what,
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K, what,
               ": unsupported ggml type ", qtype);
   TORCH_CHECK(K % kQK == 0, what, ": in_features must be a multiple of 32");
+  TORCH_CHECK(qtype != kQ4_K || K % kQK_K == 0, what, ": Q4_K needs in_features % 256 == 0");
   const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 ? K : K / 2;
+  const int64_t d_row = qtype == kQ4_K ? nb / 4 : nb;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == N * qs_row,
               what, ": qs does not match the repacked ggml layout");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * nb, what,
-              ": d must be float16 [N, K/32]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * d_row, what,
+              ": d must be float16 [N, K/32] (Q4_K: [N, K/256, 2])");
   TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.is_contiguous() &&
                                  m.numel() == N * nb),
               what, ": Q4_1 needs m float16 [N, K/32]");
-  return QWeight{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
-                 reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                 qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
+  TORCH_CHECK(qtype != kQ4_K || (m.scalar_type() == at::kByte && m.is_contiguous() &&
+                                 m.numel() == N * nb * 2),
+              what, ": Q4_K needs m uint8 [N, K/32, 2]");
+  QWeight w{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
+            reinterpret_cast<const uint16_t*>(d.data_ptr()),
+            qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
+  if (qtype == kQ4_K) w.ks = m.data_ptr<uint8_t>();
+  return w;
+}
+
+// Weight rows `rows` of a packed weight as float32 (or bf16) values [len(rows), K]: the exact
+// values qlinear multiplies by (ggml's dequantization of the same blocks). Prompt steps multiply
+// by tiles of it (a tile decoded once per step, reused by all of its rows), and an embedding
+// table kept in blocks looks its rows up through it.
+at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                        int64_t qtype, int64_t out_features, int64_t in_features,
+                        const at::Tensor& rows_in, bool bf16_out, int64_t threads) {
+  const QWeight w = packed_weight(qs, d, m, qtype, out_features, in_features, "dequant_rows");
+  TORCH_CHECK(rows_in.scalar_type() == at::kLong, "dequant_rows: rows must be int64");
+  at::Tensor rows = rows_in.reshape({-1}).contiguous();
+  const int64_t R = rows.size(0), K = w.K, nb = w.nb;
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < w.N, "dequant_rows: row ", rp[i], " out of range [0, ",
+                w.N, ")");
+  at::Tensor out = at::empty({R, K}, qs.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  void* base = out.data_ptr();
+  constexpr int64_t kRowsPerTask = 16;
+  parallel_tasks((R + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
+    std::vector<float> sd(nb), sm(nb), row(K);
+    for (int64_t i = task * kRowsPerTask; i < std::min(R, (task + 1) * kRowsPerTask); ++i) {
+      const int64_t n = rp[i];
+      row_scales(w, n, 1, sd.data(), sm.data());
+      const uint8_t* q = w.qs + n * w.qs_row();
+      float* o = bf16_out ? row.data() : static_cast<float*>(base) + i * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float db = sd[b], mb = sm[b];
+        float* ob = o + b * kQK;
+        if (w.qtype == kQ8_0) {
+          const int8_t* q8 = reinterpret_cast<const int8_t*>(q + b * kQK);
+#pragma omp simd
+          for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[j]) * db;
+        } else {
+          const uint8_t* q4 = q + b * 16;
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) {
+            ob[j] = std::fma(static_cast<float>(q4[j] & 0xF), db, mb);
+            ob[j + 16] = std::fma(static_cast<float>(q4[j] >> 4), db, mb);
+          }
+        }
+      }
+      if (bf16_out) {
+        uint16_t* ob = static_cast<uint16_t*>(base) + i * K;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) ob[k] = float_to_bf16(o[k]);
+      }
+    }
+  }, threads);
+  return out;
 }
