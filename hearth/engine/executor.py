@@ -28,7 +28,7 @@ from hearth.engine.step import Executor
 from hearth.models.arch import ModelArch
 from hearth.models.layers import use_lowp_prefill
 from hearth.models.moe import use_lowp_expert_prompts
-from hearth.models.quant import QUANTIZATIONS, quantize_model
+from hearth.models.quant import QUANTIZATIONS, attach_file_blocks, quantize_model
 from hearth.models.weights import build_model
 from hearth.ops import host_memory, kv_quant
 from hearth.ops.cpu_kernels import CpuKernels, load_cpu_kernels
@@ -199,11 +199,17 @@ def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
     dtype, kv_dtype, quantization, kernels = formats
     if pc.device == "cpu":
         host_memory.tune_malloc()
-    model = build_model(checkpoint, dtype, pc.device)
+    def before_load(model) -> None:  # weights a GGUF stores in blocks stay only in blocks
+        if kernels is not None:
+            attach_file_blocks(model, checkpoint, quantization, kernels)
+
+    model = build_model(checkpoint, dtype, pc.device, before_load=before_load)
     if kernels is not None:
         model.use_kernels(kernels)
         quantize_model(model, checkpoint, quantization, kernels)
         model.enable_fused_decode()
+    if hasattr(checkpoint, "release_pages"):  # every weight is copied out of the file's map
+        checkpoint.release_pages()
     prefill_dtype = resolve_prefill_dtype(config)
     if prefill_dtype != dtype:
         use_lowp_prefill(model, prefill_dtype)

@@ -318,7 +318,7 @@ def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
                     or (bias is not None and bias.dtype != torch.float32)):
                 return None
             int8.add(experts.qw13.int8_act)
-            weights += [mlp.gate, empty if bias is None else bias, experts.w13, experts.w2,
+            weights += [mlp.gate, empty if bias is None else bias, *experts.kernel_weights(),
                         *_packed(experts.qw13), *_packed(experts.qw2)]
             types += [experts.qw13.qtype, experts.qw2.qtype]
             shared_width = dense.inter if dense is not None else 0

@@ -68,6 +68,22 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
 
+    def release(self, name: str | None = None) -> None:
+        """Drop this process's pages of a tensor's bytes (None: of the whole file) once they are
+        copied elsewhere (repacked blocks, float parameters). The mapping stays valid: a later
+        read faults the bytes in again from the page cache or the file (never written, so the
+        private mapping has nothing of its own to lose)."""
+        if name is None:
+            start, end = 0, len(self._map)
+        else:
+            info = self.tensors[name]
+            start, end = info.offset, info.offset + info.num_bytes
+        page = mmap.PAGESIZE
+        start -= start % page
+        end = min(len(self._map), -(-end // page) * page)
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 view into the file mapping (no copy)."""
         info = self.tensors[name]

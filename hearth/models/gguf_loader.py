@@ -220,6 +220,38 @@ class GGUFCheckpoint(Checkpoint):
             rows = unpermute_qk(rows, num_heads)
         return info.ggml_type, rows.contiguous()
 
+    def stored_type(self, name: str) -> int | None:
+        """The ggml type `name` is stored in (None: not one stored tensor, e.g. a kv_b_proj
+        joined from two)."""
+        info = self.file.tensors.get(self._hf_to_gguf.get(name, ""))
+        return None if info is None else info.ggml_type
+
+    def release_pages(self, name: str | None = None) -> None:
+        """Drop this process's mapped pages of `name`'s bytes (None: the whole file): after a
+        load has copied them, so the map adds nothing to the process's resident memory."""
+        if name is None:
+            self.file.release()
+            return
+        for gguf_name in self._split_kv_b.get(name, (self._hf_to_gguf.get(name),)):
+            if gguf_name is not None:
+                self.file.release(gguf_name)
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """The shape (torch order) `name` is stored in, read from the header alone."""
+        return self.file.tensors[self._hf_to_gguf[name]].shape
+
+    def stored_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the tensor seen as [rows, cols] (a 3-D expert stack:
+        expert-major), dequantized to float32 from those rows' bytes alone (a permuted Q/K is
+        read whole and un-permuted first)."""
+        info = self.file.tensors[self._hf_to_gguf[name]]
+        cols = info.shape[-1]
+        if self._permuted_heads(name) is not None:
+            return self.get(name).reshape(-1, cols)[start:stop]
+        row_bytes = info.num_bytes // math.prod(info.shape[:-1])
+        raw = self.file.raw(info.name)[start * row_bytes : stop * row_bytes]
+        return dequantize(raw, info.ggml_type, (stop - start, cols))
+
     def _permuted_heads(self, name: str) -> int | None:
         """Number of heads whose rows the converter permuted in this tensor (None: not permuted)."""
         if not self._permuted_qk:

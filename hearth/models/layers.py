@@ -35,27 +35,61 @@ QLINEAR_MAX_ROWS = 32
 LOWP_MIN_ROWS = 10
 
 
+# A many-row step over a weight kept only in blocks multiplies by tiles of it decoded on the
+# fly (`dequant_rows`): each tile about this many bytes, decoded once per step and used by all
+# of the step's rows.
+TILE_BYTES = 4 << 20
+
+
+def drop_float(param: nn.Parameter) -> nn.Parameter:
+    """A stand-in for a weight that lives only in blocks: same shape and dtype, no storage (any
+    use of its values is an error, never a silent read of garbage)."""
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                        requires_grad=False)
+
+
 class QuantizedWeight:
     """Mixin for linear layers: an optional ggml-block copy of `weight` for few-row steps, and an
     optional bfloat16 copy for steps of more than LOWP_MIN_ROWS rows (`--prefill-dtype
     bfloat16`: AMX tiles make a bf16 GEMM ~15x faster than fp32 on CPUs that have them).
     bf16 activations (a many-row step of a model under `use_lowp_prefill`) go through the bf16
     copy and stay bf16; an fp32 input of many rows (the LM head) is rounded to bf16 and the
-    output widened back to fp32."""
+    output widened back to fp32.
+
+    A weight packed straight from a GGUF's blocks (`set_quantized(..., blocks_only=True)`) has
+    no float copy at all: `weight` is a meta stand-in, few-row steps run qlinear, and many-row
+    steps multiply by tiles decoded from the blocks (float32, or bf16 under `use_lowp_prefill`)
+    — the same values the float copy held, since the blocks are the file's."""
 
     qweight = None  # hearth.ops.cpu_kernels.PackedWeight
     kernels = None
     weight_lowp = None  # hearth.ops.lowp_gemm.LowpWeight (bfloat16, packed for oneDNN) or None
+    tile_dtype = None  # blocks only: the dtype of many-row steps' tiles (None: float32)
 
-    def set_quantized(self, qweight, kernels) -> None:
+    def set_quantized(self, qweight, kernels, blocks_only: bool = False) -> None:
         self.qweight, self.kernels = qweight, kernels
+        if blocks_only:
+            self.weight = drop_float(self.weight)
+
+    @property
+    def blocks_only(self) -> bool:
+        return self.weight.is_meta
 
     def set_lowp_weight(self, dtype: torch.dtype) -> None:
+        if self.blocks_only:  # no float copy to round: tiles are decoded in `dtype`
+            self.tile_dtype = dtype
+            return
         self.weight_lowp = LowpWeight(self.weight, dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows, fp32 = x.shape[0], x.dtype == torch.float32
         lowp = self.weight_lowp
+        if self.blocks_only:
+            if fp32 and rows <= QLINEAR_MAX_ROWS:
+                out = self.kernels.qlinear(x, self.qweight)
+            else:
+                out = self._tiled_matmul(x)
+            return out if bias is None else out + bias.to(out.dtype)
         if lowp is not None and x.dtype == lowp.dtype:  # bf16 activations stay bf16
             out = lowp(x)
             return out if bias is None else out + bias.to(out.dtype)
@@ -66,6 +100,20 @@ class QuantizedWeight:
         else:
             return F.linear(x, self.weight, bias)
         return out if bias is None else out + bias
+
+    def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with W decoded from its blocks a tile of rows at a time, in the step's
+        dtype (bf16 activations, or fp32 ones under a bf16 tile dtype, multiply bf16 tiles)."""
+        w = self.qweight
+        dtype = (x.dtype if x.dtype != torch.float32 else self.tile_dtype) or torch.float32
+        xin = x if x.dtype == dtype else x.to(dtype)
+        tile = max(64, TILE_BYTES // (w.in_features * dtype.itemsize)) // 64 * 64
+        out = torch.empty(x.shape[0], w.out_features, dtype=dtype)
+        for n0 in range(0, w.out_features, tile):
+            n1 = min(n0 + tile, w.out_features)
+            part = self.kernels.dequant_rows(w, torch.arange(n0, n1), dtype)
+            torch.mm(xin, part.t(), out=out[:, n0:n1])
+        return out if x.dtype == dtype else out.to(x.dtype)
 
 
 def use_lowp_prefill(model: nn.Module, dtype: torch.dtype) -> int:
@@ -158,9 +206,19 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.shard = math.ceil(vocab_size / group.size)
         self.start = group.rank * self.shard
-        self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.shard, dim), requires_grad=False)
+        self.packed = None  # the table in blocks (set_packed): rows decoded as looked up
+        self.packed_kernels = None
+
+    def set_packed(self, packed, kernels) -> None:
+        """Keep the table only in `packed` (a PackedWeight of [vocab, dim]; one rank)."""
+        self.packed, self.packed_kernels = packed, kernels
+        self.weight = drop_float(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            rows = self.packed_kernels.dequant_rows(self.packed, ids.reshape(-1))
+            return rows.view(*ids.shape, -1)
         if self.group.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -178,7 +236,7 @@ class ParallelLMHead(QuantizedWeight, nn.Module):
         self.group = group
         self.vocab_size = vocab_size
         self.shard = math.ceil(vocab_size / group.size)
-        self.weight = nn.Parameter(torch.zeros(self.shard, dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.shard, dim), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)

@@ -289,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "kernels") and not hasattr(module, "set_quantized"):
                 module.kernels = kernels
-        device = next(self.parameters()).device
+        device = next(p for p in self.parameters() if not p.is_meta).device  # not blocks-only
         self.use_attention_backend(select_attention_backend(device, kernels))
 
     def use_attention_backend(self, backend: AttentionBackend) -> None:

@@ -18,7 +18,10 @@ Either way the router runs replicated on every rank (it is tiny) and picks the s
 
 The experts run through hearth's CPU kernel `moe_experts` when one is attached (tokens grouped by
 expert, only the active experts' weights read; quantized experts for few-row steps), else
-through `fused_experts_torch`, the reference.
+through `fused_experts_torch`, the reference. Experts kept only in a GGUF's blocks
+(`blocks_only`, hearth.models.quant.attach_file_blocks) run every step on the packed path: a
+prompt chunk's pairs are spread over the experts (a 512-token chunk of a 128-expert top-8 model
+gives each ~32 rows), where qlinear's tiles are as fast as a float GEMM.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.models.arch import ModelArch
-from hearth.models.layers import LOWP_MIN_ROWS, QLINEAR_MAX_ROWS
+from hearth.models.layers import LOWP_MIN_ROWS, QLINEAR_MAX_ROWS, drop_float
 from hearth.ops.parallel import ParallelGroup
 
 
@@ -141,13 +144,32 @@ class FusedMoE(nn.Module):
         self.lowp_min_rows = QLINEAR_MAX_ROWS
         self.w13.data, self.w2.data = self.w13_lowp, self.w2_lowp
 
-    def set_quantized_experts(self, qw13, qw2, kernels) -> None:
+    def set_quantized_experts(self, qw13, qw2, kernels, blocks_only: bool = False) -> None:
+        """Packed experts for few-row steps; `blocks_only`: for every step, the float stacks
+        dropped (meta stand-ins: a GGUF's expert blocks are the only copy)."""
         self.qw13, self.qw2, self.kernels = qw13, qw2, kernels
+        if blocks_only:
+            self.w13, self.w2 = drop_float(self.w13), drop_float(self.w2)
+
+    @property
+    def blocks_only(self) -> bool:
+        return self.w13.is_meta
+
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float stacks for the kernel ops, or for blocks-only experts stand-ins of their
+        shapes (one float, strides 0): the ops read only their sizes on the packed path."""
+        if not self.blocks_only:
+            return self.w13, self.w2
+        one = torch.zeros(1, 1, 1)
+        return one.expand(self.w13.shape), one.expand(self.w2.shape)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """Partial sums of this rank's experts, [T, H] float32 (x's dtype without kernels)."""
         rows = x.shape[0]
+        if self.blocks_only:  # every step on the packed experts, in float32 activations
+            return self.kernels.moe_experts(x.float(), *self.kernel_weights(), topk_weights,
+                                            topk_ids, self.expert_start, self.qw13, self.qw2)
         w13, w2 = self.w13, self.w2
         if self.w13_lowp is not None and (x.dtype == self.w13_lowp.dtype
                                           or rows > self.lowp_min_rows):
@@ -166,7 +188,8 @@ class FusedMoE(nn.Module):
 def use_lowp_expert_prompts(model: nn.Module, dtype: torch.dtype) -> int:
     """Every MoE layer with packed experts runs prompt-sized steps on `dtype` expert copies in
     place of its float32 ones (`FusedMoE.use_lowp_for_prompts`); returns how many layers."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.qw13 is not None]
+    layers = [m for m in model.modules()
+              if isinstance(m, FusedMoE) and m.qw13 is not None and not m.blocks_only]
     for experts in layers:
         experts.use_lowp_for_prompts(dtype)
     return len(layers)

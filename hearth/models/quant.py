@@ -11,15 +11,27 @@ format that hearth's CPU kernels read directly (`qlinear`).
            32-element block (llama.cpp's way: integer dot products, VNNI where the CPU has it).
            Not exact: held to top-1 / KL bounds against fp32 like q8_0
 
-The float weights stay: a layer multiplies through `qlinear` when a step has few rows (decode,
-weight-bandwidth bound) and through the float GEMM when it has many (prefill, compute bound).
-Invariant: a layer's `qweight`, dequantized, equals (gguf) or approximates to 8 bits (q8_0) its
-float `weight`, row for row, including merged QKV / gate-up rows and TP shards.
+With `gguf` on one rank, a weight lives once (`attach_file_blocks`, before any float weight
+is read): every linear layer, and the embedding table, whose tensors the file stores in a
+block format the kernels read (Q4_0, Q4_1, Q8_0, Q4_K) is packed straight from the file's map
+and never gets a float copy; one stored in another block format (Q6_K, Q5_K, ...; or a merged
+QKV whose parts differ, as Q4_K_M's Q4_K q/k beside a Q6_K v) is requantized to Q8_0 a slice of
+rows at a time, and has no float copy either (prompt steps then multiply by the Q8_0 values).
+A blocks-only layer multiplies through `qlinear` when a step has few rows and through tiles
+decoded from its blocks when it has many (hearth.models.layers.QuantizedWeight).
+
+Elsewhere (float files, q8_0, TP) the float weights stay: a layer multiplies through `qlinear`
+when a step has few rows (decode, weight-bandwidth bound) and through the float GEMM when it
+has many (prefill, compute bound).
+Invariant: a layer's `qweight`, dequantized, equals (gguf, kernel formats) or approximates to
+8 bits (q8_0, requantized blocks) its float weight, row for row, including merged QKV / gate-up
+rows and TP shards.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -111,6 +123,10 @@ def quantize_experts(model, checkpoint, quantization: str, kernels,
         if not isinstance(layer.mlp, SparseMoeBlock):
             continue
         experts = layer.mlp.experts
+        if experts.blocks_only:  # attach_file_blocks packed them from the file
+            name = "experts-" + QTYPES[experts.qw13.qtype][1] + " (blocks only)"
+            counts[name] = counts.get(name, 0) + 1
+            continue
         w13, w2 = experts.w13.data, experts.w2.data  # [E, 2I, H], [E, H, I]
         if w13.shape[2] % 32 or w2.shape[2] % 32:
             counts["none"] = counts.get("none", 0) + 1
@@ -154,6 +170,111 @@ def quantize_absorb(model, kernels, int8_act: bool = False) -> dict[str, int]:
     return counts
 
 
+# Requantizing a tensor stored in another block format holds at most this many float32 values
+# of it at once (output.weight of a 128k vocabulary is 525M values: 2.1 GB whole).
+REQUANT_CHUNK_VALUES = 1 << 25
+FLOAT_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16
+
+
+def _requantized_q8_0(checkpoint, name: str) -> torch.Tensor:
+    """Q8_0 rows ([rows, cols / 32 * 34], a 3-D expert stack's rows expert-major) of a tensor
+    stored in a block format the kernels do not read, dequantized and requantized a slice of
+    rows at a time (never the whole tensor in float32)."""
+    shape = checkpoint.stored_shape(name)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    step = max(1, REQUANT_CHUNK_VALUES // cols)
+    return torch.cat([quantize_q8_0(checkpoint.stored_rows(name, r, min(rows, r + step)))
+                      for r in range(0, rows, step)])
+
+
+def _file_blocks(checkpoint, sources: list[str]) -> tuple[int, list[torch.Tensor]] | None:
+    """(kernel type, block rows per source) for a layer whose tensors the file stores in blocks:
+    as stored where all share a kernel format, else each requantized to Q8_0; None where any is
+    stored as floats (or is not one stored tensor)."""
+    types = [checkpoint.stored_type(n) for n in sources]
+    if any(t is None or t in FLOAT_GGML_TYPES for t in types):
+        return None
+    merged = _merged_raw(checkpoint, sources)
+    if merged is not None:
+        return merged
+    return QTYPE_IDS["q8_0"], [_requantized_q8_0(checkpoint, n) for n in sources]
+
+
+def _file_experts(checkpoint, p: str, experts, int8_act: bool):
+    """(w13, w2) PackedWeights of a MoE layer's experts from a GGUF's stacked expert blocks
+    (ffn_{gate,up,down}_exps): gate/up and down each as stored where the kernels read its
+    format, else requantized to Q8_0 (the op takes a format per stack); None where the file
+    stores them as floats or in another layout, or the widths are not whole blocks."""
+    names = [p + f"mlp.experts.{x}_proj" for x in ("gate", "up", "down")]
+    known = set(checkpoint.tensor_names())
+    if (not all(n in known for n in names) or experts.w13.shape[2] % 32
+            or experts.w2.shape[2] % 32):
+        return None
+    stacks = [_file_blocks(checkpoint, names[:2]), _file_blocks(checkpoint, names[2:])]
+    if any(s is None for s in stacks):
+        return None
+    (t13, (gate, up)), (t2, (down,)) = stacks
+    inter = gate.shape[0] // experts.num_local
+    packed = (pack_ggml_parts(t13, [gate, up], [inter, inter], experts.num_local, int8_act),
+              pack_ggml_parts(t2, [down], [down.shape[0]], int8_act=int8_act))
+    for name in names:
+        checkpoint.release_pages(name)
+    return packed
+
+
+def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
+    """Keep every linear layer (and the embedding table) whose tensors a GGUF stores in blocks
+    only in blocks: packed from the file before the float weights load, their float parameters
+    replaced by meta stand-ins that the load skips (module docstring). One rank, `gguf`
+    formats; returns the number of layers per format."""
+    counts: dict[str, int] = {}
+    if (not quantization.startswith("gguf") or model.tp.size != 1
+            or not hasattr(checkpoint, "stored_type")):
+        return counts
+    int8_act = quantization.endswith("-a8")
+    names = set(checkpoint.tensor_names())
+    packed_by_sources: dict[tuple[str, ...], object] = {}
+
+    def packed_for(sources: list[str]):
+        key = tuple(sources)
+        if key not in packed_by_sources:
+            blocks = _file_blocks(checkpoint, sources)
+            packed_by_sources[key] = None if blocks is None else pack_ggml_parts(
+                blocks[0], blocks[1], [p.shape[0] for p in blocks[1]], int8_act=int8_act)
+            if blocks is not None:  # copied: the map's pages of them are not needed
+                for name in sources:
+                    checkpoint.release_pages(name)
+        return packed_by_sources[key]
+
+    def note(packed, prefix: str = "") -> None:
+        name = prefix + QTYPES[packed.qtype][1] + " (blocks only)"
+        counts[name] = counts.get(name, 0) + 1
+
+    embed = getattr(model, "embed_tokens", None)
+    if embed is not None and embed.weight.shape[1] % 32 == 0:
+        packed = packed_for(["model.embed_tokens.weight"])
+        if packed is not None and packed.out_features == embed.weight.shape[0]:
+            embed.set_packed(packed, kernels)
+            note(packed)
+    for local, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, SparseMoeBlock):
+            experts = layer.mlp.experts
+            packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}.",
+                                   experts, int8_act)
+            if packed is not None:
+                experts.set_quantized_experts(*packed, kernels, blocks_only=True)
+                note(packed[0], "experts-")
+    for module, sources in _linear_sources(model, names):
+        if not sources or module.weight.shape[1] % 32:
+            continue
+        packed = packed_for(sources)
+        if packed is None or packed.out_features != module.weight.shape[0]:
+            continue  # e.g. a vocabulary padded for TP
+        module.set_quantized(packed, kernels, blocks_only=True)
+        note(packed)
+    return counts
+
+
 @single_threaded()  # many small copies at a cold start, beside the HTTP process
 def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
     """Attach a PackedWeight to every linear layer that can take one; returns the number of
@@ -168,6 +289,10 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
     int8_act = quantization.endswith("-a8")
     quantization = quantization.removesuffix("-a8")
     for module, sources in _linear_sources(model, set(checkpoint.tensor_names())):
+        if module.blocks_only:  # attach_file_blocks packed it from the file
+            name = QTYPES[module.qweight.qtype][1] + " (blocks only)"
+            counts[name] = counts.get(name, 0) + 1
+            continue
         weight = module.weight.data
         if weight.shape[1] % 32:
             counts["none"] = counts.get("none", 0) + 1

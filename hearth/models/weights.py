@@ -83,6 +83,8 @@ class _ReadRecorder:
 
     def read_into(self, out: torch.Tensor, name: str, shard=None) -> None:
         self.read.add(name)
+        if out.is_meta:  # a weight kept only in the file's blocks (quant.attach_file_blocks)
+            return
         self.checkpoint.read_into(out, name, shard)
 
     def tensor_names(self) -> list[str]:
@@ -264,6 +266,10 @@ def load_moe_block(block: SparseMoeBlock, checkpoint, p: str) -> None:
                          f"{p}{_ROUTER_NAMES[0]}")
     checkpoint.read_into(block.gate.data, router)
     experts = block.experts
+    if experts.blocks_only:  # packed from the file's expert blocks (quant.attach_file_blocks)
+        for part in ("gate", "up", "down"):
+            checkpoint.read.add(p + f"mlp.experts.{part}_proj")
+        return
     size, rank = experts.group.size, experts.group.rank
     first, inter = experts.expert_start, experts.inter
     w13, w2 = experts.w13.data, experts.w2.data  # [E_local, 2 I_loc, H], [E_local, H, I_loc]
@@ -327,10 +333,13 @@ def _owned_elsewhere(model):
 
 def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
                 tp: ParallelGroup = SINGLE, layer_range: tuple[int, int] | None = None,
-                expert_parallel: bool = False):
+                expert_parallel: bool = False, before_load=None):
     """Instantiate the model without initialising weights, then load the checkpoint.
     `expert_parallel`: a MoE model's experts are split across the `tp` ranks whole instead of
-    each cut along its width (hearth.models.moe); a dense model ignores it, as vLLM does."""
+    each cut along its width (hearth.models.moe); a dense model ignores it, as vLLM does.
+    `before_load(model)` runs before any float weight is read: it may keep weights in blocks
+    only (their parameters become meta stand-ins, which the load skips and which are never
+    written, so their float pages are never touched)."""
     arch = checkpoint.arch
     extra = {"expert_parallel": True} if expert_parallel and arch.moe is not None else {}
     # Built straight on the device (parameters are torch.empty, filled by load_weights): the
@@ -347,5 +356,7 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
         if isinstance(module, RotaryEmbedding):
             module.cos, module.sin = rope.cos.to(device), rope.sin.to(device)
     with single_threaded():  # small passes beside a busy HTTP process (its docstring)
+        if before_load is not None:
+            before_load(model)
         load_weights(model, checkpoint)
         return model.to(dtype=dtype).eval()

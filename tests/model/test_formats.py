@@ -150,7 +150,7 @@ def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl
 def test_prefill_dtype_takes_decode_batches_above_lowp_min_rows_off_the_fused_kernel(models):
     """--prefill-dtype bfloat16: a step of 20 decodes runs the bf16 GEMMs (they beat the fused
     qlinear kernel above LOWP_MIN_ROWS rows), a step of 8 the fused fp32 kernel; both give the
-    same next tokens as far as bf16 allows (here: all 20)."""
+    same next tokens as far as bf16 allows (all 20, or all but a near-tie or two)."""
     runner = make_runner(models, prefill_dtype="bfloat16")
     model = runner.model
     if model._fused_all is None:
@@ -179,5 +179,7 @@ def test_prefill_dtype_takes_decode_batches_above_lowp_min_rows_off_the_fused_ke
         seen.clear()
         narrow = torch.cat([decode(range(lo, lo + 8)) for lo in (0, 8)] + [decode(range(16, 20))])
         assert seen == []  # the fused kernel: no module forward ran
-    assert (wide.argmax(-1) == narrow.argmax(-1)).all()
+    # all 20 on AVX-512 machines; 19 on an AVX2 EPYC (2026-12-07: torch's bf16 GEMM without
+    # AVX512-BF16 rounds otherwise, and one near-tie flips; max |diff| 0.26)
+    assert (wide.argmax(-1) == narrow.argmax(-1)).sum() >= n - 2
     assert (wide - narrow).abs().max() < 1.0

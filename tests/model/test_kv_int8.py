@@ -86,9 +86,10 @@ def test_scaled_kv_agrees_with_fp32_at_long_context(models, long_reference, fmt,
 
 
 # measured, tokens of the 40 equal to the fp32 golden output per case: int8 6 of 8 cases all
-# 40, the others 21 and 31; fp8 [40, 40, 31, 2, 27, 2, 40, 9] (two cases flip a near-tie at
-# their third token: fp8's KL is ~7x int8's, test_formats)
-@pytest.mark.parametrize("kv_cache_dtype, min_prefix, min_whole", [("int8", 16, 5),
+# 40, the others 21 and 31 (AVX-512); [40, 40, 31, 11, 20, 40, 40, 40] on an AVX2 EPYC
+# (2026-12-07: its decode-attention kernel sums in another order); fp8 [40, 40, 31, 2, 27, 2,
+# 40, 9] (two cases flip a near-tie at their third token: fp8's KL is ~7x int8's, test_formats)
+@pytest.mark.parametrize("kv_cache_dtype, min_prefix, min_whole", [("int8", 8, 5),
                                                                    ("fp8", 2, 3)])
 def test_greedy_scaled_kv_stays_with_the_reference_and_the_pool_is_whole(
         models, kv_cache_dtype, min_prefix, min_whole):

@@ -1,0 +1,127 @@
+"""Weights that live once, in the GGUF's own blocks (hearth/models/quant.py attach_file_blocks).
+
+On tiny random K-quant files written block by block (hearth/models/random_gguf.py; the default
+model's tokenizer): with `gguf` formats no linear layer and no embedding table holds a float
+copy, and the model still computes what the float reference of the same file (its blocks
+dequantized to float32, `quantization none`) computes -- exactly up to summation order where the
+kernels read the file's blocks (Q4_K), and within 8-bit requantization where they do not (Q6_K
+parts of a Q4_K_M file, requantized to Q8_0). Prompt steps of more than 32 rows multiply by
+tiles decoded from the blocks; decode steps run qlinear over them.
+"""
+
+import pytest
+import torch
+
+from hearth.engine.executor import make_executor
+from hearth.engine.llm import make_engine_config
+from hearth.models.layers import QuantizedWeight
+from hearth.models.loader import load_checkpoint, resolve_builtin
+from hearth.models.random_gguf import LlamaShape, write_random_gguf
+from hearth.ops.cpu_kernels import available_variants
+from tests.model.test_formats import teacher_forced_logits
+
+pytestmark = pytest.mark.skipif(not available_variants(), reason="CPU kernels not built")
+
+TINY = LlamaShape(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                  num_kv_heads=2, head_dim=64)
+TINY_MOE = LlamaShape(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                      num_kv_heads=2, head_dim=64, num_experts=4, experts_per_tok=2,
+                      expert_intermediate_size=256)
+PROMPT_LEN = 40  # one prompt step of 40 rows: past QLINEAR_MAX_ROWS, so the tiled path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kquant")
+    tokenizer = resolve_builtin("smollm2-135m-instruct")
+    out = {}
+    for mix in ("q4_k", "q4_k_m"):
+        out[mix] = write_random_gguf(folder / f"{mix}.gguf", TINY, tokenizer, mix, seed=1,
+                                     context_length=512)
+        out["moe-" + mix] = write_random_gguf(folder / f"moe-{mix}.gguf", TINY_MOE, tokenizer,
+                                              mix, seed=2, context_length=512)
+    return out
+
+
+def runner_for(path, quantization: str):
+    config = make_engine_config(str(path), dtype="float32", prefill_dtype="float32",
+                                kv_cache_dtype="model", quantization=quantization, num_blocks=16)
+    return make_executor(config, load_checkpoint(str(path)))
+
+
+def tokens() -> list[int]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(100, 40000, (PROMPT_LEN + 8,), generator=gen).tolist()
+
+
+def float_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
+
+@pytest.mark.parametrize("mix", ["q4_k", "q4_k_m"])
+def test_no_float_copy_of_any_weight_stored_in_blocks(files, mix):
+    model = runner_for(files[mix], "gguf").model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the LM head
+    assert all(m.weight.is_meta and m.qweight is not None for m in linears)
+    assert model.embed_tokens.weight.is_meta and model.embed_tokens.packed is not None
+    # what float is left: the norms (5 of 256 floats) and nothing else
+    assert float_bytes(model) == 4 * 256 * 5
+    reference = runner_for(files[mix], "none").model
+    assert float_bytes(reference) > 100 * float_bytes(model)
+
+
+def test_q4_k_blocks_give_the_float_reference(files):
+    """Q4_K read in place: the prompt step's tiles and the decode steps' qlinear multiply by
+    the file's values, so only float32 summation order separates them from the reference."""
+    seq = tokens()
+    got = teacher_forced_logits(runner_for(files["q4_k"], "gguf"), seq, PROMPT_LEN)
+    want = teacher_forced_logits(runner_for(files["q4_k"], "none"), seq, PROMPT_LEN)
+    assert got.shape == want.shape == (9, 49152)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_q4_k_m_requantized_parts_stay_close_to_the_float_reference(files):
+    """Q4_K_M's Q6_K tensors (and the QKV that mixes Q4_K q/k with a Q6_K v) are requantized to
+    Q8_0 at load: the model agrees with the file's float reference to 8-bit accuracy."""
+    seq = tokens()
+    got = teacher_forced_logits(runner_for(files["q4_k_m"], "gguf"), seq, PROMPT_LEN)
+    want = teacher_forced_logits(runner_for(files["q4_k_m"], "none"), seq, PROMPT_LEN)
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+    assert kl.mean() < 1e-3  # measured 1.1e-4
+    assert not torch.equal(got, want)  # requantized: close, not the same numbers
+
+
+@pytest.mark.parametrize("mix", ["q4_k", "q4_k_m"])
+def test_moe_experts_live_only_in_blocks(files, mix):
+    """A Qwen3-MoE file's expert stacks are packed from the file (Q6_K down stacks requantized
+    to Q8_0) with no float copy, and every step -- the 40-row prompt too -- runs the packed
+    experts: logits agree with the float reference (exactly up to summation order for Q4_K)."""
+    gguf_runner = runner_for(files["moe-" + mix], "gguf")
+    model = gguf_runner.model
+    experts = [layer.mlp.experts for layer in model.layers]
+    assert all(e.blocks_only and e.qw13.qtype == 12 for e in experts)
+    assert {e.qw2.qtype for e in experts} == ({12} if mix == "q4_k" else {8})
+    assert float_bytes(model) == 4 * (256 * 5 + 2 * (64 * 2 + 4 * 256))  # norms and routers
+    seq = tokens()
+    got = teacher_forced_logits(gguf_runner, seq, PROMPT_LEN)
+    want = teacher_forced_logits(runner_for(files["moe-" + mix], "none"), seq, PROMPT_LEN)
+    if mix == "q4_k":
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    else:
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1),
+                                        log_target=True, reduction="none").sum(-1)
+        assert kl.mean() < 1e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_released_pages_read_back_the_same_bytes(files):
+    checkpoint = load_checkpoint(str(files["q4_k"]))
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = checkpoint.get(name).clone()
+    checkpoint.release_pages(name)
+    checkpoint.release_pages()
+    assert torch.equal(checkpoint.get(name), before)
