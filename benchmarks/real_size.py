@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -42,24 +43,25 @@ def write(shape: str, out: Path, mix: str) -> None:
 
 
 class TreeRss(threading.Thread):
-    """Peak resident memory of a process and its descendants (sum of VmRSS), sampled."""
+    """Peak resident memory of a process's descendants (sum of their VmRSS; the process itself
+    not counted), sampled: started before a server is spawned, it sees the load's peak."""
 
     def __init__(self, pid: int, every_s: float = 0.2) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every_s, self.peak, self._stop = pid, every_s, 0, threading.Event()
+        self.pid, self.every_s, self.peak, self._done = pid, every_s, 0, threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss(self.pid))
+        while not self._done.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid, include_root=False))
             time.sleep(self.every_s)
 
-    def stop(self) -> int:
-        self._stop.set()
+    def finish(self) -> int:
+        self._done.set()
         self.join()
         return self.peak
 
 
-def tree_rss(root: int) -> int:
+def tree_rss(root: int, include_root: bool = True) -> int:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -71,6 +73,8 @@ def tree_rss(root: int) -> int:
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
+        if pid == root and not include_root:
+            continue
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -103,16 +107,16 @@ def run(args: argparse.Namespace) -> None:
     for name in args.servers.split(","):
         spec = specs[name]
         print(f"## {name}: {shlex.join(spec.command())}", flush=True)
+        watch = TreeRss(os.getpid())
+        watch.start()
         started = time.perf_counter()
         server = start_server(spec, RESULTS / f"real-size-{name}.log", args.start_timeout)
         cold = time.perf_counter() - started
-        watch = TreeRss(server.process.pid)
-        watch.start()
         record: dict = {"cold_s": cold, "figures": {}}
         try:
             from serve import model_of
 
-            bench = Bench(spec.url, asyncio.run(model_of(spec.url)), bench_args, name)
+            bench = Bench(spec.url, asyncio.run(model_of(spec.url, {})), bench_args, name)
             asyncio.run(bench.decode100(-1))  # warm-up
             for figure in args.figures.split(","):
                 method = getattr(bench, figure)
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  {figure}: " + ", ".join(f"{v:.2f}" for v in values), flush=True)
         finally:
             stop_server(server)
-            record["peak_rss_gb"] = max(watch.stop(), 0) / 1e9
+            record["peak_rss_gb"] = watch.finish() / 1e9
         print(f"  cold {cold:.1f} s, peak RSS of the tree {record['peak_rss_gb']:.2f} GB", flush=True)
         report["servers"][name] = record
     out = RESULTS / f"real_size_{Path(args.gguf).stem}.json"

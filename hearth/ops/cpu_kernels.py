@@ -34,7 +34,7 @@ class PackedWeight:
     qtype: int
     qs: torch.Tensor  # [N, K/2] uint8 nibbles (Q4_0/Q4_1/Q4_K) or [N, K] int8 as uint8 (Q8_0)
     d: torch.Tensor  # [N, K/32] float16 scales (Q4_K: [N, K/256 * 2], each super-block's d, dmin)
-    m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1); Q4_K: [N, K/32 * 2] uint8 (scale, min)
+    m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1); Q4_K: [N, K/256 * 16] uint8 scales, mins
     out_features: int
     in_features: int
     int8_act: bool = False  # activations quantized to 8 bits per 32-element block (not exact)
@@ -61,8 +61,8 @@ def pack_ggml(qtype: int, blocks: torch.Tensor, int8_act: bool = False) -> Packe
 
 def _pack_q4_k(blocks: torch.Tensor, int8_act: bool) -> PackedWeight:
     """Q4_K super-blocks -> qlinear's Q4_K layout (csrc/decode_layers.h, repack_q4_k_row):
-    (d, dmin) per super-block, each 32-block's 6-bit (scale, min) as bytes, nibbles in Q4_1's
-    order (byte i: element i low, element i + 16 high)."""
+    (d, dmin) per super-block, its eight 6-bit scales then its eight mins as bytes, nibbles in
+    Q4_1's order (byte i: element i low, element i + 16 high)."""
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, 144)
     ns = b.shape[1]
@@ -71,7 +71,7 @@ def _pack_q4_k(blocks: torch.Tensor, int8_act: bool) -> PackedWeight:
     lo_s, lo_m, mixed = p[..., 0:4], p[..., 4:8], p[..., 8:12]
     scales = torch.cat([lo_s & 63, (mixed & 0x0F) | ((lo_s >> 6) << 4)], -1)  # [n, ns, 8]
     mins = torch.cat([lo_m & 63, (mixed >> 4) | ((lo_m >> 6) << 4)], -1)
-    ks = torch.stack([scales, mins], -1).to(torch.uint8).reshape(n, ns * 16)
+    ks = torch.cat([scales, mins], -1).to(torch.uint8).reshape(n, ns * 16)
     q = b[:, :, 16:].reshape(n, ns, 4, 2, 16)  # [.., pair j, first/second 16 bytes, 16]
     a, c = q[:, :, :, 0], q[:, :, :, 1]
     low = (a & 0x0F) | (c << 4)  # block 2j: elements i (low nibble) and i + 16 (high)

@@ -71,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 // One row of Q4_K super-blocks (144 bytes each: d fp16 | dmin fp16 | 12 bytes of 6-bit scales
 // and mins | 128 bytes of nibbles) -> qlinear's Q4_K layout (qlinear.h): (d, dmin) pairs, each
-// block's (scale, min) as bytes, and the nibbles in Q4_1's order. A super-block's byte 32j + i
+// super-block's 8 scales then 8 mins as bytes, and the nibbles in Q4_1's order. A super-block's byte 32j + i
 // holds element i of block 2j (low nibble) and of block 2j + 1 (high nibble); qlinear's block
 // byte i holds elements i (low) and i + 16 (high).
 //   scales bytes 0-3: EEaaaaaa (a: scale j = 0..3, E: high 2 bits of scale j + 4)
@@ -84,11 +84,11 @@ inline void repack_q4_k_row(const uint8_t* row, int64_t num_super, uint8_t* qs, 
     std::memcpy(d + 2 * s, blk, 4);  // d, dmin
     const uint8_t* p = blk + 4;
     uint8_t* k = ks + s * 16;
-    for (int j = 0; j < 4; ++j) {
-      k[2 * j] = p[j] & 63;
-      k[2 * j + 1] = p[j + 4] & 63;
-      k[2 * (j + 4)] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
-      k[2 * (j + 4) + 1] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    for (int j = 0; j < 4; ++j) {  // scales in k[0..7], mins in k[8..15]
+      k[j] = p[j] & 63;
+      k[8 + j] = p[j + 4] & 63;
+      k[j + 4] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+      k[8 + j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
     }
     const uint8_t* q = blk + 16;
     uint8_t* out = qs + s * 128;

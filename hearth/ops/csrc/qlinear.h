@@ -16,7 +16,8 @@
 // Q4_K (the blocks of Q4_K_M / Q4_K_S files) keeps its super-block form, so it costs 4.625
 // bits per weight (the file's 4.5 plus the 6-bit scales widened to bytes):
 //   d  [N, K/256, 2] fp16: each super-block's (d, dmin)
-//   m  [N, K/32, 2] uint8: each 32-block's 6-bit (scale, min), unpacked from the 12 bytes
+//   m  [N, K/256, 2, 8] uint8: each super-block's eight 6-bit scales, then its eight mins,
+//      unpacked from the 12 bytes
 //   w[n, 32 b + j] = (d sc) q - dmin mn,  the super-block s = b / 8
 // row_scales turns (d, sc) into the block's scale d sc and (dmin, mn) into its offset -dmin mn,
 // both exact in float32 (11-bit mantissas times 6-bit integers), and q d_b is exact too, so the
@@ -32,7 +33,7 @@ struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;  // null unless Q4_1
-  const uint8_t* ks = nullptr;  // Q4_K: [N, nb, 2] sub-block (scale, min)
+  const uint8_t* ks = nullptr;  // Q4_K: [N, nb / 8, 2, 8] scales, then mins, per super-block
   int64_t qs_row() const { return qtype == kQ8_0 ? K : K / 2; }
   int64_t d_row() const { return qtype == kQ4_K ? nb / 4 : nb; }  // d's elements per row
 };
@@ -57,16 +58,23 @@ inline float reduce_add8(__m256 v) {
 // The NR rows' scales (and offsets) starting at row n, as float: sd[r * nb + b].
 inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm) {
   const int64_t count = NR * w.nb;  // the NR rows' scales are contiguous
-  if (w.qtype == kQ4_K) {  // (d, dmin) per 8 blocks, (sc, mn) per block
+  if (w.qtype == kQ4_K) {  // (d, dmin) per super-block of 8 blocks; its 8 scales, 8 mins
     const uint16_t* dd = w.d + n * w.d_row();
     const uint8_t* ks = w.ks + n * w.nb * 2;
     for (int64_t s = 0; s < count / 8; ++s) {
       const float d = _cvtsh_ss(dd[2 * s]), dmin = _cvtsh_ss(dd[2 * s + 1]);
-#pragma omp simd
+      const uint8_t* k = ks + 16 * s;
+#if defined(__AVX2__)
+      _mm256_storeu_ps(sd + 8 * s, _mm256_mul_ps(_mm256_set1_ps(d),
+                                                 _mm256_cvtepi32_ps(load_u8x8(k))));
+      _mm256_storeu_ps(sm + 8 * s, _mm256_mul_ps(_mm256_set1_ps(-dmin),
+                                                 _mm256_cvtepi32_ps(load_u8x8(k + 8))));
+#else
       for (int64_t j = 0; j < 8; ++j) {
-        sd[8 * s + j] = d * static_cast<float>(ks[2 * (8 * s + j)]);
-        sm[8 * s + j] = -(dmin * static_cast<float>(ks[2 * (8 * s + j) + 1]));
+        sd[8 * s + j] = d * static_cast<float>(k[j]);
+        sm[8 * s + j] = -dmin * static_cast<float>(k[8 + j]);
       }
+#endif
     }
     return;
   }
@@ -377,7 +385,7 @@ QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
               what, ": Q4_1 needs m float16 [N, K/32]");
   TORCH_CHECK(qtype != kQ4_K || (m.scalar_type() == at::kByte && m.is_contiguous() &&
                                  m.numel() == N * nb * 2),
-              what, ": Q4_K needs m uint8 [N, K/32, 2]");
+              what, ": Q4_K needs m uint8 [N, K/256, 2, 8]");
   QWeight w{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
             reinterpret_cast<const uint16_t*>(d.data_ptr()),
             qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
