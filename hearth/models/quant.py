@@ -13,10 +13,11 @@ format that hearth's CPU kernels read directly (`qlinear`).
 
 With `gguf` on one rank, a weight lives once (`attach_file_blocks`, before any float weight
 is read): every linear layer, and the embedding table, whose tensors the file stores in a
-block format the kernels read (Q4_0, Q4_1, Q8_0, Q4_K) is packed straight from the file's map
-and never gets a float copy; one stored in another block format (Q6_K, Q5_K, ...; or a merged
-QKV whose parts differ, as Q4_K_M's Q4_K q/k beside a Q6_K v) is requantized to Q8_0 a slice of
-rows at a time, and has no float copy either (prompt steps then multiply by the Q8_0 values).
+block format the kernels read (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) is packed straight from the file's
+map and never gets a float copy; one stored in another block format (Q5_K, Q5_0, ...; or a
+merged QKV whose parts differ, as Q4_K_M's Q4_K q/k beside a Q6_K v) is requantized to Q8_0 a
+slice of rows at a time, and has no float copy either (prompt steps then multiply by the Q8_0
+values).
 A blocks-only layer multiplies through `qlinear` when a step has few rows and through tiles
 decoded from its blocks when it has many (hearth.models.layers.QuantizedWeight).
 
@@ -37,7 +38,7 @@ import torch
 
 from hearth.models.deepseek import MLAAttention
 from hearth.models.moe import SparseMoeBlock
-from hearth.ops.cpu_kernels import QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
+from hearth.ops.cpu_kernels import Q6_K, QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
 
 log = logging.getLogger("hearth.models")
 
@@ -187,15 +188,17 @@ def _requantized_q8_0(checkpoint, name: str) -> torch.Tensor:
                       for r in range(0, rows, step)])
 
 
-def _file_blocks(checkpoint, sources: list[str]) -> tuple[int, list[torch.Tensor]] | None:
+def _file_blocks(checkpoint, sources: list[str], int8_act: bool = False
+                 ) -> tuple[int, list[torch.Tensor]] | None:
     """(kernel type, block rows per source) for a layer whose tensors the file stores in blocks:
     as stored where all share a kernel format, else each requantized to Q8_0; None where any is
-    stored as floats (or is not one stored tensor)."""
+    stored as floats (or is not one stored tensor). `int8_act`: Q6_K too is requantized (its
+    kernels take float32 activations only; the MoE op takes one activation format)."""
     types = [checkpoint.stored_type(n) for n in sources]
     if any(t is None or t in FLOAT_GGML_TYPES for t in types):
         return None
     merged = _merged_raw(checkpoint, sources)
-    if merged is not None:
+    if merged is not None and not (int8_act and merged[0] == Q6_K):
         return merged
     return QTYPE_IDS["q8_0"], [_requantized_q8_0(checkpoint, n) for n in sources]
 
@@ -210,7 +213,8 @@ def _file_experts(checkpoint, p: str, experts, int8_act: bool):
     if (not all(n in known for n in names) or experts.w13.shape[2] % 32
             or experts.w2.shape[2] % 32):
         return None
-    stacks = [_file_blocks(checkpoint, names[:2]), _file_blocks(checkpoint, names[2:])]
+    stacks = [_file_blocks(checkpoint, names[:2], int8_act),
+              _file_blocks(checkpoint, names[2:], int8_act)]
     if any(s is None for s in stacks):
         return None
     (t13, (gate, up)), (t2, (down,)) = stacks

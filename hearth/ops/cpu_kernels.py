@@ -19,10 +19,10 @@ from hearth.ops import build_kernels
 
 log = logging.getLogger("hearth.ops")
 
-# ggml block formats the kernels read directly: type id -> (bytes per 32-element block, name).
-# Q4_K's 144-byte super-blocks hold 256 elements (18 bytes per 32).
-QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0"), 12: (18, "q4_k")}
-Q4_K = 12
+# ggml block formats the kernels read directly: type id -> (bytes per block, name). A block is
+# 32 elements, a K-quant super-block 256 (Q4_K 144 bytes, Q6_K 210).
+QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0"), 12: (144, "q4_k"), 14: (210, "q6_k")}
+Q4_K, Q6_K = 12, 14
 QTYPE_IDS = {name: qtype for qtype, (_, name) in QTYPES.items()}
 
 
@@ -32,9 +32,13 @@ class PackedWeight:
     the block bytes with the fp16 scales (and Q4_1 offsets) moved into their own arrays."""
 
     qtype: int
-    qs: torch.Tensor  # [N, K/2] uint8 nibbles (Q4_0/Q4_1/Q4_K) or [N, K] int8 as uint8 (Q8_0)
-    d: torch.Tensor  # [N, K/32] float16 scales (Q4_K: [N, K/256 * 2], each super-block's d, dmin)
-    m: torch.Tensor  # [N, K/32] float16 offsets (Q4_1); Q4_K: [N, K/256 * 16] uint8 scales, mins
+    # [N, K/2] uint8 nibbles (Q4_0/Q4_1/Q4_K) or [N, K] int8 as uint8 (Q8_0; Q6_K: q - 32)
+    qs: torch.Tensor
+    # [N, K/32] float16 scales (Q4_K: [N, K/256 * 2], each super-block's d, dmin; Q6_K: its d)
+    d: torch.Tensor
+    # [N, K/32] float16 offsets (Q4_1); Q4_K: [N, K/256 * 16] uint8 scales then mins per
+    # super-block; Q6_K: [N, K/16] int8 scales as uint8; else empty
+    m: torch.Tensor
     out_features: int
     in_features: int
     int8_act: bool = False  # activations quantized to 8 bits per 32-element block (not exact)
@@ -46,6 +50,8 @@ def pack_ggml(qtype: int, blocks: torch.Tensor, int8_act: bool = False) -> Packe
         raise ValueError(f"ggml type {qtype} is not one the CPU kernels read ({QTYPES})")
     if qtype == Q4_K:
         return _pack_q4_k(blocks, int8_act)
+    if qtype == Q6_K:
+        return _pack_q6_k(blocks, int8_act)
     bbytes = QTYPES[qtype][0]
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, bbytes)
@@ -80,6 +86,25 @@ def _pack_q4_k(blocks: torch.Tensor, int8_act: bool) -> PackedWeight:
     return PackedWeight(Q4_K, qs, d, ks, n, ns * 256, int8_act)
 
 
+def _pack_q6_k(blocks: torch.Tensor, int8_act: bool) -> PackedWeight:
+    """Q6_K super-blocks -> qlinear's Q6_K layout (csrc/decode_layers.h, repack_q6_k_row): the
+    values q - 32 as int8 in order, the 16 int8 scales, d per super-block."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 210)
+    ns = b.shape[1]
+    ql = b[:, :, :128].reshape(n, ns, 2, 2, 32)  # [.., half h, 32-byte run, i]
+    qh = b[:, :, 128:192].reshape(n, ns, 2, 1, 32)
+    low = torch.stack([ql[:, :, :, 0] & 0x0F, ql[:, :, :, 1] & 0x0F,
+                       ql[:, :, :, 0] >> 4, ql[:, :, :, 1] >> 4], 3)  # [.., h, part, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    high = (qh >> shifts) & 0x03
+    q = (low | (high << 4)).to(torch.int16) - 32
+    qs = q.to(torch.int8).view(torch.uint8).reshape(n, ns * 256).contiguous()
+    d = b[:, :, 208:210].contiguous().view(torch.float16).reshape(n, ns)
+    ks = b[:, :, 192:208].reshape(n, ns * 16).contiguous()
+    return PackedWeight(Q6_K, qs, d, ks, n, ns * 256, int8_act)
+
+
 def pack_ggml_parts(qtype: int, parts: list[torch.Tensor], rows_per_group: list[int],
                     groups: int = 1, int8_act: bool = False) -> PackedWeight:
     """`pack_ggml` of several block tensors' rows interleaved by group (for each group,
@@ -92,7 +117,7 @@ def pack_ggml_parts(qtype: int, parts: list[torch.Tensor], rows_per_group: list[
         return pack_ggml(qtype, stacked.reshape(-1, stacked.shape[-1]), int8_act)
     qs, d, m = torch.ops.hearth.repack_ggml([p.contiguous() for p in parts],
                                             list(rows_per_group), groups, qtype, 64)
-    in_features = qs.shape[1] * (1 if qtype == QTYPE_IDS["q8_0"] else 2)
+    in_features = qs.shape[1] * (1 if qtype in (QTYPE_IDS["q8_0"], Q6_K) else 2)
     return PackedWeight(qtype, qs, d, m, qs.shape[0], in_features, int8_act)
 
 

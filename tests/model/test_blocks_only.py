@@ -83,10 +83,16 @@ def test_q4_k_blocks_give_the_float_reference(files):
 
 
 def test_q4_k_m_requantized_parts_stay_close_to_the_float_reference(files):
-    """Q4_K_M's Q6_K tensors (and the QKV that mixes Q4_K q/k with a Q6_K v) are requantized to
-    Q8_0 at load: the model agrees with the file's float reference to 8-bit accuracy."""
+    """Q4_K_M's Q6_K tensors are read in their own format, but a QKV that mixes Q4_K q/k with a
+    Q6_K v is one packed weight, requantized to Q8_0 at load: the model agrees with the file's
+    float reference to 8-bit accuracy."""
     seq = tokens()
-    got = teacher_forced_logits(runner_for(files["q4_k_m"], "gguf"), seq, PROMPT_LEN)
+    runner = runner_for(files["q4_k_m"], "gguf")
+    model = runner.model
+    assert {layer.mlp.down_proj.qweight.qtype for layer in model.layers} == {14}
+    assert model.lm_head.qweight.qtype == 14
+    assert {layer.self_attn.qkv_proj.qweight.qtype for layer in model.layers} == {8}
+    got = teacher_forced_logits(runner, seq, PROMPT_LEN)
     want = teacher_forced_logits(runner_for(files["q4_k_m"], "none"), seq, PROMPT_LEN)
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)
@@ -97,19 +103,19 @@ def test_q4_k_m_requantized_parts_stay_close_to_the_float_reference(files):
 
 @pytest.mark.parametrize("mix", ["q4_k", "q4_k_m"])
 def test_moe_experts_live_only_in_blocks(files, mix):
-    """A Qwen3-MoE file's expert stacks are packed from the file (Q6_K down stacks requantized
-    to Q8_0) with no float copy, and every step -- the 40-row prompt too -- runs the packed
-    experts: logits agree with the float reference (exactly up to summation order for Q4_K)."""
+    """A Qwen3-MoE file's expert stacks are packed from the file in their own formats (Q4_K
+    gate/up, Q6_K down in Q4_K_M) with no float copy, and every step -- the 40-row prompt too
+    -- runs the packed experts: logits agree with the float reference."""
     gguf_runner = runner_for(files["moe-" + mix], "gguf")
     model = gguf_runner.model
     experts = [layer.mlp.experts for layer in model.layers]
     assert all(e.blocks_only and e.qw13.qtype == 12 for e in experts)
-    assert {e.qw2.qtype for e in experts} == ({12} if mix == "q4_k" else {8})
+    assert {e.qw2.qtype for e in experts} == ({12} if mix == "q4_k" else {14})
     assert float_bytes(model) == 4 * (256 * 5 + 2 * (64 * 2 + 4 * 256))  # norms and routers
     seq = tokens()
     got = teacher_forced_logits(gguf_runner, seq, PROMPT_LEN)
     want = teacher_forced_logits(runner_for(files["moe-" + mix], "none"), seq, PROMPT_LEN)
-    if mix == "q4_k":
+    if mix == "q4_k":  # every weight the file's own (Q4_K_M's QKV mixes Q4_K with Q6_K: Q8_0)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     else:
         kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1),

@@ -139,31 +139,44 @@ def make_q4_k_blocks(n: int, k: int, gen) -> torch.Tensor:
     return torch.cat([d.view(torch.uint8).reshape(n, ns, 4), rest], -1).reshape(n, -1).contiguous()
 
 
+def make_q6_k_blocks(n: int, k: int, gen) -> torch.Tensor:
+    """Random ggml Q6_K super-blocks: [n, k/256 * 210] uint8 (ql | qh | int8 scales | d fp16),
+    scales of both signs."""
+    ns = k // 256
+    body = torch.randint(0, 256, (n, ns, 208), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, ns, 1, generator=gen) * 0.01 + 0.001).half()
+    return torch.cat([body, d.view(torch.uint8).reshape(n, ns, 2)], -1).reshape(n, -1).contiguous()
+
+
 def make_blocks(fmt: str, n: int, k: int, gen) -> torch.Tensor:
     if fmt == "q8_0":
         return quantize_q8_0(torch.randn(n, k, generator=gen))
     if fmt == "q4_k":
         return make_q4_k_blocks(n, k, gen)
+    if fmt == "q6_k":
+        return make_q6_k_blocks(n, k, gen)
     return make_q4_blocks(n, k, fmt == "q4_1", gen)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("int8_act", [False, True])
-def test_qlinear_q4_k_equals_dequantized_matmul(kernels, rows, int8_act):
-    """Q4_K in its own super-block form: the kernel's weights are ggml's dequantization of the
-    file's blocks (exact, so only summation order differs), at every tile shape."""
+def test_qlinear_k_quants_equal_dequantized_matmul(kernels, fmt, rows, int8_act):
+    """Q4_K in its own super-block form, Q6_K widened to bytes: the kernel's weights are ggml's
+    dequantization of the file's blocks (exact, so only summation order differs), at every
+    tile shape. Q6_K takes float32 activations even when 8-bit ones are asked for."""
     gen = torch.Generator().manual_seed(rows)
     n, k = 70, 512
-    blocks = make_q4_k_blocks(n, k, gen)
-    weight = dequantize(blocks.reshape(-1), QTYPE_IDS["q4_k"], (n, k))
+    blocks = make_blocks(fmt, n, k, gen)
+    weight = dequantize(blocks.reshape(-1), QTYPE_IDS[fmt], (n, k))
     x = torch.randn(rows, k, generator=gen)
-    got = kernels.qlinear(x, pack_ggml(QTYPE_IDS["q4_k"], blocks, int8_act=int8_act))
-    want = (quantize_activations(x) if int8_act else x) @ weight.T
+    got = kernels.qlinear(x, pack_ggml(QTYPE_IDS[fmt], blocks, int8_act=int8_act))
+    want = (quantize_activations(x) if int8_act and fmt == "q4_k" else x) @ weight.T
     # float32 summation order over 512 products of weights up to ~10
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_repack_ggml_equals_torch_pack(kernels, fmt):
     """The kernels' repack (QKV-style parts stacked, and expert-style groups) gives the torch
     reference's layout byte for byte."""
@@ -179,7 +192,7 @@ def test_repack_ggml_equals_torch_pack(kernels, fmt):
     assert (got.out_features, got.in_features) == (16, k)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_dequant_rows_are_the_files_values(kernels, fmt):
     """dequant_rows gives gguf's dequantization bit for bit (float32), rounded once (bf16), for
     any rows in any order; a row out of range is an error naming it."""
@@ -200,7 +213,7 @@ def test_dequant_rows_are_the_files_values(kernels, fmt):
 
 def test_q4_k_rejects_widths_not_whole_super_blocks(kernels):
     w = pack_ggml(QTYPE_IDS["q4_k"], make_q4_k_blocks(4, 256, torch.Generator().manual_seed(0)))
-    with pytest.raises(RuntimeError, match="Q4_K needs in_features % 256"):
+    with pytest.raises(RuntimeError, match="Q4_K / Q6_K need in_features % 256"):
         kernels.ops.qlinear(torch.randn(1, 224), w.qs[:, :112].contiguous(), w.d, w.m, w.qtype,
                             4, 224)
     with pytest.raises(RuntimeError, match="Q4_K needs m uint8"):

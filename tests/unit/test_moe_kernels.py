@@ -184,3 +184,31 @@ def test_int8_activation_path_equals_reference_on_quantized_activations(kernels,
     got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
+
+
+@pytest.mark.parametrize("fmt13, fmt2", [("q4_k", "q6_k"), ("q6_k", "q4_k")])
+@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+def test_k_quant_experts_equal_reference_on_dequantized_weights(kernels, fmt13, fmt2, num_tokens):
+    """Q4_K_M's expert stacks (Q4_K gate/up, Q6_K down in half the layers) in their own
+    formats: the packed path gives the float op on the file's dequantized values, for a
+    decode-sized step and a prompt-sized one (blocks-only experts run every step this way)."""
+    from tests.unit.test_cpu_kernels import make_blocks
+    gen = torch.Generator().manual_seed(num_tokens)
+    e, h, inter, top_k = 4, 256, 256, 2
+    x = torch.randn(num_tokens, h, generator=gen)
+    weights, ids = route_softmax(torch.randn(num_tokens, e, generator=gen), top_k, True)
+    b13, b2 = make_blocks(fmt13, e * 2 * inter, h, gen), make_blocks(fmt2, e * h, inter, gen)
+    f13 = dequantize(b13.reshape(-1), QTYPE_IDS[fmt13], (e * 2 * inter, h)).view(e, 2 * inter, h)
+    f2 = dequantize(b2.reshape(-1), QTYPE_IDS[fmt2], (e * h, inter)).view(e, h, inter)
+    q13, q2 = pack_ggml(QTYPE_IDS[fmt13], b13), pack_ggml(QTYPE_IDS[fmt2], b2)
+    want = fused_experts_torch(x, f13, f2, weights, ids)
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    # stand-ins of the stacks' shapes (strides 0) serve the packed path as well
+    one = torch.zeros(1, 1, 1)
+    same = kernels.moe_experts(x, one.expand(f13.shape), one.expand(f2.shape), weights, ids, 0,
+                               q13, q2)
+    assert torch.equal(same, got)
+    with pytest.raises(RuntimeError, match="Q6_K experts take float32 activations"):
+        kernels.moe_experts(x, f13, f2, weights, ids, 0,
+                            pack_ggml(QTYPE_IDS[fmt13], b13, True), pack_ggml(QTYPE_IDS[fmt2], b2, True))

@@ -101,6 +101,29 @@ inline void repack_q4_k_row(const uint8_t* row, int64_t num_super, uint8_t* qs, 
   }
 }
 
+// One row of Q6_K super-blocks (210 bytes each: ql 128 | qh 64 | 16 int8 scales | d fp16) ->
+// qlinear's Q6_K layout (qlinear.h): the 256 values q - 32 as int8 in order, the 16 scales, d.
+// Each 128-element half h reads ql[64 h ..] and qh[32 h ..]; its element 32 s + i (s = 0..3) is
+// ql[64 h + 32 (s % 2) + i]'s low (s < 2) or high nibble, with bits 2 s, 2 s + 1 of
+// qh[32 h + i] above them.
+inline void repack_q6_k_row(const uint8_t* row, int64_t num_super, uint8_t* qs, uint16_t* d,
+                            uint8_t* ks) {
+  for (int64_t s = 0; s < num_super; ++s) {
+    const uint8_t* blk = row + s * 210;
+    std::memcpy(d + s, blk + 208, 2);
+    std::memcpy(ks + s * 16, blk + 192, 16);
+    int8_t* out = reinterpret_cast<int8_t*>(qs + s * 256);
+    for (int h = 0; h < 2; ++h)
+      for (int part = 0; part < 4; ++part)
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t l = blk[64 * h + 32 * (part % 2) + i];
+          const uint8_t low = part < 2 ? (l & 0x0F) : (l >> 4);
+          const uint8_t high = (blk[128 + 32 * h + i] >> (2 * part)) & 0x03;
+          out[128 * h + 32 * part + i] = static_cast<int8_t>((low | (high << 4)) - 32);
+        }
+  }
+}
+
 // ggml blocks -> the layout qlinear reads (hearth.ops.cpu_kernels.pack_ggml): each block's fp16
 // scale (and Q4_1 offset) moved to its own array, its quants kept in row order. The output rows
 // interleave the parts by group: for each of `groups` groups, rows_per_group[p] rows of each
@@ -109,14 +132,15 @@ inline void repack_q4_k_row(const uint8_t* row, int64_t num_super, uint8_t* qs, 
 std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
                                     const std::vector<int64_t>& rows_per_group, int64_t groups,
                                     int64_t qtype, int64_t threads) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K,
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K ||
+                  qtype == kQ6_K,
               "repack_ggml: ggml type ", qtype);
   TORCH_CHECK(!parts.empty() && parts.size() == rows_per_group.size() && groups >= 1,
               "repack_ggml: one rows_per_group entry per part");
-  const bool k4 = qtype == kQ4_K;  // 144-byte super-blocks of 8 blocks (repack_q4_k_row)
-  const int64_t bbytes = k4 ? 144 : qtype == kQ8_0 ? 34 : qtype == kQ4_1 ? 20 : 18;
-  const int64_t head = qtype == kQ4_1 ? 4 : 2, qbytes = k4 ? 16 : bbytes - head;
-  const int64_t row_bytes = parts[0].size(-1), nb = row_bytes / bbytes * (k4 ? 8 : 1);
+  const bool k4 = qtype == kQ4_K, k6 = qtype == kQ6_K;  // super-blocks of 8 blocks
+  const int64_t bbytes = k4 ? 144 : k6 ? 210 : qtype == kQ8_0 ? 34 : qtype == kQ4_1 ? 20 : 18;
+  const int64_t head = qtype == kQ4_1 ? 4 : 2, qbytes = k4 ? 16 : k6 ? 32 : bbytes - head;
+  const int64_t row_bytes = parts[0].size(-1), nb = row_bytes / bbytes * (k4 || k6 ? 8 : 1);
   int64_t group_rows = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
     TORCH_CHECK(parts[p].scalar_type() == at::kByte && parts[p].is_contiguous() &&
@@ -129,9 +153,9 @@ std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
   const int64_t N = groups * group_rows;
   auto u8 = parts[0].options();
   at::Tensor qs = at::empty({N, nb * qbytes}, u8);
-  at::Tensor d = at::empty({N, k4 ? nb / 4 : nb}, u8.dtype(at::kHalf));
+  at::Tensor d = at::empty({N, k4 ? nb / 4 : k6 ? nb / 8 : nb}, u8.dtype(at::kHalf));
   at::Tensor m = qtype == kQ4_1 ? at::empty({N, nb}, u8.dtype(at::kHalf))
-                 : k4          ? at::empty({N, nb * 2}, u8)
+                 : k4 || k6    ? at::empty({N, nb * 2}, u8)
                                : at::empty({0}, u8.dtype(at::kHalf));
   uint8_t* qp = qs.data_ptr<uint8_t>();
   uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr());
@@ -146,6 +170,10 @@ std::vector<at::Tensor> repack_ggml(const std::vector<at::Tensor>& parts,
       const int64_t o = out_row + r;
       if (k4) {
         repack_q4_k_row(row, nb / 8, qp + o * nb * 16, dp + o * (nb / 4), m.data_ptr<uint8_t>() + o * nb * 2);
+        continue;
+      }
+      if (k6) {
+        repack_q6_k_row(row, nb / 8, qp + o * nb * 32, dp + o * (nb / 8), m.data_ptr<uint8_t>() + o * nb * 2);
         continue;
       }
       for (int64_t b = 0; b < nb; ++b) {

@@ -23,6 +23,16 @@
 // both exact in float32 (11-bit mantissas times 6-bit integers), and q d_b is exact too, so the
 // tiles' one FMA per weight gives ggml's two-step value bit for bit; from there on Q4_K is Q4_1.
 //
+// Q6_K (Q4_K_M's output and half its attn_v / ffn_down) is widened to bytes, 8.5 bits per
+// weight: on AVX2 an int8 row multiplies faster than 6-bit fields unpack (Q8_0 at M = 1 reads
+// ~20 GB/s here, a Q4 row ~14), and nothing is requantized:
+//   qs [N, K] int8: q - 32 in [-32, 31], elements in order
+//   d  [N, K/256] fp16: each super-block's d;   m [N, K/16] int8: each 16 elements' scale
+//   w[n, 16 h + j] = (d sc_h) (q - 32)   (exact: 11 + 7 + 6 bits)
+// row_scales gives each 32-block's two scales, its first half's in sd and its second's in sm;
+// qlinear_tile_q6 multiplies the halves by them. Every build runs the same AVX2 tile, and the
+// 8-bit-activation path is not taken for Q6_K (qlinear computes it in float32).
+//
 // The bytes are ggml's, with the scales moved out of the blocks so a row's scales convert to
 // float in a few vector instructions and the block loop is loads, nibble unpacks and FMAs.
 // A tile of NR weight rows x MT activation rows keeps NR * MT * 2 accumulators in registers, so
@@ -33,9 +43,12 @@ struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;  // null unless Q4_1
-  const uint8_t* ks = nullptr;  // Q4_K: [N, nb / 8, 2, 8] scales, then mins, per super-block
-  int64_t qs_row() const { return qtype == kQ8_0 ? K : K / 2; }
-  int64_t d_row() const { return qtype == kQ4_K ? nb / 4 : nb; }  // d's elements per row
+  // Q4_K: [N, nb / 8, 2, 8] scales, then mins, per super-block; Q6_K: [N, 2 nb] int8 scales
+  const uint8_t* ks = nullptr;
+  int64_t qs_row() const { return qtype == kQ8_0 || qtype == kQ6_K ? K : K / 2; }
+  int64_t d_row() const {  // d's elements per row
+    return qtype == kQ4_K ? nb / 4 : qtype == kQ6_K ? nb / 8 : nb;
+  }
 };
 
 #if defined(__AVX2__)
@@ -75,6 +88,16 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
         sm[8 * s + j] = -dmin * static_cast<float>(k[8 + j]);
       }
 #endif
+    }
+    return;
+  }
+  if (w.qtype == kQ6_K) {  // d per super-block, a scale per 16 elements: sd first halves, sm second
+    const uint16_t* dd = w.d + n * w.d_row();
+    const int8_t* ks = reinterpret_cast<const int8_t*>(w.ks) + n * w.nb * 2;
+    for (int64_t b = 0; b < count; ++b) {
+      const float d = _cvtsh_ss(dd[b / 8]);
+      sd[b] = d * static_cast<float>(ks[2 * b]);
+      sm[b] = d * static_cast<float>(ks[2 * b + 1]);
     }
     return;
   }
@@ -313,6 +336,58 @@ inline void prefetch_weight_rows(const QWeight& w, int64_t n, int NR, bool rows)
   if (w.ks) fetch(w.ks + ahead * w.nb * 2, NR * w.nb * 2);
 }
 
+// Q6_K rows (bytes q - 32, two scales per 32-block: sd for elements 0-15, sm for 16-31) against
+// MT rows of x: the AVX2 Q8_0 tile with the block's two halves scaled apart. The same code in
+// every build (all of them have AVX2), so one tile is tested everywhere.
+template <int NR, int MT>
+void qlinear_tile_q6(const QWeight& w, int64_t n, const float* sd, const float* sm,
+                     const float* x, int64_t ldx, float* out, int64_t ldo) {
+  const int64_t row = w.qs_row();
+  const uint8_t* q0 = w.qs + n * row;
+#if defined(__AVX2__)
+  __m256 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t ahead = ahead_rows(row);
+  for (int64_t b = 0; b < w.nb; ++b) {
+    if (b % 2 == 0)
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + b * kQK),
+                     _MM_HINT_T1);
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* q = q0 + r * row + b * kQK;
+      __m256 wq[4];
+      for (int g = 0; g < 4; ++g) wq[g] = _mm256_cvtepi32_ps(load_i8x8(q + 8 * g));
+      const __m256 dl = _mm256_set1_ps(sd[r * w.nb + b]), dh = _mm256_set1_ps(sm[r * w.nb + b]);
+      for (int i = 0; i < MT; ++i) {
+        const float* xb = x + i * ldx + b * kQK;
+        const __m256 lo = _mm256_fmadd_ps(wq[1], _mm256_loadu_ps(xb + 8),
+                                          _mm256_mul_ps(wq[0], _mm256_loadu_ps(xb)));
+        const __m256 hi = _mm256_fmadd_ps(wq[3], _mm256_loadu_ps(xb + 24),
+                                          _mm256_mul_ps(wq[2], _mm256_loadu_ps(xb + 16)));
+        acc[r][i] = _mm256_fmadd_ps(hi, dh, _mm256_fmadd_ps(lo, dl, acc[r][i]));
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = reduce_add8(acc[r][i]);
+#else
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) {
+      float acc = 0;
+      for (int64_t b = 0; b < w.nb; ++b) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(q0 + r * row + b * kQK);
+        const float* xb = x + i * ldx + b * kQK;
+        float lo = 0, hi = 0;
+        for (int j = 0; j < 16; ++j) lo += static_cast<float>(q[j]) * xb[j];
+        for (int j = 16; j < 32; ++j) hi += static_cast<float>(q[j]) * xb[j];
+        acc += lo * sd[r * w.nb + b] + hi * sm[r * w.nb + b];
+      }
+      out[i * ldo + r] = acc;
+    }
+#endif
+}
+
 // MT rows of x against the NR weight rows at n, in tiles of 2 weight rows: measured faster
 // than tiles of 4 at every row count from 1 to 16 (M = 1 by 7%, M = 4 by 13%; interleaved A/B
 // over one step's weights), and MT <= 8 keeps the 2 * MT accumulators in registers. AVX2 has
@@ -326,6 +401,16 @@ inline void qlinear_tile_pairs(const QWeight& w, int64_t n, const float* sd, con
 #else
   constexpr int TR = 2;
 #endif
+  if (w.qtype == kQ6_K) {
+    constexpr int TR6 = MT <= 4 ? 2 : 1;  // AVX2's 16 registers, as TR above
+    if constexpr (NR % TR6 == 0) {
+      for (int r = 0; r < NR; r += TR6)
+        qlinear_tile_q6<TR6, MT>(w, n + r, sd + r * w.nb, sm + r * w.nb, x, w.K, out + r, w.N);
+    } else {
+      qlinear_tile_q6<NR, MT>(w, n, sd, sm, x, w.K, out, w.N);
+    }
+    return;
+  }
   if constexpr (NR % TR == 0) {
     for (int r = 0; r < NR; r += TR)
       qlinear_tile<TR, MT>(w, n + r, sd + r * w.nb, sm + r * w.nb, x, w.K, out + r, w.N);
@@ -370,26 +455,28 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
 // out), checked; errors start with `what` (the op, and which weight).
 QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                       int64_t qtype, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K, what,
-              ": unsupported ggml type ", qtype);
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K ||
+                  qtype == kQ6_K,
+              what, ": unsupported ggml type ", qtype);
   TORCH_CHECK(K % kQK == 0, what, ": in_features must be a multiple of 32");
-  TORCH_CHECK(qtype != kQ4_K || K % kQK_K == 0, what, ": Q4_K needs in_features % 256 == 0");
-  const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 ? K : K / 2;
-  const int64_t d_row = qtype == kQ4_K ? nb / 4 : nb;
+  const bool kquant = qtype == kQ4_K || qtype == kQ6_K;
+  TORCH_CHECK(!kquant || K % kQK_K == 0, what, ": Q4_K / Q6_K need in_features % 256 == 0");
+  const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 || qtype == kQ6_K ? K : K / 2;
+  const int64_t d_row = qtype == kQ4_K ? nb / 4 : qtype == kQ6_K ? nb / 8 : nb;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == N * qs_row,
               what, ": qs does not match the repacked ggml layout");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * d_row, what,
-              ": d must be float16 [N, K/32] (Q4_K: [N, K/256, 2])");
+              ": d must be float16 [N, K/32] (Q4_K: [N, K/256, 2]; Q6_K: [N, K/256])");
   TORCH_CHECK(qtype != kQ4_1 || (m.scalar_type() == at::kHalf && m.is_contiguous() &&
                                  m.numel() == N * nb),
               what, ": Q4_1 needs m float16 [N, K/32]");
-  TORCH_CHECK(qtype != kQ4_K || (m.scalar_type() == at::kByte && m.is_contiguous() &&
-                                 m.numel() == N * nb * 2),
-              what, ": Q4_K needs m uint8 [N, K/256, 2, 8]");
+  TORCH_CHECK(!kquant || (m.scalar_type() == at::kByte && m.is_contiguous() &&
+                          m.numel() == N * nb * 2),
+              what, ": Q4_K needs m uint8 [N, K/256, 2, 8] (Q6_K: [N, K/16] scales)");
   QWeight w{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
             reinterpret_cast<const uint16_t*>(d.data_ptr()),
             qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
-  if (qtype == kQ4_K) w.ks = m.data_ptr<uint8_t>();
+  if (kquant) w.ks = m.data_ptr<uint8_t>();
   return w;
 }
 
@@ -425,6 +512,13 @@ at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Ten
           const int8_t* q8 = reinterpret_cast<const int8_t*>(q + b * kQK);
 #pragma omp simd
           for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[j]) * db;
+        } else if (w.qtype == kQ6_K) {  // sm: the second half's scale
+          const int8_t* q6 = reinterpret_cast<const int8_t*>(q + b * kQK);
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) {
+            ob[j] = static_cast<float>(q6[j]) * db;
+            ob[j + 16] = static_cast<float>(q6[j + 16]) * mb;
+          }
         } else {
           const uint8_t* q4 = q + b * 16;
 #pragma omp simd

@@ -334,7 +334,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tenso
   float* op = out.data_ptr<float>();
   constexpr int64_t NR = 4, kGroupsPerTask = 16;  // a task: 64 weight rows
   const int64_t num_groups = N / NR;
-  if (int8_act) {
+  if (int8_act && qtype != kQ6_K) {  // Q6_K: always float32 activations (qlinear.h)
     thread_local std::vector<int8_t> qx;
     thread_local std::vector<float> sc;
     int64_t dxe_row = 0;
