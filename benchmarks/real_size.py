@@ -128,10 +128,44 @@ def run(args: argparse.Namespace) -> None:
             record["peak_rss_gb"] = watch.finish() / 1e9
         print(f"  cold {cold:.1f} s, peak RSS of the tree {record['peak_rss_gb']:.2f} GB", flush=True)
         report["servers"][name] = record
+    from hearth.bench.peer_report import machine_header
+
+    report["machine"] = machine_header(probe_roofline=False)
     out = RESULTS / f"real_size_{Path(args.gguf).stem}.json"
     out.write_text(json.dumps(report, indent=1))
     print_table(report)
-    print(f"results: {out}")
+    plot(report, out.with_suffix(".png"))
+    print(f"results: {out} (and .png)")
+
+
+def plot(report: dict, path: Path) -> None:
+    """One panel per figure (and peak RSS, cold start): each server's median, min as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = report["servers"]
+    figures = sorted({f for r in servers.values() for f in r["figures"]})
+    panels = [*figures, "peak RSS GB", "cold s"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3 * len(panels), 3))
+    for ax, panel in zip(axes, panels):
+        names = list(servers)
+        if panel == "peak RSS GB":
+            meds = [servers[n]["peak_rss_gb"] for n in names]
+            mins = meds
+        elif panel == "cold s":
+            meds = [servers[n]["cold_s"] for n in names]
+            mins = meds
+        else:
+            vals = [servers[n]["figures"].get(panel, [float("nan")]) for n in names]
+            meds, mins = [statistics.median(v) for v in vals], [min(v) for v in vals]
+        ax.bar(names, meds, color=["tab:orange" if n == "hearth" else "tab:blue" for n in names])
+        ax.scatter(names, mins, color="black", marker="_", s=200)
+        ax.set_title(panel + ("" if panel.endswith(("GB", " s")) else " (tok/s)"), fontsize=9)
+    fig.suptitle(Path(report["gguf"]).name, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
 
 
 def print_table(report: dict) -> None:
@@ -161,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write")
-    w.add_argument("--shape", choices=("llama8b", "llama1b"), default="llama8b")
+    w.add_argument("--shape", choices=("llama8b", "qwen3-30b-a3b", "llama1b"), default="llama8b")
     w.add_argument("--mix", choices=("q4_k_m", "q4_k"), default="q4_k_m")
     w.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("run")

@@ -31,7 +31,7 @@ from hearth.models.moe import use_lowp_expert_prompts
 from hearth.models.quant import QUANTIZATIONS, attach_file_blocks, quantize_model
 from hearth.models.weights import build_model
 from hearth.ops import host_memory, kv_quant
-from hearth.ops.cpu_kernels import CpuKernels, load_cpu_kernels
+from hearth.ops.cpu_kernels import QTYPES, CpuKernels, load_cpu_kernels
 from hearth.ops.distributed import RankFailedError
 
 __all__ = ["BuiltModel", "RankFailedError", "build_model_for", "make_executor", "num_kv_blocks",
@@ -230,6 +230,72 @@ def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
     return BuiltModel(model, checkpoint, _model_formats(config, formats), kernels)
 
 
+# Resident bytes per stored byte of a GGUF tensor the kernels read in its own blocks, once packed
+# (hearth/ops/csrc/qlinear.h): Q4_K's scales widen to bytes (4.625 / 4.5 bits), Q6_K's values
+# to bytes (8.5 / 6.5625); the 32-element formats keep their size.
+_PACKED_GROWTH = {12: 4.625 / 4.5, 14: 8.5 / 6.5625}
+_Q8_0_BYTES_PER_VALUE = 34 / 32
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
+
+
+def weight_bytes_estimate(checkpoint, quantization: str) -> int | None:
+    """Resident bytes the built model's weights take, from a GGUF's header alone (None for
+    other checkpoints): blocks-only tensors at their packed size, other block types at Q8_0's,
+    float tensors as float32 (plus a Q8_0 decode copy of 2-D ones under a quantization)."""
+    file = getattr(checkpoint, "file", None)
+    if file is None or not hasattr(file, "tensors"):
+        return None
+    total = 0
+    blocks = quantization.startswith("gguf")
+    for info in file.tensors.values():
+        values = 1
+        for dim in info.shape:
+            values *= dim
+        if info.ggml_type in _FLOAT_TYPES or quantization == "none":
+            total += 4 * values
+            if quantization != "none" and len(info.shape) >= 2:
+                total += int(values * _Q8_0_BYTES_PER_VALUE)
+        elif blocks and info.ggml_type in QTYPES:
+            total += int(info.num_bytes * _PACKED_GROWTH.get(info.ggml_type, 1.0))
+        elif blocks:
+            total += int(values * _Q8_0_BYTES_PER_VALUE)
+        else:  # q8_0 of a dequantized float copy
+            total += int(values * (4 + _Q8_0_BYTES_PER_VALUE))
+    return total
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(config: EngineConfig, checkpoint, formats: Formats, num_blocks: int) -> None:
+    """Refuse, before anything is built, a model whose weights (estimated from a GGUF's header)
+    and KV pool exceed the memory this machine has available, naming the figures: better than
+    the OOM killer mid-load."""
+    pc, cc = config.parallel, config.cache
+    weights = weight_bytes_estimate(checkpoint, formats.quantization)
+    available = available_memory_bytes()
+    if weights is None or available is None or pc.device != "cpu":
+        return
+    kv = num_blocks * kv_bytes_per_block_per_rank(
+        checkpoint.arch, pc.tensor_parallel_size, pc.pipeline_parallel_size, cc.block_size,
+        formats.kv_dtype.itemsize, kv_quant.scale_bytes(formats.kv_dtype))
+    if weights + kv > available:
+        gib = 2 ** 30
+        raise ValueError(
+            f"model does not fit: its weights take ~{weights / gib:.1f} GiB ({formats.quantization} "
+            f"formats) and the KV pool {kv / gib:.1f} GiB ({num_blocks} blocks), "
+            f"{(weights + kv) / gib:.1f} GiB in all, but this machine has {available / gib:.1f} "
+            f"GiB available; lower --kv-cache-memory-gb or use a smaller quantization")
+
+
 def make_executor(config: EngineConfig, checkpoint,
                   prebuilt: BuiltModel | None = None) -> Executor:
     """`prebuilt`: a model from `build_model_for` with the same checkpoint and formats (else a
@@ -240,6 +306,8 @@ def make_executor(config: EngineConfig, checkpoint,
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size,
                          pc.pipeline_parallel_size, pc.enable_expert_parallel)
     num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, formats.kv_dtype)
+    if prebuilt is None:
+        check_fits(config, checkpoint, formats, num_blocks)
     if pc.world_size == 1:
         if prebuilt is None:
             prebuilt = _build(config, checkpoint, formats)  # formats resolved once

@@ -27,7 +27,7 @@ ENGINE_OPTIONS = (("engine", (
     Option("--dtype", "engine.model.dtype", choices=DTYPES),
     Option("--quantization", "engine.model.quantization",
            choices=("auto", "none", "gguf", "q8_0", "gguf-a8", "q8_0-a8"),
-           help="weights: gguf = the file's own blocks (Q4_0/Q4_1/Q8_0/Q4_K; no float copy), q8_0 = "
+           help="weights: gguf = the file's own blocks (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K; no float copy), q8_0 = "
                 "requantized; auto = gguf for a GGUF file when hearth's CPU kernels run here "
                 "(docs/formats.md)"),
     Option("--kv-cache-dtype", "engine.cache.kv_cache_dtype", default="auto",

@@ -12,7 +12,7 @@ tiles decoded from the blocks; decode steps run qlinear over them.
 import pytest
 import torch
 
-from hearth.engine.executor import make_executor
+from hearth.engine.executor import make_executor, weight_bytes_estimate
 from hearth.engine.llm import make_engine_config
 from hearth.models.layers import QuantizedWeight
 from hearth.models.loader import load_checkpoint, resolve_builtin
@@ -131,3 +131,30 @@ def test_released_pages_read_back_the_same_bytes(files):
     checkpoint.release_pages(name)
     checkpoint.release_pages()
     assert torch.equal(checkpoint.get(name), before)
+
+
+def packed_bytes(model) -> int:
+    """Bytes of every packed weight (the embedding and a tied head counted once) and float."""
+    seen, total = set(), float_bytes(model)
+    for module in model.modules():
+        for w in (getattr(module, n, None) for n in ("qweight", "packed", "qw13", "qw2")):
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                total += sum(t.numel() * t.element_size() for t in (w.qs, w.d, w.m))
+    return total
+
+
+@pytest.mark.parametrize("mix", ["q4_k", "q4_k_m", "moe-q4_k_m"])
+def test_weight_estimate_from_the_header_matches_the_built_model(files, mix):
+    """What the fit check counts before building is what the model holds once built (the
+    requantized mixed QKV aside, counted at the file's size: within 5%)."""
+    runner = runner_for(files[mix], "gguf")
+    estimate = weight_bytes_estimate(load_checkpoint(str(files[mix])), "gguf")
+    assert abs(estimate - packed_bytes(runner.model)) < 0.05 * packed_bytes(runner.model)
+
+
+def test_a_model_that_does_not_fit_is_refused_before_loading_naming_the_figures(files):
+    config = make_engine_config(str(files["q4_k"]), kv_cache_memory_gb=100000.0)
+    with pytest.raises(ValueError, match=r"model does not fit: its weights take ~0\.\d GiB "
+                                         r"\(gguf formats\) and the KV pool 100000\.0 GiB"):
+        make_executor(config, load_checkpoint(str(files["q4_k"])))
