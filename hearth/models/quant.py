@@ -188,7 +188,7 @@ def _requantized_q8_0(checkpoint, name: str) -> torch.Tensor:
                       for r in range(0, rows, step)])
 
 
-def _file_blocks(checkpoint, sources: list[str], int8_act: bool = False
+def _file_blocks(checkpoint, sources: list[str], kernels, int8_act: bool = False
                  ) -> tuple[int, list[torch.Tensor]] | None:
     """(kernel type, block rows per source) for a layer whose tensors the file stores in blocks:
     as stored where all share a kernel format, else each requantized to Q8_0; None where any is
@@ -200,10 +200,21 @@ def _file_blocks(checkpoint, sources: list[str], int8_act: bool = False
     merged = _merged_raw(checkpoint, sources)
     if merged is not None and not (int8_act and merged[0] == Q6_K):
         return merged
-    return QTYPE_IDS["q8_0"], [_requantized_q8_0(checkpoint, n) for n in sources]
+    return QTYPE_IDS["q8_0"], [_q8_0_rows(checkpoint, n, kernels) for n in sources]
 
 
-def _file_experts(checkpoint, p: str, experts, int8_act: bool):
+def _q8_0_rows(checkpoint, name: str, kernels) -> torch.Tensor:
+    """Q8_0 block rows of one stored tensor: through the kernels (its blocks packed, then
+    requantized in one pass, no float copy) where they read its format, else dequantized and
+    requantized in torch a slice of rows at a time."""
+    stored = checkpoint.raw_blocks(name) if kernels is not None else None
+    if stored is None:
+        return _requantized_q8_0(checkpoint, name)
+    qtype, rows = stored
+    return kernels.requantize_q8_0(pack_ggml_parts(qtype, [rows], [rows.shape[0]]))
+
+
+def _file_experts(checkpoint, p: str, experts, int8_act: bool, kernels):
     """(w13, w2) PackedWeights of a MoE layer's experts from a GGUF's stacked expert blocks
     (ffn_{gate,up,down}_exps): gate/up and down each as stored where the kernels read its
     format, else requantized to Q8_0 (the op takes a format per stack); None where the file
@@ -213,8 +224,8 @@ def _file_experts(checkpoint, p: str, experts, int8_act: bool):
     if (not all(n in known for n in names) or experts.w13.shape[2] % 32
             or experts.w2.shape[2] % 32):
         return None
-    stacks = [_file_blocks(checkpoint, names[:2], int8_act),
-              _file_blocks(checkpoint, names[2:], int8_act)]
+    stacks = [_file_blocks(checkpoint, names[:2], kernels, int8_act),
+              _file_blocks(checkpoint, names[2:], kernels, int8_act)]
     if any(s is None for s in stacks):
         return None
     (t13, (gate, up)), (t2, (down,)) = stacks
@@ -242,7 +253,7 @@ def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[st
     def packed_for(sources: list[str]):
         key = tuple(sources)
         if key not in packed_by_sources:
-            blocks = _file_blocks(checkpoint, sources)
+            blocks = _file_blocks(checkpoint, sources, kernels)
             packed_by_sources[key] = None if blocks is None else pack_ggml_parts(
                 blocks[0], blocks[1], [p.shape[0] for p in blocks[1]], int8_act=int8_act)
             if blocks is not None:  # copied: the map's pages of them are not needed
@@ -264,7 +275,7 @@ def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[st
         if isinstance(layer.mlp, SparseMoeBlock):
             experts = layer.mlp.experts
             packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}.",
-                                   experts, int8_act)
+                                   experts, int8_act, kernels)
             if packed is not None:
                 experts.set_quantized_experts(*packed, kernels, blocks_only=True)
                 note(packed[0], "experts-")

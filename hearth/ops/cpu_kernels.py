@@ -186,6 +186,12 @@ class CpuKernels:
                                              w.in_features, rows, dtype == torch.bfloat16,
                                              self.threads.count)
 
+    def requantize_q8_0(self, w: PackedWeight) -> torch.Tensor:
+        """`w`'s rows as ggml Q8_0 blocks [N, K/32 * 34] uint8: `quantize_q8_0` of its exact
+        values, bit for bit, with no float copy of the whole weight."""
+        return torch.ops.hearth.requantize_q8_0(w.qs, w.d, w.m, w.qtype, w.out_features,
+                                                w.in_features, self.threads.count)
+
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
                     q13: PackedWeight | None = None, q2: PackedWeight | None = None

@@ -211,6 +211,20 @@ def test_dequant_rows_are_the_files_values(kernels, fmt):
         kernels.dequant_rows(w, torch.tensor([37]))
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+def test_requantize_q8_0_equals_quantizing_the_dequantized_rows(kernels, fmt):
+    """The kernels' requantization of a packed weight is quantize_q8_0 of its exact values,
+    byte for byte (a Q8_0 weight comes back as its own blocks)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 130, 512
+    blocks = make_blocks(fmt, n, k, gen)
+    weight = dequantize(blocks.reshape(-1), QTYPE_IDS[fmt], (n, k))
+    got = kernels.requantize_q8_0(pack_ggml(QTYPE_IDS[fmt], blocks))
+    assert torch.equal(got, quantize_q8_0(weight))
+    if fmt == "q8_0":
+        assert torch.equal(got, blocks)
+
+
 def test_q4_k_rejects_widths_not_whole_super_blocks(kernels):
     w = pack_ggml(QTYPE_IDS["q4_k"], make_q4_k_blocks(4, 256, torch.Generator().manual_seed(0)))
     with pytest.raises(RuntimeError, match="Q4_K / Q6_K need in_features % 256"):

@@ -124,6 +124,8 @@ TORCH_LIBRARY(hearth, m) {
   m.def("dequant_rows(Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
         "int in_features, Tensor rows, bool bf16_out=False, int threads=64) -> Tensor",
         &hearth::dequant_rows);
+  m.def("requantize_q8_0(Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
+        "int in_features, int threads=64) -> Tensor", &hearth::requantize_q8_0);
   m.def("isa() -> int", &hearth::isa);
   m.def("bf16_dot_products() -> bool", &hearth::bf16_dot_products);
   m.def("amx_attention_usable() -> bool", &hearth::amx_attention_usable);

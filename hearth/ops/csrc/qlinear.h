@@ -537,3 +537,40 @@ at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Ten
   }, threads);
   return out;
 }
+
+// A packed weight's rows requantized to ggml Q8_0 blocks [N, K/32 * 34] (fp16 d = max|w| / 127
+// rounded to nearest, q = round(w / d) clamped to +-127: hearth.models.quant.quantize_q8_0's
+// numbers, bit for bit, without a float copy of the weight). For a merged projection whose parts
+// the file stores in different formats (Q4_K_M's Q4_K q/k beside a Q6_K v): one packed weight
+// has one format.
+at::Tensor requantize_q8_0(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                           int64_t qtype, int64_t out_features, int64_t in_features,
+                           int64_t threads) {
+  const QWeight w = packed_weight(qs, d, m, qtype, out_features, in_features, "requantize_q8_0");
+  const int64_t N = w.N, K = w.K, nb = w.nb;
+  at::Tensor out = at::empty({N, nb * 34}, qs.options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::Tensor rows = at::arange(N, qs.options().dtype(at::kLong));
+  constexpr int64_t kRowsPerTask = 64;
+  parallel_tasks((N + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
+    const int64_t r0 = task * kRowsPerTask, r1 = std::min(N, r0 + kRowsPerTask);
+    at::Tensor values = dequant_rows(qs, d, m, qtype, N, K, rows.narrow(0, r0, r1 - r0), false, 1);
+    const float* v = values.data_ptr<float>();
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* x = v + (r - r0) * K + b * kQK;
+        float amax = 0;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+        const uint16_t dh = _cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+        const float df = _cvtsh_ss(dh), inv = df > 0 ? 1.0f / df : 0.0f;
+        uint8_t* blk = op + (r * nb + b) * 34;
+        std::memcpy(blk, &dh, 2);
+        for (int j = 0; j < 32; ++j) {
+          const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[j] * inv)));
+          blk[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+        }
+      }
+  }, threads);
+  return out;
+}
+
