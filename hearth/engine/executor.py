@@ -28,7 +28,8 @@ from hearth.engine.step import Executor
 from hearth.models.arch import ModelArch
 from hearth.models.layers import use_lowp_prefill
 from hearth.models.moe import use_lowp_expert_prompts
-from hearth.models.quant import QUANTIZATIONS, attach_file_blocks, quantize_model
+from hearth.models.quant import (FLOAT_GGML_TYPES, QUANTIZATIONS, attach_file_blocks,
+                                 quantize_model)
 from hearth.models.weights import build_model
 from hearth.ops import host_memory, kv_quant
 from hearth.ops.cpu_kernels import QTYPES, CpuKernels, load_cpu_kernels
@@ -199,6 +200,7 @@ def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
     dtype, kv_dtype, quantization, kernels = formats
     if pc.device == "cpu":
         host_memory.tune_malloc()
+
     def before_load(model) -> None:  # weights a GGUF stores in blocks stay only in blocks
         if kernels is not None:
             attach_file_blocks(model, checkpoint, quantization, kernels)
@@ -235,13 +237,13 @@ def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
 # to bytes (8.5 / 6.5625); the 32-element formats keep their size.
 _PACKED_GROWTH = {12: 4.625 / 4.5, 14: 8.5 / 6.5625}
 _Q8_0_BYTES_PER_VALUE = 34 / 32
-_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 
 
 def weight_bytes_estimate(checkpoint, quantization: str) -> int | None:
     """Resident bytes the built model's weights take, from a GGUF's header alone (None for
     other checkpoints): blocks-only tensors at their packed size, other block types at Q8_0's,
-    float tensors as float32 (plus a Q8_0 decode copy of 2-D ones under a quantization)."""
+    float tensors as float32 (plus a Q8_0 decode copy of 2-D ones under a quantization). An
+    estimate: DeepSeek's MLA projections, which keep float copies, count at their block size."""
     file = getattr(checkpoint, "file", None)
     if file is None or not hasattr(file, "tensors"):
         return None
@@ -251,7 +253,7 @@ def weight_bytes_estimate(checkpoint, quantization: str) -> int | None:
         values = 1
         for dim in info.shape:
             values *= dim
-        if info.ggml_type in _FLOAT_TYPES or quantization == "none":
+        if info.ggml_type in FLOAT_GGML_TYPES or quantization == "none":
             total += 4 * values
             if quantization != "none" and len(info.shape) >= 2:
                 total += int(values * _Q8_0_BYTES_PER_VALUE)

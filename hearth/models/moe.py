@@ -132,6 +132,8 @@ class FusedMoE(nn.Module):
         self.qw13 = self.qw2 = None  # PackedWeight copies for few-row steps (hearth.models.quant)
 
     def set_lowp_weight(self, dtype: torch.dtype) -> None:
+        if self.blocks_only:  # no float stacks: every step runs the packed experts
+            return
         self.w13_lowp = self.w13.detach().to(dtype).contiguous()
         self.w2_lowp = self.w2.detach().to(dtype).contiguous()
 
