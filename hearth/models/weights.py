@@ -355,8 +355,8 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.cos, module.sin = rope.cos.to(device), rope.sin.to(device)
+    if before_load is not None:  # on every thread: its repacks are task pools (parallel_tasks:
+        before_load(model)       # a preempted thread holds up only its own task), not barriers
     with single_threaded():  # small passes beside a busy HTTP process (its docstring)
-        if before_load is not None:
-            before_load(model)
         load_weights(model, checkpoint)
         return model.to(dtype=dtype).eval()
