@@ -192,15 +192,18 @@ def print_table(report: dict) -> None:
 
 
 def main() -> None:
+    from hearth.bench.peer_servers import LLAMA_SERVER
+    from hearth.models.random_gguf import MIXES, SHAPES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write")
-    w.add_argument("--shape", choices=("llama8b", "qwen3-30b-a3b", "llama1b"), default="llama8b")
-    w.add_argument("--mix", choices=("q4_k_m", "q4_k"), default="q4_k_m")
+    w.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    w.add_argument("--mix", choices=MIXES, default="q4_k_m")
     w.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("run")
     r.add_argument("--gguf", required=True)
-    r.add_argument("--llama-server", default="llama-server")
+    r.add_argument("--llama-server", default=LLAMA_SERVER)
     r.add_argument("--servers", default="hearth,llamacpp")
     r.add_argument("--figures", default="prefill,decode100,batch8")
     r.add_argument("--repeats", type=int, default=3)

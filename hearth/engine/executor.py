@@ -16,6 +16,7 @@ engines of one process may share it (the tests build the real model once per for
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -250,9 +251,7 @@ def weight_bytes_estimate(checkpoint, quantization: str) -> int | None:
     total = 0
     blocks = quantization.startswith("gguf")
     for info in file.tensors.values():
-        values = 1
-        for dim in info.shape:
-            values *= dim
+        values = math.prod(info.shape)
         if info.ggml_type in FLOAT_GGML_TYPES or quantization == "none":
             total += 4 * values
             if quantization != "none" and len(info.shape) >= 2:

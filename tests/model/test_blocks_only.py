@@ -178,3 +178,34 @@ def test_bf16_prompt_steps_decode_bf16_tiles(files, mix):
     assert kl.mean() < 5e-4  # measured 9e-6 (dense), 2.3e-5 (MoE)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
     assert not torch.equal(got[0], want[0])  # the prompt step did run in bf16
+
+
+@pytest.mark.parametrize("mix", ["q4_k", "moe-q4_k"])
+def test_blocks_only_greedy_through_chunks_and_prefix_hits(files, mix):
+    """The engine's paths over blocks-only weights (the exact Q4_K files; a Q4_K_M QKV is
+    requantized, so a near tie may flip there): 48-token prompts in one 64-row chunk (the
+    tiled path), in 8-token chunks (qlinear), and again over a cached prefix give the float
+    reference's greedy tokens, and the KV pool comes back whole."""
+    from hearth.engine.llm import LLM
+    from hearth.engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    head = torch.randint(100, 40000, (32,), generator=gen).tolist()
+    prompts = [head + torch.randint(100, 40000, (16,), generator=gen).tolist() for _ in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    checkpoint = load_checkpoint(str(files[mix]))
+
+    def run(quantization: str, chunk: int) -> list[list[int]]:
+        config = make_engine_config(str(files[mix]), dtype="float32", prefill_dtype="float32",
+                                    kv_cache_dtype="model", quantization=quantization,
+                                    num_blocks=64, max_num_batched_tokens=chunk)
+        llm = LLM(config=config, checkpoint=checkpoint)
+        first = [o.token_ids for o in llm.generate(prompts[:1], greedy)]
+        rest = llm.generate(prompts[1:], greedy)  # their 32-token head is a prefix hit
+        assert all(o.cached_tokens >= 16 for o in rest)
+        assert llm.engine.kv_pool_is_whole()
+        return first + [o.token_ids for o in rest]
+
+    want = run("none", 64)
+    assert run("gguf", 64) == want
+    assert run("gguf", 8) == want
