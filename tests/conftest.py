@@ -2,11 +2,16 @@
 
 `make test` must stay within its budget (issue 28: the whole suite from a fresh clone, and the
 unit tier alone); this summary says where the time goes. Wall time per tier is the sum of its
-tests' setup, call and teardown phases (module fixtures included), as pytest measures them.
+tests' setup, call and teardown phases (module fixtures included), as pytest measures them; under
+pytest-xdist (`make test` runs two workers) that sum is over both workers, so it exceeds the wall.
+
+`HEARTH_TEST_TIMES=FILE` appends one line per phase as it ends (`seconds phase nodeid`), so even an
+interrupted run says where its time went (`sort -rn FILE | head`).
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
@@ -18,7 +23,14 @@ def _tier(nodeid: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
 
 
+_TIMES_FILE = os.environ.get("HEARTH_TEST_TIMES")
+_IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # the controller writes each report once
+
+
 def pytest_runtest_logreport(report) -> None:
+    if _TIMES_FILE and not _IN_WORKER:
+        with open(_TIMES_FILE, "a") as f:
+            f.write(f"{report.duration:9.3f} {report.when:8} {report.nodeid}\n")
     tier = _tier(report.nodeid)
     _TIER_SECONDS[tier] += report.duration
     if report.when == "call":

@@ -2,9 +2,9 @@
 
     python -m hearth.ops.build_kernels     (run by `make setup`; idempotent)
 
-The source is compiled three times (AVX-512 + VNNI, AVX-512, AVX2) into `hearth/ops/_build/` under names that
-carry a hash of the source and the torch version, so a stale build is never loaded. Each build is
-then run once in a child process on a small self-check (its results against plain torch): a CPU
+The source is compiled once per instruction set the CPU lists (AVX-512 + AMX, AVX-512 + VNNI,
+AVX-512, AVX2) into `hearth/ops/_build/` under names that carry a hash of the source and the torch
+version, so a stale build is never loaded. Each build is then run once in a child process on a small self-check (its results against plain torch): a CPU
 that lists an instruction set it cannot execute kills only the child, and that build is marked
 unusable in `probe.json`. `hearth.ops.cpu_kernels` loads the best usable build at run time and
 falls back to plain torch when there is none.
@@ -31,6 +31,16 @@ VARIANTS = {  # best first
     "avx512vnni": [*AVX512, "-mavx512vnni"],  # qlinear's int8-activation path on VNNI dot products
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx2"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+# The CPU flags (/proc/cpuinfo) a build needs: a build whose flags the CPU does not list is not
+# compiled (it could never run here; it is most of `make setup`'s compile time on an AVX2 CPU).
+# A CPU that lists a flag and faults on it is caught by the probe instead.
+NEEDS = {
+    "avx512amx": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+                  "amx_tile", "amx_bf16"),
+    "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx2": ("avx2", "fma", "f16c"),
 }
 ISA = {"avx512amx": 514, "avx512vnni": 513, "avx512": 512, "avx2": 256}  # what each build's isa() returns
 PROBE_FILE = BUILD_DIR / "probe.json"
@@ -121,7 +131,24 @@ def probe(variant: str, path: Path) -> bool:
     return proc.returncode == 0 and proc.stdout.strip() == "ok"
 
 
-def build_and_probe(variant: str) -> dict:
+def cpu_flags() -> set[str] | None:
+    """The flags /proc/cpuinfo lists, or None where there is no such file (then every build is
+    compiled and the probes decide)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return flags or None
+
+
+def build_and_probe(variant: str, flags: set[str] | None = None) -> dict:
+    if flags is not None and not set(NEEDS[variant]) <= flags:
+        return {"usable": False, "path": None, "skipped": "the CPU does not list "
+                + ", ".join(sorted(set(NEEDS[variant]) - flags))}
     try:
         path = compile_variant(variant)
     except (subprocess.CalledProcessError, OSError) as e:
@@ -133,9 +160,12 @@ def build_and_probe(variant: str) -> dict:
 def main() -> int:
     # The variants compile (and probe, each in its own child) side by side: g++ is one thread.
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        results = dict(zip(VARIANTS, pool.map(build_and_probe, VARIANTS)))
+        flags = cpu_flags()
+        results = dict(zip(VARIANTS, pool.map(lambda v: build_and_probe(v, flags), VARIANTS)))
     for variant, result in results.items():
-        if result["path"] is not None:
+        if "skipped" in result:
+            print(f"hearth kernels: {variant}: not built ({result['skipped']})")
+        elif result["path"] is not None:
             print(f"hearth kernels: {variant}: "
                   f"{'usable' if result['usable'] else 'NOT usable on this CPU'}")
     BUILD_DIR.mkdir(parents=True, exist_ok=True)

@@ -1047,3 +1047,13 @@ def test_many_rows_over_many_splits_take_fewer_longer_splits(kernels):
     seen = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + ctx - q_len
     want = torch.einsum("hqk,kd->qhd", torch.softmax(scores.masked_fill(~seen, float("-inf")), -1), rows)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_builds_the_cpu_does_not_list_are_not_compiled():
+    from hearth.ops import build_kernels
+
+    # no compiler runs: a build whose flags are missing returns before compiling
+    result = build_kernels.build_and_probe("avx512amx", {"avx2", "fma", "f16c"})
+    assert result["usable"] is False and result["path"] is None
+    assert "amx_tile" in result["skipped"] and "avx512f" in result["skipped"]
+    assert set(build_kernels.NEEDS) == set(build_kernels.VARIANTS)
