@@ -4,7 +4,7 @@ Ray is an optional extra (`pip install 'hearth[ray]'`); nothing outside this pac
 so `hearth up` without `--cluster` never loads Ray. The pieces:
 
   * `cluster_config.py` — ClusterConfig: where the cluster is, what each rank asks of Ray;
-  * `registry.py` — the named `WorkerRegistry` actor (workers, targets, the router's
+  * `worker_registry.py` — the named `WorkerRegistry` actor (workers, targets, the router's
     acknowledgements, the secrets) and `RayRegistry`, the router's view of it;
   * `worker_actor.py` — `WorkerProcess`, the actor that runs one `hearth serve` on its node;
   * `controller.py` — `Controller`: places workers (one placement group each), replaces the

@@ -72,8 +72,8 @@ def start(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
 def serve_router(controller: Controller, router: RouterConfig, worker_api_key: str) -> int:
     """The router, fed by discovery from the controller's registry, until it is stopped (0) or
     the controller gives up (1): route(), as `hearth route` and `hearth up` run it."""
-    from hearth.cluster.registry import RayRegistry
-    from hearth.router.launch import route
+    from hearth.cluster.worker_registry import RayRegistry
+    from hearth.router.router_launch import route
 
     return route(replace(router, worker_api_key=worker_api_key), controller,
                  registry=RayRegistry(controller.registry))

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 from hearth.cluster.autoscaler import Autoscaler, open_requests_by_role
 from hearth.cluster.cluster_config import ClusterConfig
-from hearth.cluster.registry import ROLES, registry_actor
+from hearth.cluster.worker_registry import ROLES, registry_actor
 from hearth.cluster.worker_actor import worker_actor_class
 from hearth.config import EngineConfig
 from hearth.server.server_config import ServerConfig

@@ -8,7 +8,7 @@ import pytest
 
 from hearth.cluster.autoscaler import Autoscaler
 from hearth.cluster.cluster_config import AutoscaleConfig
-from hearth.cluster.registry import WorkerRegistry
+from hearth.cluster.worker_registry import WorkerRegistry
 
 
 def make_autoscaler(low=1, high=4, target=2.0, up=10.0, down=60.0) -> Autoscaler:

@@ -232,10 +232,10 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 @pytest.mark.parametrize("module, above", [
-    ("hearth.server.launch", ("hearth.cli", "hearth.flags", "hearth.router")),
+    ("hearth.server.worker_launch", ("hearth.cli", "hearth.flags", "hearth.router")),
     ("hearth.server.core_main", ("hearth.cli", "hearth.flags", "hearth.router",
                                   "hearth.kv_transfer", "hearth.kv_tiers")),
-    ("hearth.router.launch", ("hearth.cli", "hearth.flags")),
+    ("hearth.router.router_launch", ("hearth.cli", "hearth.flags")),
     ("hearth.router.up", ("hearth.cli", "hearth.flags")),
 ])
 def test_launch_module_imports_alone_without_the_layers_above(module, above):
