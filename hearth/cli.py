@@ -58,7 +58,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         from hearth.cluster.commands import up_cluster
 
         return up_cluster(cluster_config(a), up_config(a), engine_config(a),
-                          up_worker_server_config(a), router_config(a))
+                          up_worker_server_config(a), router_config(a), serve_argv)
     from hearth.router.up import up
 
     return up(up_config(a), engine_config(a), up_worker_server_config(a), router_config(a),

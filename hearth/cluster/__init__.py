@@ -11,15 +11,8 @@ so `hearth up` without `--cluster` never loads Ray. The pieces:
     dead, scales to the registry's targets, drains before it stops a worker;
   * `autoscaler.py` — `Autoscaler`: a role's target from the router's open requests;
   * `commands.py` — `up_cluster` (what `hearth up --cluster` runs) and `scale`;
-  * `deployment.py` — the Python API: `hearth.cluster.deploy(...)` -> `Deployment` (the same
+  * `deployment.py` — the Python API behind `hearth.deploy(...)` -> `Deployment` (the same
     controller and router as `hearth up --cluster`, the router in a thread of the caller).
-See docs/deploy.md.
+Nothing here imports hearth/flags/ (the flags build this package's ClusterConfig): a worker's
+`hearth serve` flags come from the `serve_argv` its caller hands down. See docs/deploy.md.
 """
-
-
-def deploy(*args, **kwargs):
-    """The Python API: `hearth.cluster.deploy(model=..., prefill=, decode=, ...)` -> a running
-    `Deployment` (hearth/cluster/deployment.py has the arguments). Ray loads only now."""
-    from hearth.cluster.deployment import deploy as deploy_on_ray
-
-    return deploy_on_ray(*args, **kwargs)
