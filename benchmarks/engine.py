@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engine.py [--quick] [--dtype float32|bfloat16] [--new-tokens N]
 
-The same as `hearth bench` (the measuring code is hearth/bench/engine.py; the flags are
+The same as `hearth bench` (the measuring code is hearth/bench/engine_bench.py; the flags are
 hearth/flags/'s), writing benchmarks/results/engine.json and engine.png as well: cold start
 (process start to ready), prefill tokens/s on a ~2k-token prompt, and decode tokens/s at
 batch 1, 8 and 32, each beside transformers' and with the ratio. Decode throughput is (tokens

@@ -66,7 +66,7 @@ def qlinear_ms(threads: int) -> dict[str, float]:
 
 
 def decode_tok_s(variant: str, quantization: str, model: str) -> list[float]:
-    from hearth.bench.engine import hearth_decode, make_prompts
+    from hearth.bench.engine_bench import hearth_decode, make_prompts
     from hearth.engine.llm import LLM
 
     llm = LLM(model, cpu_kernels=variant, quantization=quantization, max_model_len=4096)

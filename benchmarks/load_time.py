@@ -59,9 +59,9 @@ HTTP_TRIAL = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from hearth.cli import build_parser, engine_config
-from hearth.server import launch
+from hearth.server import worker_launch
 t1 = time.perf_counter()
-from hearth.server.app import load_tokenizer
+from hearth.server.worker_app import load_tokenizer
 load_tokenizer(engine_config(build_parser().parse_args(["serve", "--model", sys.argv[1]])))
 t2 = time.perf_counter()
 print(json.dumps({"http: imports (FastAPI, uvicorn, hearth.server)": t1 - t0,

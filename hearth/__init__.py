@@ -1,6 +1,6 @@
 """hearth: LLM serving for AI agents.
 
-Offline use: `from hearth import LLM, SamplingParams`.
+Offline use: `from hearth import LLM, SamplingParams`. On a Ray cluster: `hearth.deploy(...)`.
 """
 
 from hearth.engine.sampling_params import SamplingParams
@@ -14,4 +14,15 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams"]
+def deploy(*args, **kwargs):
+    """A deployment on a running Ray cluster, its router served from this process:
+    `hearth.deploy(model=..., prefill=, decode=, address="auto", ...)` -> a running `Deployment`
+    (hearth/cluster/deployment.py has the arguments). Ray loads only now. The workers' `hearth
+    serve` flags come from hearth/flags/ (which hearth/cluster/ sits below), handed down here."""
+    from hearth.cluster.deployment import deploy as deploy_on_ray
+    from hearth.flags import serve_argv
+
+    return deploy_on_ray(*args, serve_argv=serve_argv, **kwargs)
+
+
+__all__ = ["LLM", "SamplingParams", "deploy"]

@@ -3,8 +3,8 @@
 The flags are declared and mapped onto configs in hearth/flags/ (the one module that reads
 flags and the environment they fall back to); this module is the console script's entry point
 (`hearth = "hearth.cli:main"`, also `python -m hearth.cli`): `main` parses, then hands the
-configs to the layer that runs them: `serve` (hearth/server/launch.py), `route`
-(hearth/router/launch.py), `up` (hearth/router/up.py, or with `--cluster` hearth/cluster/commands.py),
+configs to the layer that runs them: `serve` (hearth/server/worker_launch.py), `route`
+(hearth/router/router_launch.py), `up` (hearth/router/up.py, or with `--cluster` hearth/cluster/commands.py),
 `scale` (hearth/cluster/commands.py), the offline `LLM` or the engine
 benchmark. Under torchrun every rank but 0 serves the driver's steps instead (`_serve_rank`).
 `hearth up` starts its workers as `python -m hearth.cli serve ...` (`worker_command`).
@@ -35,7 +35,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # stack and builds the tokenizer: on two cores that overlap is ~1 s of a cold start.
     core = spawn_core(engine, server.log_level.upper())
     try:
-        from hearth.server.launch import serve
+        from hearth.server.worker_launch import serve
 
         return serve(engine, server, core)
     finally:
@@ -44,7 +44,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_route(a: argparse.Namespace) -> int:
-    from hearth.router.launch import route
+    from hearth.router.router_launch import route
 
     if not a.decode and not a.worker:
         raise ValueError("hearth route needs at least one --decode or --worker URL")
@@ -58,7 +58,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         from hearth.cluster.commands import up_cluster
 
         return up_cluster(cluster_config(a), up_config(a), engine_config(a),
-                          up_worker_server_config(a), router_config(a))
+                          up_worker_server_config(a), router_config(a), serve_argv)
     from hearth.router.up import up
 
     return up(up_config(a), engine_config(a), up_worker_server_config(a), router_config(a),
@@ -102,7 +102,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from hearth.bench.engine import format_table, plot, run_engine_bench
+    from hearth.bench.engine_bench import format_table, plot, run_engine_bench
 
     rows = run_engine_bench(
         a.model, a.dtype, prefill_len=512 if a.quick else a.prefill_tokens,

@@ -7,7 +7,7 @@ history renders as the text it was parsed from.
 
 from __future__ import annotations
 
-from hearth.server.tool_sections import SECTION_MARKUPS
+from hearth.server.tool_parsers import SECTION_MARKUPS
 
 # The formats' special tokens (DeepSeek's bars are U+FF5C, its spaces U+2581).
 MARKERS = {

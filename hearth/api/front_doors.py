@@ -3,7 +3,7 @@ API response, over a `ChatBackend` that runs the chat request.
 
     worker:  ChatBackend = parse the chat body, `serving_chat.chat_events` (engine + tool parser)
     router:  ChatBackend = the router's own chat pipeline (routing, PD hops, stitching), read
-             back with `ChatChunkReader` (hearth/router/front_doors.py)
+             back with `ChatChunkReader` (hearth/router/router_front_doors.py)
 
 So a front door never sees the engine, a tool parser, a grammar or a PD hop: both the worker and
 the router run exactly the code below, and a chat feature (a parser, a guided-decoding mode, a

@@ -1,6 +1,6 @@
 """A tool call as the APIs carry it: whole (`ToolCall`) or streamed (`ToolCallDelta`).
 
-The worker's tool parsers (hearth/server/tool_parsers.py) produce them; the chat chunks, the
+The worker's tool parsers (hearth/server/tool_parsers/) produce them; the chat chunks, the
 Responses and Messages writers and the router's chunk reader consume them.
 """
 

@@ -1,5 +1,5 @@
 """What a cluster deployment asks of Ray (hearth/cluster/). Frozen, built once from flags (or by
-`hearth.cluster.deploy`'s arguments)."""
+`hearth.deploy`'s arguments)."""
 
 from __future__ import annotations
 

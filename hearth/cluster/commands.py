@@ -12,7 +12,8 @@ targets; with `wait`, it returns once the controller reports them reached.
 
 `start` and `serve_router` are the two halves of `up_cluster` that the Python API shares
 (hearth/cluster/deployment.py: the same controller, the router in a thread; reached as
-`hearth.cluster.deploy(...)`). Nothing here imports Ray until a function runs.
+`hearth.deploy(...)`). Nothing here imports Ray until a function runs, nor hearth/flags/ ever:
+the caller hands down `serve_argv` (configs -> a worker's `hearth serve` flags).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hearth.server.server_config import ServerConfig
 
 if TYPE_CHECKING:
     from hearth.cluster.controller import Controller
+    from hearth.cluster.worker_actor import ServeArgv
 
 log = logging.getLogger("hearth.cluster")
 
@@ -46,8 +48,8 @@ def connect(cluster: ClusterConfig) -> None:
              logging_level=logging.WARNING, configure_logging=False)
 
 
-def start(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
-          server: ServerConfig) -> tuple[Controller, str]:
+def start(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig, server: ServerConfig,
+          serve_argv: ServeArgv) -> tuple[Controller, str]:
     """Connect, start the registry and the first workers and wait until they serve: the
     controller and the workers' API key (what the router sends them). What `up_cluster` and
     `deploy()` share; on any failure nothing of the deployment is left on the cluster."""
@@ -59,7 +61,8 @@ def start(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
     kv_secret = engine.kv_transfer.secret or secrets.token_hex(16)
     engine = replace(engine, kv_transfer=replace(engine.kv_transfer, secret=""))
     connect(cluster)
-    controller = Controller(cluster, engine, server, stack.worker_args, targets, stack.log_dir)
+    controller = Controller(cluster, engine, server, stack.worker_args, targets, serve_argv,
+                            stack.log_dir)
     try:
         controller.start({"worker_api_key": api_key, "kv_secret": kv_secret})
         controller.wait_ready(stack.startup_timeout_seconds)
@@ -72,15 +75,15 @@ def start(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
 def serve_router(controller: Controller, router: RouterConfig, worker_api_key: str) -> int:
     """The router, fed by discovery from the controller's registry, until it is stopped (0) or
     the controller gives up (1): route(), as `hearth route` and `hearth up` run it."""
-    from hearth.cluster.registry import RayRegistry
-    from hearth.router.launch import route
+    from hearth.cluster.worker_registry import RayRegistry
+    from hearth.router.router_launch import route
 
     return route(replace(router, worker_api_key=worker_api_key), controller,
                  registry=RayRegistry(controller.registry))
 
 
 def up_cluster(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
-               server: ServerConfig, router: RouterConfig) -> int:
+               server: ServerConfig, router: RouterConfig, serve_argv: ServeArgv) -> int:
     """0 on SIGINT/SIGTERM after serving, 1 if startup fails or the controller gives up."""
     try:
         import ray
@@ -90,7 +93,7 @@ def up_cluster(cluster: ClusterConfig, stack: UpConfig, engine: EngineConfig,
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # uvicorn installs its own later
     controller = None
     try:
-        controller, api_key = start(cluster, stack, engine, server)
+        controller, api_key = start(cluster, stack, engine, server, serve_argv)
         signal.signal(signal.SIGTERM, previous)
         return serve_router(controller, router, api_key)
     except (RuntimeError, ValueError, ConnectionError) as exc:

@@ -42,8 +42,8 @@ from urllib.parse import urlsplit
 
 from hearth.cluster.autoscaler import Autoscaler, open_requests_by_role
 from hearth.cluster.cluster_config import ClusterConfig
-from hearth.cluster.registry import ROLES, registry_actor
-from hearth.cluster.worker_actor import worker_actor_class
+from hearth.cluster.worker_registry import ROLES, registry_actor
+from hearth.cluster.worker_actor import ServeArgv, worker_actor_class
 from hearth.config import EngineConfig
 from hearth.server.server_config import ServerConfig
 
@@ -88,9 +88,10 @@ class Worker:
 
 class Controller:
     def __init__(self, cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig,
-                 worker_args: tuple[str, ...], targets: dict[str, int],
+                 worker_args: tuple[str, ...], targets: dict[str, int], serve_argv: ServeArgv,
                  log_dir: str | None = None) -> None:
         self.cluster, self.engine, self.server = cluster, engine, server
+        self.serve_argv = serve_argv  # configs -> `hearth serve` flags (hearth/flags/'s)
         self.log_dir = log_dir
         self.worker_args = worker_args
         self.initial_targets = targets
@@ -307,8 +308,9 @@ class Controller:
             name=f"{self.cluster.name}-{name}", namespace=self.cluster.namespace,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=0),
-        ).remote(name, role, engine, self.server, self.worker_args, self.cluster.registry_name,
-                 self.cluster.namespace, self.cluster.threads_per_worker, peers, self.log_dir)
+        ).remote(name, role, engine, self.server, self.worker_args, self.serve_argv,
+                 self.cluster.registry_name, self.cluster.namespace,
+                 self.cluster.threads_per_worker, peers, self.log_dir)
         worker = self.workers[name] = Worker(name, role, actor, group, time.monotonic(),
                                              peers=frozenset(peers))
         log.info("placing worker %s (%s, %d rank%s, %d x %s)", name, role, ranks,

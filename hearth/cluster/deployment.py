@@ -1,12 +1,14 @@
-"""The Python API of a cluster deployment: `hearth.cluster.deploy(...)` -> `Deployment`.
+"""The Python API of a cluster deployment: `hearth.deploy(...)` -> `Deployment`.
 
 The same deployment as `hearth up --cluster` (hearth/cluster/commands.py's `start` and
 `serve_router`: one controller, the router fed by discovery), run inside the caller's process:
 the router serves from a background thread and the call returns once it answers. Ray is
 imported only when `deploy` runs; if this call connected to Ray it also disconnects on
-`shutdown()` (a caller that had connected keeps its connection).
+`shutdown()` (a caller that had connected keeps its connection). `hearth.deploy` (the package's
+Python API, beside `hearth.LLM`) calls `deploy` here with hearth/flags/'s `serve_argv`, which
+this package may not import (it sits below the flags).
 
-    with hearth.cluster.deploy(model="smollm2-135m-instruct", decode=2) as d:
+    with hearth.deploy(model="smollm2-135m-instruct", decode=2) as d:
         openai.OpenAI(base_url=d.url + "/v1", api_key="none").chat.completions.create(...)
         d.scale(decode=3)
 """
@@ -20,6 +22,7 @@ import time
 from dataclasses import replace
 
 from hearth.cluster.cluster_config import AutoscaleConfig, ClusterConfig
+from hearth.cluster.worker_actor import ServeArgv
 from hearth.config import EngineConfig
 from hearth.router.router_config import RouterConfig, UpConfig
 from hearth.server.server_config import ServerConfig
@@ -118,7 +121,7 @@ def deploy(model: str | None = None, *, prefill: int = 1, decode: int = 1, worke
            autoscale_downscale_delay: float | None = None,
            engine: EngineConfig | None = None, server: ServerConfig | None = None,
            router: RouterConfig | None = None, cluster: ClusterConfig | None = None,
-           stack: UpConfig | None = None) -> Deployment:
+           stack: UpConfig | None = None, serve_argv: ServeArgv) -> Deployment:
     """Start a deployment on a running Ray cluster and serve its router from this process.
 
     The arguments are `hearth up --cluster`'s: `model` (else `engine`'s), the workers per role,
@@ -128,7 +131,8 @@ def deploy(model: str | None = None, *, prefill: int = 1, decode: int = 1, worke
     maps a role ("prefill", "decode", "both") to its (MIN, MAX) workers. `engine`, `server`,
     `router`, `cluster` and `stack` are the full configs, for anything else; the plain
     arguments override them. Raises RuntimeError (with nothing left on the cluster) if the
-    workers or the router do not come up within the startup timeout.
+    workers or the router do not come up within the startup timeout. `serve_argv` turns a
+    worker's configs into its `hearth serve` flags (`hearth.deploy` passes hearth/flags/'s).
     """
     from hearth.cluster.commands import start
 
@@ -152,7 +156,8 @@ def deploy(model: str | None = None, *, prefill: int = 1, decode: int = 1, worke
 
     owns_ray = not ray.is_initialized()
     try:
-        controller, worker_api_key = start(cluster, stack, engine, server or ServerConfig())
+        controller, worker_api_key = start(cluster, stack, engine, server or ServerConfig(),
+                                           serve_argv)
     except BaseException:
         if owns_ray and ray.is_initialized():
             ray.shutdown()

@@ -15,6 +15,10 @@ The controller creates one per worker, inside the worker's own placement group, 
     the controller killing it) the worker dies with it instead of serving on as an orphan
     nobody routes to.
 The actor reserves no CPU itself (num_cpus=0); its placement group holds the worker's resources.
+
+The `hearth serve` flags of a worker's configs come from `serve_argv`, which the caller hands
+down (hearth/flags/'s, by way of hearth/cli.py or `hearth.deploy`): the flag names live in
+hearth/flags/ alone, and this package never imports it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from hearth.config import EngineConfig, Role
 from hearth.api.readiness import NotReadyError, wait_ready
@@ -38,6 +43,10 @@ from hearth.server.server_config import ServerConfig
 log = logging.getLogger("hearth.cluster")
 
 PR_SET_PDEATHSIG = 1
+
+# The `hearth serve` flags that rebuild these configs (hearth/flags/'s serve_argv). Ray sends it
+# to the actor by reference: the function's module is imported on the worker's node.
+ServeArgv = Callable[[EngineConfig, ServerConfig], list[str]]
 
 
 def free_port(host: str) -> int:
@@ -48,10 +57,12 @@ def free_port(host: str) -> int:
 
 class WorkerProcess:
     def __init__(self, name: str, role: str, engine: EngineConfig, server: ServerConfig,
-                 worker_args: tuple[str, ...], registry_name: str, namespace: str,
-                 threads: int, peers: tuple[str, ...], log_dir: str | None = None) -> None:
+                 worker_args: tuple[str, ...], serve_argv: ServeArgv, registry_name: str,
+                 namespace: str, threads: int, peers: tuple[str, ...],
+                 log_dir: str | None = None) -> None:
         self.name, self.role = name, role
         self.engine, self.server, self.worker_args = engine, server, worker_args
+        self.serve_argv = serve_argv
         self.registry_name, self.namespace = registry_name, namespace
         self.threads, self.peers = threads, tuple(peers)
         self.log_dir = log_dir
@@ -68,13 +79,11 @@ class WorkerProcess:
         self._prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def _command(self, host: str, port: int) -> list[str]:
-        from hearth.flags import serve_argv
-
         kv = replace(self.engine.kv_transfer, role=Role.parse(self.role), secret="", host=host,
                      peers=(), peers_file=str(self.peers_path))
         engine = replace(self.engine, kv_transfer=kv)
         server = replace(self.server, host=host, port=port, api_key=None)
-        return [sys.executable, "-m", "hearth.cli", "serve", *serve_argv(engine, server),
+        return [sys.executable, "-m", "hearth.cli", "serve", *self.serve_argv(engine, server),
                 *self.worker_args]
 
     def _environment(self, secrets: dict[str, str]) -> dict[str, str]:

@@ -3,7 +3,7 @@
 Contract the engine relies on (and nothing more): `execute(StepCommand) -> SampleResult`
 (hearth/engine/step.py), `num_blocks`, `num_micro_batches`, `close()`. With T = P = 1 that is the in-process
 `ModelRunner` (no extra work on the single-process path); otherwise the driver of T x P rank
-processes (`hearth.engine.parallel.executor.ParallelExecutor`). Only the ModelRunner exposes
+processes (`hearth.engine.parallel.parallel_executor.ParallelExecutor`). Only the ModelRunner exposes
 `kv_cache`/`block_view` for KV transfer; the parallel executor raises a clear error there.
 
 `RankFailedError` (re-exported here) is fatal: the engine must not retry a step after it.
@@ -325,6 +325,6 @@ def make_executor(config: EngineConfig, checkpoint,
         raise ValueError(f"quantization and a KV cache dtype other than the model's are not yet "
                          f"supported with tensor/pipeline parallelism (quantization "
                          f"{formats.quantization}, kv_cache_dtype {config.cache.kv_cache_dtype})")
-    from hearth.engine.parallel.executor import ParallelExecutor
+    from hearth.engine.parallel.parallel_executor import ParallelExecutor
 
     return ParallelExecutor(config, checkpoint, num_blocks)

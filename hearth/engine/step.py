@@ -270,7 +270,7 @@ def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[i
 
 class Executor(Protocol):
     """What the engine needs of whatever runs its steps: `ModelRunner` (hearth/engine/runner.py,
-    the model in this process) or `ParallelExecutor` (hearth/engine/parallel/executor.py, the
+    the model in this process) or `ParallelExecutor` (hearth/engine/parallel/parallel_executor.py, the
     T x P rank set driven by messages). `make_executor` (executor.py) picks one."""
 
     num_blocks: int  # KV blocks each rank's cache holds (the engine's pool mirrors them)

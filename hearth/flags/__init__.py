@@ -3,8 +3,8 @@
 Every sub-command's flags are declared here and mapped onto frozen configs here and nowhere
 else: `engine_config` (hearth/config.py), `server_config` (hearth/server/server_config.py),
 `router_config` and `up_config` (hearth/router/router_config.py). The layers below take configs
-only: `serve(EngineConfig, ServerConfig)` (hearth/server/launch.py), `route(RouterConfig)`
-(hearth/router/launch.py) and `up(UpConfig, ...)` (hearth/router/up.py) parse nothing and never
+only: `serve(EngineConfig, ServerConfig)` (hearth/server/worker_launch.py), `route(RouterConfig)`
+(hearth/router/router_launch.py) and `up(UpConfig, ...)` (hearth/router/up.py) parse nothing and never
 import this module. The sub-commands themselves (what each one runs) are hearth/cli.py's.
 
 The package: `options.py` (the `Option` row and what reads rows), `serve.py` (`hearth serve`'s

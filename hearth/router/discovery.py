@@ -2,7 +2,7 @@
 
 A `Registry` (the protocol below) is anything that lists the workers that exist now, with a
 version that changes whenever the list does; hearth's cluster deployment implements it over a
-named Ray actor (hearth/cluster/registry.py), and tests over a plain object. The router runs a
+named Ray actor (hearth/cluster/worker_registry.py), and tests over a plain object. The router runs a
 `DiscoveryLoop` beside its health checks:
 
   * every `interval` seconds it reads the registry's version; when it changed it reads the

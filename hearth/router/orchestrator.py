@@ -31,7 +31,7 @@ from hearth.engine.kv.block_hash import hash_blocks
 from hearth.router.endpoints import EndpointPool, SessionTable, Ticket
 from hearth.router.health import ModelInfo
 from hearth.router.hops import HopError, Stream, WorkerRejected, open_stream, post_json
-from hearth.router.metrics import RouterMetrics
+from hearth.router.router_metrics import RouterMetrics
 from hearth.router.pd_fields import (PrefillDone, decode_body, finish_chunk, prefill_body,
                                      resume_body)
 from hearth.router.policy import Decision, NoEndpointError, RequestView, choose, choose_prefill

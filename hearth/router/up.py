@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from hearth.config import EngineConfig
-from hearth.router.launch import route
+from hearth.router.router_launch import route
 from hearth.router.router_config import RouterConfig, UpConfig
 from hearth.router.supervisor import Supervisor, WorkerSpec
 from hearth.api.readiness import NotReadyError, wait_ready

@@ -22,7 +22,7 @@ from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 from hearth.api.edge import CpuPool
 from hearth.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
-from hearth.server.metrics import ServerMetrics
+from hearth.server.worker_metrics import ServerMetrics
 from hearth.api.protocol import APIError, ResponseFormat, bad_request, model_not_found
 from hearth.api.chat_chunks import TokenTexts, Usage
 from hearth.server.server_config import ServerConfig

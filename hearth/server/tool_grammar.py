@@ -13,8 +13,8 @@ The call text the grammar allows is exactly what `tool_parsers` parses:
     llama3_json  {"name": "f", "parameters": {...}}
     kimi_k2, deepseek_v3, deepseek_v31
                  section_begin call... section_end, each call as its `SectionMarkup` writes it
-                 (tool_sections.py); a Kimi K2 call's index (`functions.f:N`) is the model's
-                 own numbering, up to 4 digits
+                 (tool_parsers/section_parser.py); a Kimi K2 call's index (`functions.f:N`)
+                 is the model's own numbering, up to 4 digits
 
 Under "auto", a section format triggers on the section's begin marker: the section then holds
 one call (any number with parallel_tool_calls) and its end marker; a call marker outside a
@@ -28,7 +28,7 @@ import json
 from hearth.engine.guided.json_schemas import bounded_strings_as_patterns
 from hearth.engine.sampling_params import GuidedSpec
 from hearth.api.protocol import NamedToolChoice, Tool, bad_request
-from hearth.server.tool_sections import SECTION_MARKUPS, SectionMarkup
+from hearth.server.tool_parsers import SECTION_MARKUPS, SectionMarkup
 
 ANY_OBJECT = {"type": "object"}
 CALL_INDEX_PATTERN = "(0|[1-9][0-9]{0,3})"

@@ -6,7 +6,7 @@ each with its own address (127.0.0.2-4), raylet and object store. One deployment
 starts it (a real process, the router on a real port): P=1, D=2, and one monolithic worker with
 TP=3 (its three ranks packed on one node; the default model's 9 heads / 3 KV heads allow T = 1
 or 3, and PD roles need T = 1). Each test sets the targets it needs with `hearth scale
---wait` first, so the tests pass in any order. The Python API (`hearth.cluster.deploy`) and
+--wait` first, so the tests pass in any order. The Python API (`hearth.deploy`) and
 the autoscaler get small deployments of their own, under other names, on the same cluster.
 """
 
@@ -336,10 +336,10 @@ def running(status: dict, role: str) -> int:
 
 
 def test_python_api_deploys_answers_scales_and_leaves_nothing(cluster):
-    import hearth.cluster
+    import hearth
 
-    with hearth.cluster.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
-                               name="api-test", worker_args=SERVE_FLAGS) as deployment:
+    with hearth.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
+                       name="api-test", worker_args=SERVE_FLAGS) as deployment:
         assert ray.is_initialized()  # deploy() connected this process ...
         reply = api_client(deployment).chat.completions.create(
             model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
@@ -385,16 +385,16 @@ def wait_for_status(deployment, ok, timeout: float) -> dict:
 
 
 def test_autoscaler_follows_load_up_and_drains_back(cluster):
-    import hearth.cluster
+    import hearth
 
     lines = Lines()
     logging.getLogger("hearth.cluster").addHandler(lines)
     try:
-        with hearth.cluster.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
-                                   name="autoscale-test", worker_args=SERVE_FLAGS,
-                                   autoscale={"decode": (1, 2)}, autoscale_target_requests=1,
-                                   autoscale_upscale_delay=1.0,
-                                   autoscale_downscale_delay=3.0) as deployment:
+        with hearth.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
+                           name="autoscale-test", worker_args=SERVE_FLAGS,
+                           autoscale={"decode": (1, 2)}, autoscale_target_requests=1,
+                           autoscale_upscale_delay=1.0,
+                           autoscale_downscale_delay=3.0) as deployment:
             with Load(lambda: api_client(deployment)) as load:  # 3 requests open, 1 wanted each
                 wait_for_status(deployment, lambda s: s["targets"]["decode"] == 2, 120)
                 wait_for_status(deployment, lambda s: running(s, "decode") == 2, 240)
@@ -465,7 +465,7 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
     two stages meet as a torchrun rank set would; its greedy tokens equal one process's; when
     the second stage's rank dies, the worker ends (its driver exits, not a server that only
     answers errors) and the controller replaces it."""
-    import hearth.cluster
+    import hearth
     from hearth.cluster.cluster_config import ClusterConfig
     from hearth.engine.llm import LLM, make_engine_config
     from hearth.engine.sampling_params import SamplingParams
@@ -476,10 +476,10 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
                                                       ignore_eos=True))[0]
     llm.engine.close()
     engine = make_engine_config(MODEL, pipeline_parallel_size=2)
-    with hearth.cluster.deploy(prefill=0, decode=0, workers=1, address=cluster.address,
-                               name="pp-test", engine=engine,
-                               cluster=ClusterConfig(stage_strategy="STRICT_SPREAD"),
-                               worker_args=SERVE_FLAGS) as deployment:
+    with hearth.deploy(prefill=0, decode=0, workers=1, address=cluster.address,
+                       name="pp-test", engine=engine,
+                       cluster=ClusterConfig(stage_strategy="STRICT_SPREAD"),
+                       worker_args=SERVE_FLAGS) as deployment:
         (worker,) = deployment.status()["workers"]
         assert len(worker["stage_nodes"]) == 2 and len(set(worker["stage_nodes"])) == 2, worker
         reply = api_client(deployment).completions.create(

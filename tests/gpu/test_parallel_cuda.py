@@ -56,7 +56,7 @@ def reference(model_path):
 
 
 def test_parallel_executor_single_rank_on_cuda(model_path, reference):
-    from hearth.engine.parallel.executor import ParallelExecutor
+    from hearth.engine.parallel.parallel_executor import ParallelExecutor
     from hearth.models.loader import load_checkpoint
 
     config: EngineConfig = make_engine_config(model_path, **SETTINGS)

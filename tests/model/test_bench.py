@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from hearth.bench.engine import BenchRow, format_table
+from hearth.bench.engine_bench import BenchRow, format_table
 from hearth.cli import main
 
 

@@ -93,8 +93,8 @@ def test_worker_http_side_builds_its_tokenizer_without_torch() -> None:
     script = (
         "import json, sys\n"
         "from hearth.cli import build_parser, engine_config\n"
-        "from hearth.server import launch\n"
-        "from hearth.server.app import load_tokenizer\n"
+        "from hearth.server import worker_launch\n"
+        "from hearth.server.worker_app import load_tokenizer\n"
         "tok = load_tokenizer(engine_config(build_parser().parse_args(['serve'])))\n"
         "print(json.dumps({'torch': 'torch' in sys.modules, 'eos': list(tok.eos_token_ids),\n"
         "                  'ids': tok.encode('hello world')}))\n"

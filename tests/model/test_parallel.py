@@ -91,7 +91,7 @@ def test_tiny_model_greedy_equals_single_process(tiny, reference, tp, pp, micro_
 def test_single_rank_parallel_executor_equals_model_runner(tiny, reference):
     # The T x P machinery with one rank (no peers): the path the one-GPU CUDA test runs.
     from hearth.engine.llm import make_engine_config
-    from hearth.engine.parallel.executor import ParallelExecutor
+    from hearth.engine.parallel.parallel_executor import ParallelExecutor
     from hearth.models.loader import load_checkpoint
 
     config = make_engine_config(tiny, **SETTINGS)

@@ -8,7 +8,7 @@ import pytest
 
 from hearth.cluster.autoscaler import Autoscaler
 from hearth.cluster.cluster_config import AutoscaleConfig
-from hearth.cluster.registry import WorkerRegistry
+from hearth.cluster.worker_registry import WorkerRegistry
 
 
 def make_autoscaler(low=1, high=4, target=2.0, up=10.0, down=60.0) -> Autoscaler:
@@ -94,7 +94,7 @@ def test_registry_decrement_is_one_call_and_stops_at_zero():
 def test_importing_hearth_cluster_does_not_import_ray():
     code = ("import sys, hearth, hearth.cluster, hearth.cluster.deployment;"
             "import hearth.cluster.controller, hearth.cluster.commands;"
-            "assert callable(hearth.cluster.deploy);"
+            "assert callable(hearth.deploy);"
             "print('ray' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

@@ -1,9 +1,9 @@
-"""The deployment registry's own rules (hearth/cluster/registry.py), without Ray."""
+"""The deployment registry's own rules (hearth/cluster/worker_registry.py), without Ray."""
 
 import pytest
 
 from hearth.cluster.cluster_config import ClusterConfig
-from hearth.cluster.registry import WorkerRegistry
+from hearth.cluster.worker_registry import WorkerRegistry
 
 
 def test_versions_change_with_every_change_and_only_then():

@@ -1,5 +1,6 @@
-"""One launch path: flags -> configs (hearth/flags.py) -> a worker's argv (`hearth up`) -> the same
-configs; and the launch modules below the CLI import nothing above their layer. No model."""
+"""One launch path: flags -> configs (hearth/flags/) -> a worker's argv (`hearth up`) -> the same
+configs; the launch modules below the CLI import nothing above their layer; and the module graph
+stays legible: no import circle, no basename twice, the cluster below the flags. No model."""
 
 from __future__ import annotations
 
@@ -198,10 +199,10 @@ def test_every_flag_a_command_had_is_still_there(command, capsys):
 
 # ---- layers -----------------------------------------------------------------------------------
 
-# DESIGN.md's import order, lowest first (bench, the load generator, sits beside the CLI)
-# (cluster is not ranked: it derives worker argv through flags, and flags builds its ClusterConfig)
+# DESIGN.md's import order, lowest first (bench, the load generator, sits beside the CLI; cluster
+# sits below flags, which builds its ClusterConfig and hands it `serve_argv`)
 LAYERS = ["config", "ops", "models", "engine", "kv_transfer", "kv_tiers", "api", "server", "router",
-          "bench", "flags", "cli"]
+          "cluster", "bench", "flags", "cli"]
 
 
 def layer_of(module: str) -> str | None:
@@ -231,11 +232,106 @@ def test_no_module_imports_a_layer_above_its_own():
     assert [line for p in sorted(paths) for line in upward_imports(p)] == []
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(HEARTH.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in HEARTH.rglob("*.py")}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The hearth modules `path` imports, at any depth (a function-level import hides a circle,
+    it does not remove one) but outside `if TYPE_CHECKING:` (never run). `from p import x`
+    names the module p.x when x is one, else p; a parent package's own run is not counted."""
+    module = module_name(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package `level` - 1 steps up
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                         for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {name for name in found if name in MODULES and name != module}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_the_circle_finder_finds_a_circle_and_only_one():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_hearth_modules():
+    graph = {module: imported_modules(path) for module, path in MODULES.items()}
+    assert graph["hearth.server.serving_chat"] >= {"hearth.server.tool_parsers"}  # it sees edges
+    assert import_circles(graph) == []
+
+
+def test_no_module_basename_twice():
+    """A module is named after what it holds: two different things never share a file name
+    (a package's __init__.py aside), so a name says its room without its folder."""
+    folders: dict[str, list[str]] = {}
+    for path in sorted(HEARTH.rglob("*.py")):
+        if path.name != "__init__.py":
+            folders.setdefault(path.name, []).append(str(path.parent.relative_to(HEARTH.parent)))
+    assert {name: where for name, where in folders.items() if len(where) > 1} == {}
+
+
+def test_the_cluster_never_imports_the_flags():
+    """hearth/flags/ builds the cluster's ClusterConfig and hands it `serve_argv`; an arrow back
+    (at any depth, __init__.py included) would make the two one knot."""
+    cluster = [p for p in MODULES.values() if p.is_relative_to(HEARTH / "cluster")]
+    assert len(cluster) > 5
+    assert {module_name(p): sorted(m for m in imported_modules(p) if m.startswith("hearth.flags"))
+            for p in cluster} == {module_name(p): [] for p in cluster}
+
+
 @pytest.mark.parametrize("module, above", [
-    ("hearth.server.launch", ("hearth.cli", "hearth.flags", "hearth.router")),
+    ("hearth.server.worker_launch", ("hearth.cli", "hearth.flags", "hearth.router")),
     ("hearth.server.core_main", ("hearth.cli", "hearth.flags", "hearth.router",
                                   "hearth.kv_transfer", "hearth.kv_tiers")),
-    ("hearth.router.launch", ("hearth.cli", "hearth.flags")),
+    ("hearth.router.router_launch", ("hearth.cli", "hearth.flags")),
     ("hearth.router.up", ("hearth.cli", "hearth.flags")),
 ])
 def test_launch_module_imports_alone_without_the_layers_above(module, above):
@@ -243,3 +339,22 @@ def test_launch_module_imports_alone_without_the_layers_above(module, above):
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=120).stdout.split()
     assert [m for m in loaded if m.split(".")[0] == "torch" or m.startswith(above)] == []
+
+
+def test_a_cluster_worker_gets_its_flags_from_the_serve_argv_handed_down(tmp_path):
+    """What `hearth up --cluster` hands the worker actor (hearth/flags/'s serve_argv) rebuilds
+    the worker's configs on its node: its role and address, the peers file, no secret. No Ray."""
+    from hearth.cluster.worker_actor import WorkerProcess
+
+    engine, server = configs(["--kv-secret", "kv-s3cret", "--max-num-seqs", "5"])
+    actor = WorkerProcess("decode-0", "decode", engine, server, ("--seed", "7"),
+                          hearth_flags.serve_argv, "registry", "hearth", 0, ())
+    actor.peers_path = tmp_path / "w.peers"
+    command = actor._command("10.0.0.2", 8123)
+    assert command[:4] == [sys.executable, "-m", "hearth.cli", "serve"]
+    assert command[-2:] == ["--seed", "7"] and not [a for a in command if "s3cret" in a]
+    worker_engine, worker_server = configs(command[4:-2])
+    assert (worker_server.host, worker_server.port, worker_server.api_key) == ("10.0.0.2", 8123, None)
+    assert worker_engine.kv_transfer.role.value == "decode"
+    assert worker_engine.kv_transfer.peers_file == str(tmp_path / "w.peers")
+    assert worker_engine.scheduler.max_num_seqs == 5

@@ -55,7 +55,7 @@ def test_parallel_shapes_of_moe_models():
 
 
 def test_expert_imbalance_is_the_worst_layers_busiest_expert_over_its_mean():
-    from hearth.bench.engine import expert_imbalance
+    from hearth.bench.engine_bench import expert_imbalance
 
     assert expert_imbalance({0: [4, 4, 4, 4]}) == 1.0
     assert expert_imbalance({0: [4, 4, 4, 4], 5: [10, 2, 2, 2]}) == 2.5

@@ -24,7 +24,7 @@ from hearth.server.tool_parsers import (
     make_tool_parser,
     tool_parser_for_template,
 )
-from hearth.server.tool_sections import SECTION_MARKUPS
+from hearth.server.tool_parsers import SECTION_MARKUPS
 from tests.tool_markup import MARKERS, chat_template
 from tests.unit.test_guided import SmallTokenizer
 from tests.unit.test_tool_parsers import check_stream_shape, make_ids, run, split_every, split_random

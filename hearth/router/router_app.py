@@ -6,10 +6,10 @@ Routes (auth with --api-key on all but /health and /metrics):
     GET  /v1/models/{id}      one of them; an unknown id (or `model`) is a 404 model_not_found
     POST /v1/chat/completions, /v1/completions    routed, PD-orchestrated, stitched
     POST /v1/responses, /v1/messages              translated into chat at the edge, then the same
-    GET  /v1/responses/{id}; POST /v1/messages/count_tokens   (hearth/router/front_doors.py)
+    GET  /v1/responses/{id}; POST /v1/messages/count_tokens   (hearth/router/router_front_doors.py)
     POST /tokenize, /detokenize                   forwarded to a healthy worker
     GET  /load                the router's view: endpoints, estimated loads, cache views
-    GET  /metrics             Prometheus text (hearth/router/metrics.py)
+    GET  /metrics             Prometheus text (hearth/router/router_metrics.py)
 
 Errors have the OpenAI shape; a worker's own 4xx about a request reaches the client unchanged.
 """
@@ -30,10 +30,10 @@ from starlette.background import BackgroundTask
 
 from hearth.router.discovery import DiscoveryLoop, Registry
 from hearth.router.endpoints import EndpointPool, SessionTable
-from hearth.router.front_doors import front_door_routes
+from hearth.router.router_front_doors import front_door_routes
 from hearth.router.health import HealthChecker, ModelInfo
 from hearth.router.hops import HopError, WorkerRejected, forward_headers, post_json
-from hearth.router.metrics import CONTENT_TYPE, RouterMetrics
+from hearth.router.router_metrics import CONTENT_TYPE, RouterMetrics
 from hearth.router.orchestrator import Job, Orchestrator
 from hearth.router.policy import NoEndpointError
 from hearth.router.prompts import PromptTokens

@@ -1,6 +1,6 @@
 """The Responses and Messages front doors on a worker: the shared doors (hearth/api/front_doors.py)
 over a `ChatBackend` that parses the chat body and runs `serving_chat.chat_events` (engine + tool
-parser). The router's backend is hearth/router/front_doors.py.
+parser). The router's backend is hearth/router/router_front_doors.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _count_tokens(state: ServerState, body: TokenizeRequest) -> int:
 
 def front_door_routes(worker: Any) -> APIRouter:
     """POST /v1/responses, GET /v1/responses/{id}, POST /v1/messages, /v1/messages/count_tokens
-    on a worker (`worker`: hearth.server.app.Worker)."""
+    on a worker (`worker`: hearth.server.worker_app.Worker)."""
     router = APIRouter()
     limit = worker.config.max_body_bytes
 

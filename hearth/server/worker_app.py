@@ -9,7 +9,7 @@ Routes (auth with --api-key on all but /health and /metrics):
     GET  /v1/models           the served model, under each of its names (--served-model-name A B)
     GET  /v1/models/{id}      one of them; an unknown id is OpenAI's 404 model_not_found
     POST /v1/chat/completions, /v1/completions
-    POST /v1/responses, GET /v1/responses/{id}        (hearth/server/front_doors.py)
+    POST /v1/responses, GET /v1/responses/{id}        (hearth/server/worker_front_doors.py)
     POST /v1/messages, /v1/messages/count_tokens      (Anthropic-shaped errors)
     POST /tokenize, /detokenize
     GET  /load                JSON load report (?check_pool=1 adds kv_pool_is_whole)
@@ -33,9 +33,9 @@ from hearth.api.chat_prompt import render_chat_prompt
 from hearth.api.edge import SSE_HEADERS, CpuPool, check_api_key, longest_token_chars, read_json
 from hearth.server.engine_client import CoreProcess, EngineClient, EngineDeadError
 from hearth.api.errors import install_error_handlers
-from hearth.server.front_doors import front_door_routes
+from hearth.server.worker_front_doors import front_door_routes
 from hearth.api.load_report import BlockEvents, LoadReport, TierEvents, encode_load_report
-from hearth.server.metrics import CONTENT_TYPE, ServerMetrics
+from hearth.server.worker_metrics import CONTENT_TYPE, ServerMetrics
 from hearth.api.middleware import install_edge_middleware
 from hearth.api.protocol import (
     APIError,

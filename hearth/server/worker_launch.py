@@ -13,7 +13,7 @@ import uvicorn
 from hearth.api.edge import bound_heap, uvicorn_config
 from hearth.config import EngineConfig
 from hearth.logs import setup_logging
-from hearth.server.app import build_app
+from hearth.server.worker_app import build_app
 from hearth.server.engine_client import CoreProcess
 from hearth.server.server_config import ServerConfig
 

@@ -1,7 +1,7 @@
 """The Responses and Messages APIs on the router: translated at the router's edge.
 
 A request on /v1/responses or /v1/messages becomes the internal chat request
-(hearth/server/front_doors.py) and runs through the router's own chat pipeline: tokenized for the
+(hearth/server/worker_front_doors.py) and runs through the router's own chat pipeline: tokenized for the
 cache view, routed by the same cache-aware policy, PD-orchestrated (prefill hop + decode hop),
 stitched, retried. Its stitched Chat Completions stream is read back into ChatEvents and written
 in the client's API by the same writers a worker uses.
@@ -28,7 +28,7 @@ from hearth.api.front_doors import (ChatBackend, count_message_tokens, create_me
 
 
 def router_backend(router: Any, request: Request) -> ChatBackend:
-    """`router`: hearth.router.app.Router. Always a streamed chat request inside: one path for
+    """`router`: hearth.router.router_app.Router. Always a streamed chat request inside: one path for
     both modes, and usage (with cached tokens) arrives in the stream's last chunk."""
     async def run(body: dict[str, Any]) -> ChatEvents:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}

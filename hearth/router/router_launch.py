@@ -30,7 +30,7 @@ def route(config: RouterConfig, supervisor=None, registry=None) -> int:
     import uvicorn
 
     from hearth.api.edge import bound_heap, uvicorn_config
-    from hearth.router.app import build_app
+    from hearth.router.router_app import build_app
 
     setup_logging(config.log_level)
     bound_heap()

@@ -1,19 +1,9 @@
-"""Tool-call formats whose calls sit in a section of marker tokens: Kimi K2, DeepSeek V3 / V3.1.
+"""The parser of tool-call formats whose calls sit in a section of marker tokens. A format
+(kimi_k2_parser.py, deepseek_parser.py) is one `SectionMarkup` and a `SectionToolParser` subclass
+naming it; the markup is both what the parser reads and what the grammar (tool_grammar.py)
+writes.
 
-    kimi_k2       text <|tool_calls_section_begin|>
-                  <|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>
-                  ... <|tool_calls_section_end|>
-    deepseek_v3   text <｜tool▁calls▁begin｜>
-                  <｜tool▁call▁begin｜>function<｜tool▁sep｜>f\\n```json\\n{...}\\n```
-                  <｜tool▁call▁end｜> ... <｜tool▁calls▁end｜>
-    deepseek_v31  text <｜tool▁calls▁begin｜>
-                  <｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜> ... <｜tool▁calls▁end｜>
-
-(Shown on several lines: the markers follow each other with nothing between them. DeepSeek's bars
-are fullwidth U+FF5C and its spaces U+2581.) One `SectionMarkup` per format is
-both what `SectionToolParser` reads and what the grammar (tool_grammar.py) writes. A Kimi K2
-call's header `functions.f:N` is also its id, as the model's template writes it back in history;
-DeepSeek calls get a random id.
+    text SECTION_BEGIN CALL_BEGIN header HEADER_END arguments CALL_END ... SECTION_END
 
 The parser keeps `ToolParser`'s invariant (the result depends only on the text, never on how it
 was split): it moves through text -> section -> header -> arguments -> section ... and decides
@@ -30,8 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hearth.api.tool_calls import random_call_id
-from hearth.server.tool_call_scanner import CallScanner
-from hearth.server.tool_parsers import Event, ToolParser, _CallEmitter, _partial_suffix
+from hearth.server.tool_parsers.call_scanner import CallScanner
+from hearth.server.tool_parsers.parser_base import CallEmitter, Event, ToolParser, partial_suffix
 
 
 @dataclass(frozen=True)
@@ -87,40 +77,17 @@ class SectionMarkup:
         return (name or None), (call_id if name else None)
 
 
-KIMI_K2 = SectionMarkup(
-    section_begin="<|tool_calls_section_begin|>", section_end="<|tool_calls_section_end|>",
-    call_begin="<|tool_call_begin|>", header_end="<|tool_call_argument_begin|>",
-    call_end="<|tool_call_end|>", separator="<|tool_call_argument_begin|>",
-    name_prefix="functions.", name_suffix=":", numbered=True,
-    other_section_begin="<|tool_call_section_begin|>", other_section_end="<|tool_call_section_end|>",
-)
-_DEEPSEEK = dict(section_begin="<｜tool▁calls▁begin｜>", section_end="<｜tool▁calls▁end｜>",
-                 call_begin="<｜tool▁call▁begin｜>", call_end="<｜tool▁call▁end｜>",
-                 separator="<｜tool▁sep｜>")
-DEEPSEEK_V3 = SectionMarkup(**_DEEPSEEK, name_prefix="function<｜tool▁sep｜>", name_suffix="\n",
-                            header_end="```json", args_prefix="\n", args_suffix="\n```")
-DEEPSEEK_V31 = SectionMarkup(**_DEEPSEEK, header_end="<｜tool▁sep｜>")
-
-SECTION_MARKUPS = {"kimi_k2": KIMI_K2, "deepseek_v3": DEEPSEEK_V3, "deepseek_v31": DEEPSEEK_V31}
-
-
-def section_format_of_template(chat_template: str) -> str | None:
-    """The section format a chat template writes, if any (DeepSeek V3 fences its arguments)."""
-    if KIMI_K2.section_begin in chat_template or KIMI_K2.call_begin in chat_template:
-        return "kimi_k2"
-    if DEEPSEEK_V3.call_begin in chat_template:
-        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
-    return None
-
-
 class SectionToolParser(ToolParser):
-    def __init__(self, markup: SectionMarkup,
-                 make_call_id: Callable[[], str] = random_call_id) -> None:
+    """A section format's parser: a subclass sets `markup`."""
+
+    markup: SectionMarkup
+    special_tokens = True  # the markers are special tokens of the models' vocabularies
+
+    def __init__(self, make_call_id: Callable[[], str] = random_call_id) -> None:
         super().__init__(make_call_id)
-        self.markup = markup
         self._mode = "text"  # text | section | header | arguments
         self._header = ""
-        self._call: _CallEmitter | None = None
+        self._call: CallEmitter | None = None
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -261,4 +228,4 @@ def _first_marker(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]
 
 def _held_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that could still become one of `markers`."""
-    return max(_partial_suffix(text, marker) for marker in markers)
+    return max(partial_suffix(text, marker) for marker in markers)
