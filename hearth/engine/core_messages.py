@@ -10,6 +10,10 @@ Flow:
     server -> core   StartEngine, then any of AddRequest, AbortRequests, QueryLoad, Shutdown
     core -> server   EngineReady | EngineFailed, then AddResult (one per AddRequest),
                      StepOutputs (one per engine step that produced outputs), LoadReply
+
+A core whose loop fails sends one last StepOutputs ending every open request with the error,
+half-closes its socket and exits (hearth/engine/core_process.py); the server fails anything
+else still open when the socket closes.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ class EngineCore:
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """One step failed: its requests in flight end with the error and are aborted, and one
         more step drains the aborts (their outputs are superseded by the errors). An exception
-        here escapes to serve(): the engine cannot even abort, so the core is done."""
+        here (an abort, or the draining step failing as well) escapes to serve(): the fault is
+        not one step's, so the core is done."""
         log.exception("engine step failed; ending the %d requests in flight",
                       len(self.live_request_ids))
         error = f"{type(exc).__name__}: {exc}"

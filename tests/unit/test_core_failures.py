@@ -15,12 +15,14 @@ import socket
 import subprocess
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from hearth.config import EngineConfig
 from hearth.engine.core_messages import BlockingChannel, ToCore
-from hearth.engine.core_process import EngineCore, serve_engine
+from hearth.engine import core_process
+from hearth.engine.core_process import serve_engine
 from hearth.engine.request import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
 from hearth.server.engine_client import CoreProcess, EngineClient, EngineDeadError
@@ -121,7 +123,6 @@ class CoreThread:
         self.core_sock = core_sock
         self.channel = BlockingChannel(core_sock, ToCore)
         self.returncode: int | None = None
-        self.cores: list[EngineCore] = []
         self._engine = engine
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -143,6 +144,10 @@ class CoreThread:
 
     def kill(self) -> None:
         self.core_sock.shutdown(socket.SHUT_RDWR)
+
+
+def failing_select(*args):
+    raise OSError(errno.EBADF, "injected fault in select")
 
 
 def inject_send_failure(core: CoreThread) -> None:
@@ -168,7 +173,8 @@ STAGES = {
     "abort": ("abort_request", "abort", 4, "injected fault"),
     "load query: pool check": ("kv_pool_is_whole", "load", 4, "injected fault"),
     "load query: KV tier events": ("tier_block_events_since", "load", 4, "injected fault"),
-    "idle wait / work check": ("has_unfinished", None, 4, "injected fault"),
+    "wait for messages: select": (None, "select", 4, "injected fault"),
+    "work check": ("has_unfinished", None, 4, "injected fault"),
     "rank set check: a bug": ("fatal_error", None, 4, "injected fault"),
     "rank set check: a lost rank": ("rank_lost", None, 3, "RankFailedError: rank 1"),
     "step, and its recovery step too": ("step_and_recovery", None, 4, "injected fault in step 2"),
@@ -193,7 +199,7 @@ async def next_final(queue: asyncio.Queue) -> RequestOutput:
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-async def test_a_fault_at_any_stage_ends_every_open_request_and_the_core(stage):
+async def test_a_fault_at_any_stage_ends_every_open_request_and_the_core(stage, monkeypatch):
     fault, trigger, exit_code, error = STAGES[stage]
     engine = FaultyEngine()
     engine.fault = fault
@@ -225,6 +231,8 @@ async def test_a_fault_at_any_stage_ends_every_open_request_and_the_core(stage):
             load = asyncio.ensure_future(client.load(check_pool=True, events_since=0))
         elif trigger == "send":
             inject_send_failure(core)
+        elif trigger == "select":
+            monkeypatch.setattr(core_process, "select", SimpleNamespace(select=failing_select))
 
         finals = {rid: await next_final(queue) for rid, queue in queues.items()}
         assert {o.finish_reason for o in finals.values()} == {"error"}, finals
@@ -234,8 +242,8 @@ async def test_a_fault_at_any_stage_ends_every_open_request_and_the_core(stage):
         if load is not None:
             with pytest.raises(EngineDeadError):
                 await asyncio.wait_for(load, PROMPT_WAIT_S)
-        assert core.wait(PROMPT_WAIT_S) == exit_code
-        await asyncio.wait_for(client._read_task, PROMPT_WAIT_S)
+        await asyncio.wait_for(client._read_task, PROMPT_WAIT_S)  # the socket closed
+        assert await asyncio.to_thread(core.wait, PROMPT_WAIT_S) == exit_code
         assert client.failure and deaths == [client.failure] and not client.is_ready
         assert client.num_requests == 0 and not client._queries
         with pytest.raises(EngineDeadError):
