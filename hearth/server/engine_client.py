@@ -263,7 +263,8 @@ class EngineClient:
             log.exception("engine channel failed")
             reason = f"engine channel failed: {exc}"
         if self._writer is not None:
-            self._writer.close()  # a core still running reads EOF and exits
+            self._writer.close()  # the core reads EOF: a failed one exits without waiting for
+            # us to read its last words (it half-closed first), a running one exits too
         code = self._process.poll() if self._process else None
         self._mark_dead(reason if code is None else f"{reason}, exit code {code}")
 
