@@ -10,13 +10,19 @@ Flow:
     server -> core   StartEngine, then any of AddRequest, AbortRequests, QueryLoad, Shutdown
     core -> server   EngineReady | EngineFailed, then AddResult (one per AddRequest),
                      StepOutputs (one per engine step that produced outputs), LoadReply
+
+A core whose loop fails sends one last StepOutputs ending every open request with the error,
+half-closes its socket and exits (hearth/engine/core_process.py); the server fails anything
+else still open when the socket closes.
 """
 
 from __future__ import annotations
 
 import enum
+import select
 import socket
 import struct
+import time
 from typing import Union
 
 import msgspec
@@ -141,27 +147,64 @@ class FrameCodec:
 HEADER_BYTES = _HEADER.size
 
 
+class ChannelClosed(ConnectionError):
+    """The peer closed the socket (or reset it): the other process has gone."""
+
+
 class BlockingChannel:
-    """Frames over a blocking socket (the core process side)."""
+    """Frames over a blocking socket (the core process side).
+
+    A frame is encoded whole before any byte is sent, so an encode error leaves the channel
+    usable; a send that fails part-way leaves it broken, and every later send raises at once
+    (a half-written frame must never be followed by another)."""
 
     def __init__(self, sock: socket.socket, incoming: type) -> None:
         self._sock = sock
         self._codec = FrameCodec(incoming)
+        self._broken = False
 
     def send(self, message: msgspec.Struct) -> None:
-        self._sock.sendall(self._codec.encode(message))
+        frame = self._codec.encode(message)
+        if self._broken:
+            raise OSError("the engine socket broke during an earlier send")
+        try:
+            self._sock.sendall(frame)
+        except ConnectionError as exc:
+            self._broken = True
+            raise ChannelClosed(f"peer closed the engine socket ({exc})") from exc
+        except OSError:
+            self._broken = True
+            raise
+
+    def finish(self, timeout: float) -> None:
+        """Half-close (the peer reads EOF after the frames already sent), then discard what the
+        peer still sends until it closes its end, or for `timeout` seconds. Closing a socket
+        with unread bytes in it resets the connection, and a reset can make the peer drop frames
+        it has received but not read yet: the last words of a failing core."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+            while (remaining := deadline - time.monotonic()) > 0:
+                readable, _, _ = select.select([self._sock], [], [], remaining)
+                if readable and not self._sock.recv(1 << 16):
+                    return
+        except OSError:
+            return  # the peer is gone already
 
     def recv(self):
-        """The next message; raises EOFError when the peer closed the socket."""
+        """The next message; raises ChannelClosed when the peer closed the socket."""
         length = self._codec.body_length(self._recv_exact(HEADER_BYTES))
         return self._codec.decode_body(self._recv_exact(length))
 
     def _recv_exact(self, num_bytes: int) -> bytes:
         chunks, remaining = [], num_bytes
         while remaining:
-            chunk = self._sock.recv(min(remaining, 1 << 20))
+            try:
+                chunk = self._sock.recv(min(remaining, 1 << 20))
+            except ConnectionError as exc:
+                raise ChannelClosed(f"peer closed the engine socket ({exc})") from exc
             if not chunk:
-                raise EOFError("peer closed the engine socket")
+                raise ChannelClosed("peer closed the engine socket")
             chunks.append(chunk)
             remaining -= len(chunk)
         return b"".join(chunks)

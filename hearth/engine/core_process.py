@@ -8,13 +8,23 @@ model and answers EngineReady (or EngineFailed and exits).
 Loop invariant: between two engine steps every command that has arrived is applied, so an abort
 or a new request waits at most one step; with no work the loop blocks on the socket (no spin;
 it wakes once a second to look for a lost rank).
-An exception that escapes `engine.step()` (the engine isolates per-request failures itself) ends
-the requests in flight with an error and the loop goes on: one bad request never takes the
-process down. The one exception is a lost rank (`RankFailedError`: a tensor/pipeline-parallel
-rank died or stopped answering): the rank set cannot step again, so the requests in flight end
-with the error and the process exits (code 3); the server then stops too, and a supervisor
-(`hearth up`, a cluster controller) replaces the worker. The process also exits when the server
-closes the socket or sends Shutdown.
+
+Failures (the server never waits on a request the core has stopped serving):
+- A request the engine refuses or fails to add gets its AddResult with the reason; nothing else.
+- An exception that escapes `engine.step()` (the engine isolates per-request failures itself)
+  ends the requests in flight with an error, aborts them (their blocks return to the pool) and
+  runs one more step to drain the aborts; the loop goes on: one bad step never takes the process
+  down. When that recovery fails too, the fault is not one step's: it is fatal, as below.
+- Any other exception in the loop (decoding a message, applying a command, the idle wait,
+  answering deferred requests, building, encoding or sending a step's outputs, the stats and
+  the KV hooks a load query runs) is fatal: every open request ends with an error output (a
+  request still waiting for its AddResult is accepted first, so its waiter reads the error),
+  the engine aborts them where it still can, the traceback is logged, and the process exits
+  with code 4. A lost rank (`RankFailedError`: a tensor/pipeline-parallel rank died or stopped
+  answering) ends the open requests the same way without touching the engine and exits with
+  code 3. The server then stops too (hearth/server/engine_client.py fails whatever is left when
+  the socket closes), and a supervisor (`hearth up`, a cluster controller) replaces the worker.
+- The process exits with code 0 when the server closes the socket or sends Shutdown.
 
 A guided request whose grammar is still compiling gets its AddResult only when the compile ends
 (the engine's `admissions`): a bad or too-slow grammar is then a rejection (a 400), and the
@@ -27,13 +37,14 @@ import logging
 import select
 import socket
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from hearth.engine.core_messages import (
     AbortRequests,
     AddRequest,
     AddResult,
     BlockingChannel,
+    ChannelClosed,
     EngineFailed,
     EngineReady,
     LoadReply,
@@ -45,6 +56,7 @@ from hearth.engine.core_messages import (
 )
 from hearth.engine.refusals import Rejection
 from hearth.engine.request import RequestOutput
+from hearth.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from hearth.config import EngineConfig
@@ -56,6 +68,8 @@ IDLE_WAKE_SECONDS = 1.0  # an idle core looks at its rank set this often
 # Step outputs carry the per-expert token counts (MoE metrics) at most this often, and whenever
 # a request ends (so the totals are exact once a request is answered).
 EXPERT_LOAD_PERIOD_S = 1.0
+# A failed core waits this long at most for the server to read its last outputs and close.
+LAST_WORDS_SECONDS = 5.0
 
 
 class EngineCore:
@@ -115,10 +129,8 @@ class EngineCore:
             outputs = self.engine.step()
         except Exception as exc:
             if _rank_set_lost(exc):
-                self._end_all(exc)  # raises RankSetLost: this process exits
-            log.exception("engine step failed; ending the %d requests in flight",
-                          len(self.live_request_ids))
-            outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
+                raise  # serve() ends every request and exits
+            outputs = self._recover(exc)
         outputs = self._answer_deferred(outputs)
         ended = False
         for output in outputs:
@@ -132,18 +144,20 @@ class EngineCore:
                 self._experts_sent = now
             self.channel.send(StepOutputs(outputs, self.engine.stats(expert_load=experts)))
 
-    def _end_all(self, exc: Exception) -> None:
-        """The rank set is lost: every request in flight ends with the error, then RankSetLost
-        (no abort or step: the ranks cannot run one)."""
-        log.error("rank set lost; ending the %d requests in flight and exiting: %s",
-                  len(self.live_request_ids), exc)
-        failed = [RequestOutput(rid, [], "", finished=True, finish_reason="error",
-                                error=f"{type(exc).__name__}: {exc}")
-                  for rid in sorted(self.live_request_ids)]
-        self.live_request_ids.clear()
-        if failed:
-            self.channel.send(StepOutputs(failed, self.engine.stats()))
-        raise RankSetLost(str(exc)) from exc
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """One step failed: its requests in flight end with the error and are aborted, and one
+        more step drains the aborts (their outputs are superseded by the errors). An exception
+        here (an abort, or the draining step failing as well) escapes to serve(): the fault is
+        not one step's, so the core is done."""
+        log.exception("engine step failed; ending the %d requests in flight",
+                      len(self.live_request_ids))
+        error = f"{type(exc).__name__}: {exc}"
+        failed = [RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                error=error) for request_id in sorted(self.live_request_ids)]
+        for output in failed:
+            self.engine.abort_request(output.request_id)
+        self.engine.step()
+        return failed
 
     def _answer_deferred(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Send the deferred AddResults of requests whose grammar wait ended (a rejection
@@ -162,22 +176,19 @@ class EngineCore:
                 self.channel.send(AddResult(output.request_id))
         return outputs
 
-    def _fail_all(self, error: str) -> list[RequestOutput]:
-        failed = []
-        for request_id in sorted(self.live_request_ids):
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort of %s failed", request_id)
-            failed.append(RequestOutput(request_id, [], "", finished=True,
-                                        finish_reason="error", error=error))
-        try:  # drain the aborts so their blocks are freed; their outputs are superseded
-            self.engine.step()
-        except Exception:
-            log.exception("engine step after a failure failed too")
-        return failed
-
     def serve(self) -> None:
+        """Run until Shutdown; raises ChannelClosed when the server has gone, and CoreFailed
+        (after ending every open request) when the loop itself failed (see the module doc)."""
+        try:
+            self._loop()
+        except (ChannelClosed, CoreFailed):
+            raise
+        except Exception as exc:
+            if _rank_set_lost(exc):
+                self._end_all(exc, RankSetLost)
+            self._end_all(exc, CoreFailed)
+
+    def _loop(self) -> None:
         while self.running:
             busy = self.engine.has_unfinished()
             for message in self._pending_messages(wait=not busy):
@@ -185,9 +196,49 @@ class EngineCore:
             # A rank lost while idle: exit now, not on the next request (the heartbeat set it).
             failure = self.engine.fatal_error()
             if failure:
-                self._end_all(_rank_failed_error(failure))
+                raise _rank_failed_error(failure)
             if self.running and self.engine.has_unfinished():
                 self.step()
+
+    def _end_all(self, exc: Exception, failure: type[CoreFailed]) -> NoReturn:
+        """The core cannot go on: every open request ends with the error, then `failure` is
+        raised (this process exits). A request still waiting for its AddResult is accepted
+        first, so the server's waiter reads the error. After a lost rank the engine is left
+        alone (it cannot run anything); otherwise its requests are aborted, so their blocks
+        return to the pool as far as the engine still can."""
+        request_ids = sorted(self.live_request_ids)
+        log.error("engine core %s; ending the %d open requests and exiting",
+                  "lost its rank set" if failure is RankSetLost else "failed",
+                  len(request_ids), exc_info=exc)
+        error = f"{type(exc).__name__}: {exc}"
+        if failure is not RankSetLost:
+            for request_id in request_ids:
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    log.exception("abort of %s failed", request_id)
+        for request_id in sorted(self.unanswered_ids):
+            self._send_last_words(AddResult(request_id))
+        if request_ids:
+            failed = [RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                                    error=error) for request_id in request_ids]
+            self._send_last_words(StepOutputs(failed, self._stats_or_empty()))
+        self.live_request_ids.clear()
+        self.unanswered_ids.clear()
+        raise failure(error) from exc
+
+    def _send_last_words(self, message) -> None:
+        try:
+            self.channel.send(message)
+        except Exception:  # the server sees the socket close and fails the rest itself
+            log.exception("could not send %s to the server", type(message).__name__)
+
+    def _stats_or_empty(self) -> EngineStats:
+        try:
+            return self.engine.stats(expert_load=False)
+        except Exception:
+            log.exception("engine stats failed")
+            return EngineStats()
 
     def _pending_messages(self, wait: bool):
         """Messages already arrived (or, with `wait`, block up to IDLE_WAKE_SECONDS for one)."""
@@ -200,8 +251,16 @@ class EngineCore:
             timeout = 0.0
 
 
-class RankSetLost(RuntimeError):
+class CoreFailed(RuntimeError):
+    """The core loop failed outside one request's isolation: the process exits (module doc)."""
+
+    exit_code = 4
+
+
+class RankSetLost(CoreFailed):
     """The engine's rank set is gone: the core process exits (see the module doc)."""
+
+    exit_code = 3
 
 
 def _rank_set_lost(exc: BaseException) -> bool:
@@ -244,6 +303,12 @@ def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None 
         except OSError:
             pass  # the server is already gone
         return 1
+    return serve_engine(engine, channel)
+
+
+def serve_engine(engine, channel: BlockingChannel) -> int:
+    """Announce a started engine (EngineReady) and run the core loop until the server leaves;
+    returns the process's exit code (module doc)."""
     channel.send(EngineReady(
         model_name=engine.model_name,
         max_model_len=engine.max_model_len,
@@ -252,12 +317,11 @@ def run_core(sock: socket.socket, connector_factory_for: ConnectorChoice | None 
         load_seconds=float(engine.load_seconds),
         stats=engine.stats(),
     ))
-    core = EngineCore(engine, channel)
     try:
-        core.serve()
-    except (EOFError, ConnectionError):
+        EngineCore(engine, channel).serve()
+    except ChannelClosed:
         log.info("server closed the engine socket; exiting")
-    except RankSetLost:
-        return 3
+    except CoreFailed as exc:
+        channel.finish(LAST_WORDS_SECONDS)
+        return exc.exit_code
     return 0
-

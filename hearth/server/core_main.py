@@ -5,6 +5,10 @@ hearth/engine/core_process.py. The entry point sits in the server layer because 
 KV connector by role is the server's: prefill and decode engines get hearth.kv_transfer's, a
 monolithic one none (the engine layer may not import hearth.kv_transfer or hearth.kv_tiers). Its argv is internal (the
 inherited socket and a log level), not user flags: those are hearth/flags/'s.
+
+Exit codes: 0 the server closed the socket or sent Shutdown; 1 the engine failed to start (or an
+uncaught error before the loop); 2 the first message was not StartEngine; 3 the engine's rank set
+was lost; 4 the core loop failed (every open request was ended with the error first).
 """
 
 from __future__ import annotations

@@ -10,7 +10,12 @@ long, invalid schema) becomes a 400 before any response byte is sent. Outputs th
 that request's queue until its finished output arrives.
 
 Invariant: every request added is either finished by the engine, aborted through `abort()`, or
-failed here when the core process dies; no waiter is ever left hanging.
+failed here when the core process dies; no waiter is ever left hanging. A core whose loop fails
+ends its open requests with error outputs and exits (hearth/engine/core_process.py); whatever it
+could not answer (requests still in the socket, load queries) fails here the moment the socket
+closes: the add waiters raise EngineDeadError, each output queue gets a final error output, and
+`failure` is set (`/health` answers 503 and the worker stops, hearth/server/app.py). A channel
+that cannot be trusted (a malformed frame) is closed from this side, so the core exits too.
 """
 
 from __future__ import annotations
@@ -257,6 +262,9 @@ class EngineClient:
         except Exception as exc:  # a malformed frame: the channel can no longer be trusted
             log.exception("engine channel failed")
             reason = f"engine channel failed: {exc}"
+        if self._writer is not None:
+            self._writer.close()  # the core reads EOF: a failed one exits without waiting for
+            # us to read its last words (it half-closed first), a running one exits too
         code = self._process.poll() if self._process else None
         self._mark_dead(reason if code is None else f"{reason}, exit code {code}")
 
@@ -266,6 +274,8 @@ class EngineClient:
             for output in message.outputs:
                 pending = self._requests.get(output.request_id)
                 if pending is not None:
+                    if not pending.accepted.done():  # the core answers AddResult first; should
+                        pending.accepted.set_result(None)  # it not, the waiter still gets this
                     pending.queue.put_nowait(output)
                     if output.finished:
                         self._requests.pop(output.request_id, None)

@@ -17,6 +17,7 @@ from hearth.engine.core_messages import (
     AddRequest,
     AddResult,
     BlockingChannel,
+    ChannelClosed,
     FromCore,
     LoadReply,
     QueryLoad,
@@ -191,6 +192,6 @@ def test_messages_round_trip_and_reject_garbage():
         receiver.recv()
     del sender
     a.close()
-    with pytest.raises(EOFError):
+    with pytest.raises(ChannelClosed):
         receiver.recv()
     b.close()
