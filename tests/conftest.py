@@ -5,8 +5,8 @@ unit tier alone); this summary says where the time goes. Wall time per tier is t
 tests' setup, call and teardown phases (module fixtures included), as pytest measures them; under
 pytest-xdist (`make test` runs two workers) that sum is over both workers, so it exceeds the wall.
 
-`HEARTH_TEST_TIMES=FILE` appends one line per phase as it ends (`seconds phase nodeid`), so even an
-interrupted run says where its time went (`sort -rn FILE | head`).
+`HEARTH_TEST_TIMES=FILE` appends one line per phase as it ends (`seconds phase outcome nodeid`), so
+even an interrupted run says where its time went (`sort -rn FILE | head`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # the controller writes each r
 def pytest_runtest_logreport(report) -> None:
     if _TIMES_FILE and not _IN_WORKER:
         with open(_TIMES_FILE, "a") as f:
-            f.write(f"{report.duration:9.3f} {report.when:8} {report.nodeid}\n")
+            f.write(f"{report.duration:9.3f} {report.when:8} {report.outcome:7} {report.nodeid}\n")
     tier = _tier(report.nodeid)
     _TIER_SECONDS[tier] += report.duration
     if report.when == "call":
