@@ -33,7 +33,7 @@ import torch
 from hearth.models.arch import MLA_ARCHITECTURES, MOE_ARCHITECTURES, ModelArch, MoeSpec
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
 from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
-from hearth.models.gguf_deepseek import CORRECTION_BIAS, deepseek_mla_spec, deepseek_moe_spec
+from hearth.models.families.deepseek.gguf import CORRECTION_BIAS, deepseek_mla_spec, deepseek_moe_spec
 from hearth.models.gguf_file import GGUFFile
 from hearth.models.registry import GGUF_ARCHITECTURES
 

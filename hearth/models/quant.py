@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from hearth.models.deepseek import MLAAttention
+from hearth.models.families.deepseek.model import MLAAttention
 from hearth.models.moe import SparseMoeBlock
 from hearth.ops.cpu_kernels import Q6_K, QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
 

@@ -41,14 +41,14 @@ GGUF_ARCHITECTURES = {
 
 # ModelArch.architecture -> "module:class" (imported when a model is built)
 MODEL_CLASSES = {
-    "llama": "hearth.models.llama:LlamaForCausalLM",
-    "mistral": "hearth.models.llama:LlamaForCausalLM",
-    "qwen2": "hearth.models.llama:LlamaForCausalLM",
-    "qwen3": "hearth.models.llama:LlamaForCausalLM",
-    "mixtral": "hearth.models.moe_llama:MoeLlamaForCausalLM",
-    "qwen3_moe": "hearth.models.moe_llama:MoeLlamaForCausalLM",
-    "deepseek_v2": "hearth.models.deepseek:DeepseekV3ForCausalLM",
-    "deepseek_v3": "hearth.models.deepseek:DeepseekV3ForCausalLM",
+    "llama": "hearth.models.families.llama.model:LlamaForCausalLM",
+    "mistral": "hearth.models.families.llama.model:LlamaForCausalLM",
+    "qwen2": "hearth.models.families.llama.model:LlamaForCausalLM",
+    "qwen3": "hearth.models.families.llama.model:LlamaForCausalLM",
+    "mixtral": "hearth.models.families.moe_llama.model:MoeLlamaForCausalLM",
+    "qwen3_moe": "hearth.models.families.moe_llama.model:MoeLlamaForCausalLM",
+    "deepseek_v2": "hearth.models.families.deepseek.model:DeepseekV3ForCausalLM",
+    "deepseek_v3": "hearth.models.families.deepseek.model:DeepseekV3ForCausalLM",
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES), "every family needs a model class"
 

@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from hearth.models.deepseek import DeepseekMoE, MLAAttention, interleaved_to_half
+from hearth.models.families.deepseek.model import DeepseekMoE, MLAAttention, interleaved_to_half
 from hearth.models.layers import RotaryEmbedding
-from hearth.models.llama import LlamaForCausalLM
+from hearth.models.families.llama.model import LlamaForCausalLM
 from hearth.models.moe import SparseMoeBlock
 from hearth.models.registry import model_class
 from hearth.ops.attention_backends import select_attention_backend

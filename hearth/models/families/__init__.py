@@ -1,0 +1,1 @@
+"""Model families: one folder each (its names, config parsing, modules, weight loading)."""
