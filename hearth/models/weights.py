@@ -3,11 +3,9 @@
 The family (hearth/models/registry.py) gives the model class and its `load_weights(model,
 loader)`, which says where each tensor goes; this module holds what every family's loading
 shares: the `WeightLoader` (shards, merged rows, the read check, the load threads) and the MoE
-experts' checkpoint layouts (`load_moe_block`). Each rank asks the checkpoint only for its own shard: `checkpoint.get(name, shard=(dim, rank,
-world_size))`. Merged projections are filled part by part:
-
-    qkv_proj.weight rows = [ q heads of this rank | k heads | v heads ]
-    gate_up_proj.weight rows = [ gate slice | up slice ]
+experts' checkpoint layouts (`load_moe_block`). Each rank asks the checkpoint only for its own
+shard: `checkpoint.get(name, shard=(dim, rank, world_size))`; merged projections are filled part
+by part (`WeightLoader.fill_rows`; their layout: hearth/models/families/llama/weights.py).
 
 Every tensor of the checkpoint that belongs to this model part is read: one the model has no
 place for (a bias of a projection the arch says has none, an unknown norm) is an error at load,
@@ -48,7 +46,9 @@ class WeightLoader:
 
     def get(self, name: str, shard=None) -> torch.Tensor:
         self.read.add(name)
-        return self.checkpoint.get(name) if shard is None else self.checkpoint.get(name, shard=shard)
+        if shard is None:
+            return self.checkpoint.get(name)
+        return self.checkpoint.get(name, shard=shard)
 
     def read_into(self, out: torch.Tensor, name: str, shard=None) -> None:
         self.read.add(name)
