@@ -2,10 +2,10 @@
 
 Every loader (HF folder, GGUF) produces one `ModelArch` plus a name -> tensor mapping in Hugging
 Face naming (`model.layers.{i}.self_attn.q_proj.weight`, ...), with Q/K weights in HF's
-rotate-half RoPE layout. The model code only ever sees this. `architecture` names the family
-(hearth/models/registry.py maps file formats' names to it and it to a model class); a
-Mixture-of-Experts model also carries a `MoeSpec`, a multi-head latent attention model
-(DeepSeek-V2/V3, Kimi K2) an `MlaSpec`.
+rotate-half RoPE layout. The model code only ever sees this. `architecture` names the model
+within its family (hearth/models/registry.py maps file formats' names to it and it to the
+family's code); a Mixture-of-Experts family's arch also carries a `MoeSpec`, a multi-head
+latent attention family's (DeepSeek-V2/V3, Kimi K2) an `MlaSpec`.
 
 The KV cache of every family is one tensor `[num_layers, planes, num_blocks, block_size, heads,
 dim]` (`ModelArch.kv_cache_layout`): K and V planes of `num_kv_heads` heads for multi-head
@@ -18,10 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                           "deepseek_v2", "deepseek_v3")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 # DeepSeek routers: how expert scores are made and how the top k are picked among groups.
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -110,7 +106,7 @@ class MlaSpec:
 
 @dataclass(frozen=True)
 class ModelArch:
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # one of registry.SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -130,8 +126,8 @@ class ModelArch:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    moe: MoeSpec | None = None  # set exactly for the MOE_ARCHITECTURES
-    mla: MlaSpec | None = None  # set exactly for the MLA_ARCHITECTURES (head_dim: its qk width)
+    moe: MoeSpec | None = None  # set exactly for a MoE family's (Family.is_moe)
+    mla: MlaSpec | None = None  # set exactly for an MLA family's (head_dim: its qk width)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
@@ -150,15 +146,13 @@ class ModelArch:
         return 2, max(1, self.num_kv_heads // tp_size), self.head_dim
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"hearth supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if (self.mla is not None) != (self.architecture in MLA_ARCHITECTURES):
+        from hearth.models.registry import family_of  # the registry's families import this module
+
+        family = family_of(self.architecture)
+        if (self.mla is not None) != family.uses_mla:
             raise ValueError(f"architecture {self.architecture!r} "
                              f"{'needs' if self.mla is None else 'takes no'} MLA settings")
-        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+        if (self.moe is not None) != family.is_moe:
             raise ValueError(f"architecture {self.architecture!r} "
                              f"{'needs' if self.moe is None else 'takes no'} MoE settings")
         scaling = self.rope_scaling or {}

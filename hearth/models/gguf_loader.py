@@ -7,13 +7,12 @@ rotate-half RoPE order.
 That last point needs care. For the llama architecture, llama.cpp's converter permuted the rows of
 each attention head of Q and K so its interleaved RoPE (pairs (0,1), (2,3), ...) rotates the same
 pairs as HF's rotate-half RoPE (pairs (j, j + head_dim/2)). Per head, GGUF row `2j + i` holds HF
-row `i * head_dim/2 + j`; we undo that. Qwen2/Qwen3 files use NEOX-style RoPE and are not permuted.
+row `i * head_dim/2 + j`; we undo that for the GGUF names a family lists in `gguf_permuted_qk`.
+Qwen2/Qwen3 files use NEOX-style RoPE and are not permuted.
 
-DeepSeek-V2/V3 and Kimi K2 (`deepseek2`): llama.cpp runs them with interleaved-pair RoPE, as
-DeepSeek's own weights are laid out, so the converter leaves the rotary rows alone: the
-checkpoint presents them interleaved and says so (`MlaSpec.rope_interleave`), and the weight
-loader permutes them as it does for the HF folder. Newer converters store `kv_b_proj` as two
-tensors for llama.cpp's absorbed attention, per head h:
+Which family a file is, and the tensor names and ModelArch fields beyond the shared ones, come
+from the registry (hearth/models/registry.py). For an MLA family (DeepSeek, `deepseek2`), newer
+converters store `kv_b_proj` as two tensors for llama.cpp's absorbed attention, per head h:
 
     attn_k_b [H, kv_lora_rank, nope] = W_UK_h^T      attn_v_b [H, v, kv_lora_rank] = W_UV_h
     kv_b_proj [H * (nope + v), kv_lora_rank] = per head [ attn_k_b[h]^T ; attn_v_b[h] ]
@@ -30,20 +29,20 @@ from typing import Any
 
 import torch
 
-from hearth.models.arch import MLA_ARCHITECTURES, MOE_ARCHITECTURES, ModelArch, MoeSpec
+from hearth.models.arch import ModelArch
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds, take_shard
 from hearth.models.dequant import SUPPORTED_TYPES, dequantize, is_supported
-from hearth.models.gguf_deepseek import CORRECTION_BIAS, deepseek_mla_spec, deepseek_moe_spec
+from hearth.models.families import Family
 from hearth.models.gguf_file import GGUFFile
-from hearth.models.registry import GGUF_ARCHITECTURES
+from hearth.models.registry import gguf_family
 
-_ARCHITECTURES = GGUF_ARCHITECTURES
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
+# The Llama set of block tensors (a family adds its own: Family.gguf_tensor_names)
+_BLOCK_STEMS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -56,40 +55,30 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a MoE layer's router [E, H]
-    # DeepSeek (deepseek2): MLA's projections, the shared experts
-    "attn_q_a": "self_attn.q_a_proj",
-    "attn_q_a_norm": "self_attn.q_a_layernorm",
-    "attn_q_b": "self_attn.q_b_proj",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
-# DeepSeek-V3's router correction bias (noaux_tc), stored as a bias
-# kv_b_proj split by newer converters (module docstring): (W_UK^T per head, W_UV per head)
-_SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 # A MoE layer's experts, stacked ([E, I, H] / [E, H, I]): hearth's "stacked" expert layout
 # (hearth.models.weights), named without a .weight suffix.
 _EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
                  "ffn_down_exps": "mlp.experts.down_proj"}
+# GGUF block tensor ("name.kind" after "blk.{i}.") -> HF name after "model.layers.{i}."
+BLOCK_NAMES = {**{f"{g}.{kind}": f"{h}.{kind}" for g, h in _BLOCK_STEMS.items()
+                  for kind in ("weight", "bias")},
+               **{f"{g}.weight": h for g, h in _EXPERT_NAMES.items()}}
+# kv_b_proj split by newer converters (module docstring): (W_UK^T per head, W_UV per head)
+_SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # llama3-style RoPE scaling, stored as per-frequency divisors
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None if it is not one of a Llama-family model's tensors."""
+def hf_tensor_name(gguf_name: str, block_names: dict[str, str] = BLOCK_NAMES) -> str | None:
+    """The HF name of a GGUF tensor, or None if it is not one of `block_names` (the Llama set,
+    or a family's with its own added) or a global tensor."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is not None and match[2] in _EXPERT_NAMES and match[3] == "weight":
-        return f"model.layers.{match[1]}.{_EXPERT_NAMES[match[2]]}"
-    if match is not None and (match[2], match[3]) == (CORRECTION_BIAS[0], "bias"):
-        return f"model.layers.{match[1]}.{CORRECTION_BIAS[1]}"
-    if match is None or match[2] not in _BLOCK_NAMES:
+    if match is None or f"{match[2]}.{match[3]}" not in block_names:
         return None
-    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{block_names[f'{match[2]}.{match[3]}']}"
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -97,20 +86,18 @@ class GGUFCheckpoint(Checkpoint):
         self.file = GGUFFile(path)
         meta = self.file.metadata
         architecture = self.file.architecture
-        if architecture not in _ARCHITECTURES:
-            raise ValueError(
-                f"{path}: GGUF architecture {architecture!r} is not supported "
-                f"(supported: {', '.join(_ARCHITECTURES)})"
-            )
-        self._permuted_qk = _ARCHITECTURES[architecture][1]
+        self.family, arch_name = gguf_family(
+            architecture, bool(meta.get(f"{architecture}.expert_count")), path)
+        self._permuted_qk = architecture in self.family.gguf_permuted_qk
+        block_names = {**BLOCK_NAMES, **self.family.gguf_tensor_names}
         self._hf_to_gguf: dict[str, str] = {}
         # HF kv_b_proj name -> (attn_k_b, attn_v_b) GGUF names it is rebuilt from
         self._split_kv_b: dict[str, tuple[str, str]] = {}
         for gguf_name, info in self.file.tensors.items():
             if gguf_name == _ROPE_FREQS:
                 continue
-            hf_name = hf_tensor_name(gguf_name)
-            is_split_half = (hf_name is None and architecture == "deepseek2"
+            hf_name = hf_tensor_name(gguf_name, block_names)
+            is_split_half = (hf_name is None and self.family.uses_mla
                              and self._note_split_kv_b(gguf_name))
             if hf_name is None and not is_split_half:
                 raise ValueError(f"{path}: unexpected tensor {gguf_name!r} for a {architecture} model")
@@ -125,7 +112,7 @@ class GGUFCheckpoint(Checkpoint):
         # a file holding both forms: kv_b_proj as stored, the split copies unread
         for hf_name in set(self._split_kv_b) & set(self._hf_to_gguf):
             del self._split_kv_b[hf_name]
-        self.arch = arch_from_gguf(meta, self.file)
+        self.arch = arch_from_gguf(meta, self.file, self.family, arch_name)
         self.name = name or self.file.path.stem
         self.tokenizer_source = TokenizerSource(gguf_metadata=meta)
 
@@ -272,7 +259,11 @@ def unpermute_qk(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(tensor.shape).contiguous()
 
 
-def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
+def arch_from_gguf(meta: dict[str, Any], file: GGUFFile, family: Family,
+                   architecture: str) -> ModelArch:
+    """The fields every family reads alike (from the metadata keys and which tensors the file
+    has), then its family's own (`Family.gguf_fields`: MoE and MLA specs, head widths) over
+    them."""
     prefix = meta["general.architecture"]
 
     def key(suffix: str, default: Any = None) -> Any:
@@ -283,45 +274,20 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
 
     hidden_size = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden_size // num_heads))
     rope_theta = float(key("rope.freq_base", 10000.0))
     eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    architecture, moe, mla = _ARCHITECTURES[prefix][0], None, None
-    num_experts = int(meta.get(f"{prefix}.expert_count") or 0)
-    if architecture in MLA_ARCHITECTURES:
-        mla = deepseek_mla_spec(file, key)
-        moe = deepseek_moe_spec(meta, file, key)
-        head_dim = mla.qk_head_dim
-        if moe.scoring_func == "sigmoid":
-            architecture = "deepseek_v3"  # V3 and Kimi K2; V2's router is a softmax
-    elif num_experts:
-        if architecture == "llama":
-            architecture = "mixtral"  # llama.cpp writes Mixtral as llama with experts
-        if architecture not in MOE_ARCHITECTURES:
-            raise ValueError(f"{file.path}: a {prefix} file with experts is not supported")
-        gate = file.tensors.get("blk.0.ffn_gate_exps.weight")
-        expert_width = meta.get(f"{prefix}.expert_feed_forward_length",
-                                gate.shape[1] if gate is not None else None)
-        # llama.cpp renormalises the top-k weights of both (its qwen3moe and llama graphs)
-        moe = MoeSpec(num_experts=num_experts,
-                      num_experts_per_tok=int(key("expert_used_count")),
-                      expert_intermediate_size=int(expert_width or key("feed_forward_length")),
-                      norm_topk_prob=True,
-                      dense_layers=tuple(i for i in range(int(key("block_count")))
-                                         if f"blk.{i}.ffn_gate_inp.weight" not in file.tensors))
-    return ModelArch(
+    own = family.gguf_fields(meta, file, key, architecture)
+    moe = own.get("moe")
+    head_dim = own.get("head_dim", int(key("attention.key_length", hidden_size // num_heads)))
+    fields = dict(
         architecture=architecture,
-        moe=moe,
-        mla=mla,
         vocab_size=file.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden_size,
         intermediate_size=int(meta.get(f"{prefix}.feed_forward_length")
                               or (moe.expert_intermediate_size if moe else key("feed_forward_length"))),
         num_layers=int(key("block_count")),
         num_heads=num_heads,
-        # MLA: every head has its own K and V, up-projected from the latent (llama.cpp's
-        # head_count_kv says 1 in newer files: its absorbed attention is MQA over the latent)
-        num_kv_heads=num_heads if mla else int(key("attention.head_count_kv", num_heads)),
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
@@ -335,6 +301,7 @@ def arch_from_gguf(meta: dict[str, Any], file: GGUFFile) -> ModelArch:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
     )
+    return ModelArch(**{**fields, **own})
 
 
 def _rope_scaling(

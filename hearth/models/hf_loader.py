@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from hearth.models.arch import MLA_ARCHITECTURES, MlaSpec, ModelArch, MoeSpec
+from hearth.models.arch import ModelArch
 from hearth.models.checkpoint import Checkpoint, Shard, TokenizerSource, shard_bounds
-from hearth.models.registry import HF_ARCHITECTURES
+from hearth.models.registry import hf_family
+
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed by the model; old checkpoints saved it
 # DeepSeek-V3 / Kimi K2 release FP8 (e4m3) weights with one fp32 scale per 128 x 128 block in
 # `<name>_scale_inv`; they are dequantized as read (value * scale) and the scales hidden.
@@ -85,18 +86,13 @@ def _dequantize_fp8(value: torch.Tensor, scale_inv: torch.Tensor, name: str) -> 
 
 
 def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool = True) -> ModelArch:
+    """The fields every family reads alike, then its family's own (`Family.hf_fields`: MoE and
+    MLA specs, biases, q/k norms, head widths) over them."""
     architectures = config.get("architectures") or [None]
-    hf_arch = architectures[0]
-    if hf_arch not in HF_ARCHITECTURES:
-        raise ValueError(
-            f"{folder}: architecture {hf_arch!r} is not supported "
-            f"(supported: {', '.join(HF_ARCHITECTURES)})"
-        )
-    architecture = HF_ARCHITECTURES[hf_arch]
+    family, architecture = hf_family(architectures[0], folder)
     max_positions = int(config["max_position_embeddings"])
     _reject_sliding_window(config, folder, max_positions)
     num_heads = int(config["num_attention_heads"])
-    mla = _mla_spec(config, architecture)
     # transformers v5 moved rope_theta/rope_scaling into one rope_parameters dict
     rope = dict(config.get("rope_parameters") or {})
     rope_theta = float(config.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0)
@@ -110,104 +106,25 @@ def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool 
             and "original_max_position_embeddings" not in rope_scaling):
         # transformers' default: the config's own length is the pretrained one
         rope_scaling = {**rope_scaling, "original_max_position_embeddings": max_positions}
-    return ModelArch(
+    fields = dict(
         architecture=architecture,
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
         num_layers=int(config["num_hidden_layers"]),
         num_heads=num_heads,
-        # MLA: every head has its own K and V (from the shared latent); head_dim is its qk width
-        num_kv_heads=(num_heads if mla is not None
-                      else int(config.get("num_key_value_heads") or num_heads)),
-        head_dim=(mla.qk_head_dim if mla is not None
-                  else int(config.get("head_dim") or config["hidden_size"] // num_heads)),
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)) or not has_lm_head,
-        # Qwen2 always has q/k/v biases (and none on o_proj); Llama/Qwen3's attention_bias puts
-        # one on all four projections (transformers' LlamaAttention, Qwen3Attention).
-        attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
-        attention_out_bias=architecture != "qwen2" and bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=architecture in ("qwen3", "qwen3_moe"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(config, folder),
-        moe=_moe_spec(config, architecture, folder),
-        mla=mla,
     )
-
-
-def _mla_spec(config: dict[str, Any], architecture: str) -> MlaSpec | None:
-    if architecture not in MLA_ARCHITECTURES:
-        return None
-    q_lora = config.get("q_lora_rank")
-    return MlaSpec(kv_lora_rank=int(config["kv_lora_rank"]),
-                   qk_nope_head_dim=int(config["qk_nope_head_dim"]),
-                   qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-                   v_head_dim=int(config["v_head_dim"]),
-                   q_lora_rank=None if q_lora is None else int(q_lora),
-                   # DeepSeek-V2 is always interleaved; V3's transformers config says
-                   rope_interleave=(architecture == "deepseek_v2"
-                                    or bool(config.get("rope_interleave", True))))
-
-
-def _deepseek_moe_spec(config: dict[str, Any], architecture: str) -> MoeSpec:
-    """DeepSeek-V2/V3 (Kimi K2): n_routed_experts of moe_intermediate_size, n_shared_experts,
-    dense below first_k_dense_replace (and off the moe_layer_freq beat), the grouped router.
-    transformers' configs carry no scoring_func / topk_method: V3's are sigmoid + noaux_tc,
-    V2's softmax + greedy."""
-    v3 = architecture == "deepseek_v3"
-    num_layers = int(config["num_hidden_layers"])
-    first_dense = int(config.get("first_k_dense_replace") or 0)
-    freq = int(config.get("moe_layer_freq") or 1)
-    num_experts = int(config.get("n_routed_experts") or config.get("num_local_experts")
-                      or config.get("num_experts") or 0)
-    if num_experts < 1:
-        raise ValueError(f"{architecture}: n_routed_experts missing (a dense DeepSeek model "
-                         f"is not supported)")
-    return MoeSpec(
-        num_experts=num_experts,
-        num_experts_per_tok=int(config["num_experts_per_tok"]),
-        expert_intermediate_size=int(config["moe_intermediate_size"]),
-        norm_topk_prob=bool(config.get("norm_topk_prob", v3)),
-        dense_layers=tuple(i for i in range(num_layers) if i < first_dense or i % freq),
-        scoring_func=str(config.get("scoring_func") or ("sigmoid" if v3 else "softmax")),
-        topk_method=str(config.get("topk_method") or ("noaux_tc" if v3 else "greedy")),
-        n_group=int(config.get("n_group") or 1),
-        topk_group=int(config.get("topk_group") or 1),
-        routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
-        num_shared_experts=int(config.get("n_shared_experts") or 0))
-
-
-def _moe_spec(config: dict[str, Any], architecture: str, folder: Path) -> MoeSpec | None:
-    """Mixtral: num_local_experts of intermediate_size, top-k renormalised, every layer sparse.
-    Qwen3-MoE: num_experts of moe_intermediate_size, norm_topk_prob, and dense layers where
-    mlp_only_layers says or (layer + 1) is not a multiple of decoder_sparse_step."""
-    if architecture in MLA_ARCHITECTURES:
-        return _deepseek_moe_spec(config, architecture)
-    if architecture == "mixtral":
-        return MoeSpec(num_experts=int(config["num_local_experts"]),
-                       num_experts_per_tok=int(config["num_experts_per_tok"]),
-                       expert_intermediate_size=int(config["intermediate_size"]))
-    if architecture != "qwen3_moe":
-        return None
-    if config.get("router_type") not in (None, "softmax"):
-        raise ValueError(f"{folder}: unknown router_type {config['router_type']!r} (hearth's "
-                         f"{architecture} router is softmax top-k)")
-    num_layers, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
-    only_dense = {int(i) for i in config.get("mlp_only_layers") or ()}
-    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
-    num_experts = int(config.get("num_experts", config.get("num_local_experts", 0)))
-    dense = tuple(i for i in range(num_layers)
-                  if i in only_dense or num_experts == 0 or (i + 1) % step)
-    return MoeSpec(num_experts=max(num_experts, 1),
-                   num_experts_per_tok=int(config["num_experts_per_tok"]),
-                   expert_intermediate_size=int(config["moe_intermediate_size"]),
-                   norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                   dense_layers=dense)
+    return ModelArch(**{**fields, **family.hf_fields(config, architecture, folder)})
 
 
 def _reject_sliding_window(config: dict[str, Any], folder: Path, max_positions: int) -> None:

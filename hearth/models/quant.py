@@ -36,8 +36,8 @@ import math
 
 import torch
 
-from hearth.models.deepseek import MLAAttention
 from hearth.models.moe import SparseMoeBlock
+from hearth.models.registry import family_of
 from hearth.ops.cpu_kernels import Q6_K, QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
 
 log = logging.getLogger("hearth.models")
@@ -68,22 +68,23 @@ def _merged_raw(checkpoint, names: list[str]) -> tuple[int, list[torch.Tensor]] 
     return parts[0][0], [p[1] for p in parts]
 
 
+def attention_linears(attn, p: str) -> list[tuple[torch.nn.Module, list[str]]]:
+    """The Llama attention's linears with the HF tensors their rows come from (a family with
+    another attention has its own, in its quant hooks: `Family.quant`)."""
+    return [(attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+            (attn.o_proj, [p + "self_attn.o_proj.weight"])]
+
+
 def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[str]]]:
     """Each linear module of the model with the HF tensors its rows come from, in row order
-    (`names`: the checkpoint's tensor names; a tied LM head reads the embedding)."""
+    (`names`: the checkpoint's tensor names; a tied LM head reads the embedding; no sources:
+    the float weights are what the kernels must see)."""
+    hooks = family_of(model.arch.architecture).quant_hooks()
+    linears = attention_linears if hooks is None else hooks.attention_linears
     out = []
     for local, layer in enumerate(model.layers):
         p = f"model.layers.{model.layer_start + local}."
-        attn = layer.self_attn
-        if isinstance(attn, MLAAttention):
-            # No stored blocks (sources []): rotary rows are permuted at load, so the float
-            # weights are what the kernels must see. kv_b_proj stays float: decode absorbs
-            # it into the query and output, only prompts multiply by it (float GEMMs).
-            out += [(m, []) for m in (attn.qkv_a_proj, attn.q_b_proj, attn.q_proj, attn.o_proj)
-                    if m is not None]
-        else:
-            out.append((attn.qkv_proj, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]))
-            out.append((attn.o_proj, [p + "self_attn.o_proj.weight"]))
+        out += linears(layer.self_attn, p)
         mlps = [(layer.mlp, p + "mlp.")]
         if isinstance(layer.mlp, SparseMoeBlock):  # routed experts: quantize_experts
             shared = getattr(layer.mlp, "shared_experts", None)
@@ -143,31 +144,6 @@ def quantize_experts(model, checkpoint, quantization: str, kernels,
         experts.set_quantized_experts(*packed, kernels)
         name = "experts-" + QTYPES[packed[0].qtype][1]
         counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
-def quantize_absorb(model, kernels, int8_act: bool = False) -> dict[str, int]:
-    """Give each MLA layer Q8_0 copies of its absorbed up-projections for few-row steps:
-    W_UK_h^T ([H L, nope]: a query's nope part to the latent) and W_UV_h ([H v, L]: the
-    attended latent to the head's values), both cut from kv_b_proj's rows. They are the only
-    float32 weights a decode step would otherwise read (25 of the 190 MB of the bench model's
-    step). Heads whose widths are not multiples of 32 keep the float path."""
-    counts: dict[str, int] = {}
-    for layer in model.layers:
-        attn = layer.self_attn
-        if not isinstance(attn, MLAAttention):
-            continue
-        if attn.nope % 32 or attn.rank % 32:
-            counts["none"] = counts.get("none", 0) + 1
-            continue
-        kv_b = attn._kv_b().detach().float()  # [H, nope + v, L]
-        uk = kv_b[:, : attn.nope].transpose(1, 2).reshape(-1, attn.nope)  # [H L, nope]
-        uv = kv_b[:, attn.nope:].reshape(-1, attn.rank)  # [H v, L]
-        q8 = QTYPE_IDS["q8_0"]
-        attn.set_quantized_absorb(
-            *(pack_ggml_parts(q8, [quantize_q8_0(w)], [w.shape[0]], 1, int8_act) for w in (uk, uv)),
-            kernels)
-        counts["absorbed-q8_0"] = counts.get("absorbed-q8_0", 0) + 1
     return counts
 
 
@@ -324,9 +300,10 @@ def quantize_model(model, checkpoint, quantization: str, kernels) -> dict[str, i
                                              int8_act=int8_act), kernels)
         name = QTYPES[packed[0]][1]
         counts[name] = counts.get(name, 0) + 1
+    hooks = family_of(model.arch.architecture).quant_hooks()
+    family_counts = {} if hooks is None else hooks.quantize_attention(model, kernels, int8_act)
     for name, count in [*quantize_experts(model, checkpoint, quantization, kernels,
-                                          int8_act).items(),
-                        *quantize_absorb(model, kernels, int8_act).items()]:
+                                          int8_act).items(), *family_counts.items()]:
         counts[name] = counts.get(name, 0) + count
     log.info("decode weights: %s%s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())),
              ", 8-bit activations" if int8_act else "")

@@ -6,7 +6,8 @@ the checkpoint's own `rope_scaling` whole, as vLLM's override does; the frequenc
 computed exactly as for a config that carried it (hearth.models.layers._rope_inv_freq, tested
 against transformers). MLA models (DeepSeek-V2/V3, Kimi K2) take it too: RoPE over their
 `qk_rope_head_dim` rotary dims, and YaRN's `mscale_all_dim` also scaling the softmax
-(hearth.models.deepseek.mla_softmax_scale), as transformers' DeepseekV3 computes them.
+(hearth.models.families.deepseek.model.mla_softmax_scale), as transformers' DeepseekV3
+computes them.
 
 Replacing whole would silently drop what the checkpoint's own scaling says and the new type
 computes with: its trained length where it is stretched past it (DeepSeek-V3: 4096 of 163840),

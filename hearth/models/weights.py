@@ -1,10 +1,11 @@
-"""Copy checkpoint tensors (HF names) into a model's (merged, sharded) parameters.
+"""Build a model and copy checkpoint tensors (HF names) into its (merged, sharded) parameters.
 
-Each rank asks the checkpoint only for its own shard: `checkpoint.get(name, shard=(dim, rank,
-world_size))`. Merged projections are filled part by part:
-
-    qkv_proj.weight rows = [ q heads of this rank | k heads | v heads ]
-    gate_up_proj.weight rows = [ gate slice | up slice ]
+The family (hearth/models/registry.py) gives the model class and its `load_weights(model,
+loader)`, which says where each tensor goes; this module holds what every family's loading
+shares: the `WeightLoader` (shards, merged rows, the read check, the load threads) and the MoE
+experts' checkpoint layouts (`load_moe_block`). Each rank asks the checkpoint only for its own
+shard: `checkpoint.get(name, shard=(dim, rank, world_size))`; merged projections are filled part
+by part (`WeightLoader.fill_rows`; their layout: hearth/models/families/llama/weights.py).
 
 Every tensor of the checkpoint that belongs to this model part is read: one the model has no
 place for (a bias of a projection the arch says has none, an unknown norm) is an error at load,
@@ -23,63 +24,31 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from hearth.models.deepseek import DeepseekMoE, MLAAttention, interleaved_to_half
 from hearth.models.layers import RotaryEmbedding
-from hearth.models.llama import LlamaForCausalLM
 from hearth.models.moe import SparseMoeBlock
-from hearth.models.registry import model_class
+from hearth.models.registry import family_of
 from hearth.ops.attention_backends import select_attention_backend
 from hearth.ops.cpu_kernels import single_threaded
 from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
-LOAD_THREADS = 2  # Python threads decoding tensors at a load (see load_weights)
+LOAD_THREADS = 2  # Python threads decoding tensors at a load (WeightLoader.run)
 
 
-def _vocab_shard(checkpoint, name: str, rank: int, size: int, shard: int) -> torch.Tensor:
-    """Rows [rank * shard, (rank + 1) * shard) of a [vocab, hidden] tensor, zero-padded past the
-    vocabulary. Only the shard is read when the vocabulary splits evenly."""
-    if size == 1:
-        return checkpoint.get(name)
-    full = None
-    if shard * size == checkpoint.arch.vocab_size:
-        part = checkpoint.get(name, shard=(0, rank, size))
-    else:
-        full = checkpoint.get(name)
-        part = full[rank * shard : (rank + 1) * shard]
-    out = torch.zeros(shard, part.shape[1], dtype=part.dtype)
-    out[: part.shape[0]] = part
-    return out
+class WeightLoader:
+    """The checkpoint as one model part on one tensor-parallel rank reads it: this rank's shard
+    of each tensor decoded straight into a parameter, each name read noted (`check_all_read`).
+    A family's `load_weights(model, loader)` fills its model through it."""
 
-
-def _copy(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(value.shape):
-        raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(value.shape)}, "
-                         f"model expects {tuple(param.shape)}")
-    param.data.copy_(value)
-
-
-def _fill_rows(param: torch.nn.Parameter, parts: list[tuple[str, tuple | None, int]],
-               checkpoint) -> None:
-    """Rows of `param`, in order, from each (tensor name, shard, number of rows) of `parts`:
-    the merged QKV and gate/up projections and their biases. A part of another shape is the
-    checkpoint's shape-mismatch error."""
-    row = 0
-    for name, shard, rows in parts:
-        checkpoint.read_into(param.data[row : row + rows], name, shard)
-        row += rows
-    assert row == param.shape[0], (row, tuple(param.shape))
-
-
-class _ReadRecorder:
-    """The checkpoint, noting which tensor names were read."""
-
-    def __init__(self, checkpoint) -> None:
+    def __init__(self, checkpoint, tp: ParallelGroup) -> None:
         self.checkpoint, self.arch, self.read = checkpoint, checkpoint.arch, set()
+        self.rank, self.size = tp.rank, tp.size
 
     def get(self, name: str, shard=None) -> torch.Tensor:
         self.read.add(name)
-        return self.checkpoint.get(name) if shard is None else self.checkpoint.get(name, shard=shard)
+        if shard is None:
+            return self.checkpoint.get(name)
+        return self.checkpoint.get(name, shard=shard)
 
     def read_into(self, out: torch.Tensor, name: str, shard=None) -> None:
         self.read.add(name)
@@ -90,159 +59,80 @@ class _ReadRecorder:
     def tensor_names(self) -> list[str]:
         return self.checkpoint.tensor_names()
 
+    def part(self, name: str, shard_dim: int | None = None) -> tuple[str, tuple | None]:
+        """(name, this rank's shard along `shard_dim`; None: whole)."""
+        return name, (None if shard_dim is None or self.size == 1
+                      else (shard_dim, self.rank, self.size))
 
-def _check_all_read(model: LlamaForCausalLM, recorder: _ReadRecorder) -> None:
-    """Raise if a tensor of this model part (its layers; embeddings/head on the end stages) was
-    not read: the model would run without it and compute something else."""
-    def belongs(name: str) -> bool:
-        if name.startswith("model.layers."):
-            return model.layer_start <= int(name.split(".")[2]) < model.layer_end
-        if name == "model.embed_tokens.weight":
-            return model.is_first
-        if name == "lm_head.weight":  # a tied checkpoint may store a copy of the embeddings
-            return model.is_last and not model.arch.tie_word_embeddings
-        return model.is_last  # model.norm.* and anything unknown at the top level
-    elsewhere = _owned_elsewhere(model)
-    unused = sorted(n for n in recorder.tensor_names()
-                    if belongs(n) and n not in recorder.read and not elsewhere(n))
-    if unused:
-        shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)" if len(unused) > 5 else "")
-        raise ValueError(f"checkpoint tensors the {model.arch.architecture} model has no place "
-                         f"for: {shown}")
+    def kv_part(self, name: str) -> tuple[str, tuple | None]:
+        """A K/V projection's rows of this rank: its share of the KV heads, or with fewer KV heads
+        than ranks, the one head rank r uses (replicates), r * num_kv_heads // size."""
+        num_kv_heads = self.arch.num_kv_heads
+        if num_kv_heads >= self.size:
+            return self.part(name, 0)
+        return name, (0, self.rank * num_kv_heads // self.size, num_kv_heads)
 
+    def fill(self, param: torch.nn.Parameter, name: str, shard_dim: int | None = None) -> None:
+        self.read_into(param.data, *self.part(name, shard_dim))
 
-def load_weights(model: LlamaForCausalLM, checkpoint) -> None:
-    recorder = checkpoint = _ReadRecorder(checkpoint)
-    arch, tp = model.arch, model.tp
-    rank, size = tp.rank, tp.size
+    def fill_rows(self, param: torch.nn.Parameter,
+                  parts: list[tuple[str, tuple | None, int]]) -> None:
+        """Rows of `param`, in order, from each (tensor name, shard, number of rows) of `parts`:
+        merged projections (QKV, gate/up) and their biases. A part of another shape is the
+        checkpoint's shape-mismatch error."""
+        row = 0
+        for name, shard, rows in parts:
+            self.read_into(param.data[row : row + rows], name, shard)
+            row += rows
+        assert row == param.shape[0], (row, tuple(param.shape))
 
-    def part(name: str, shard_dim: int | None = None) -> tuple[str, tuple | None]:
-        return name, (None if shard_dim is None or size == 1 else (shard_dim, rank, size))
-
-    def kv_part(name: str) -> tuple[str, tuple | None]:
-        if arch.num_kv_heads >= size:
-            return part(name, 0)
-        # Fewer KV heads than ranks: rank r uses (replicates) head r * num_kv_heads // size.
-        head = rank * arch.num_kv_heads // size
-        return name, (0, head, arch.num_kv_heads)
-
-    def fill(param: torch.nn.Parameter, name: str, shard_dim: int | None = None) -> None:
-        checkpoint.read_into(param.data, *part(name, shard_dim))
-
-    def load_ends() -> None:
-        names = set(checkpoint.tensor_names())
-        head_name = ("lm_head.weight" if "lm_head.weight" in names and not arch.tie_word_embeddings
-                     else "model.embed_tokens.weight")
-        if size == 1:
-            if model.embed_tokens is not None:
-                fill(model.embed_tokens.weight, "model.embed_tokens.weight")
-            if model.lm_head is not None:
-                if head_name == "model.embed_tokens.weight" and model.embed_tokens is not None:
-                    # tied: decoded once. A copy, not a shared parameter: a format may rewrite the
-                    # head's float weight (hearth/models/quant.py) and must not touch the embedding.
-                    recorder.read.add(head_name)
-                    model.lm_head.weight.data.copy_(model.embed_tokens.weight.data)
-                else:
-                    fill(model.lm_head.weight, head_name)
+    def fill_vocab_rows(self, param: torch.nn.Parameter, name: str) -> None:
+        """This rank's rows of a [vocab, hidden] tensor, zero-padded past the vocabulary. Only
+        the shard is read when the vocabulary splits evenly."""
+        shard = param.shape[0]
+        if shard * self.size == self.arch.vocab_size:
+            part = self.get(name, shard=(0, self.rank, self.size))
         else:
-            if model.embed_tokens is not None:
-                emb = model.embed_tokens
-                _copy(emb.weight, _vocab_shard(checkpoint, "model.embed_tokens.weight", rank, size,
-                                               emb.shard), "model.embed_tokens.weight")
-            if model.lm_head is not None:
-                _copy(model.lm_head.weight, _vocab_shard(checkpoint, head_name, rank, size,
-                                                         model.lm_head.shard), head_name)
-        if model.norm is not None:
-            fill(model.norm.weight, "model.norm.weight")
+            part = self.get(name)[self.rank * shard : (self.rank + 1) * shard]
+        if part.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch loading {name}: checkpoint rows "
+                             f"{tuple(part.shape[1:])}, model expects {tuple(param.shape[1:])}")
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
 
-    def load_mla(attn: MLAAttention, p: str) -> None:
-        """MLA's projections; the rotary rows of q and k_pe from interleaved to rotate-half."""
-        a = p + "self_attn."
-        parts = [(a + "kv_a_proj_with_mqa.{}", None, attn.latent_dim)]
-        if attn.q_lora_rank:
-            parts.insert(0, (a + "q_a_proj.{}", None, attn.q_lora_rank))
-            fill(attn.q_a_layernorm.weight, a + "q_a_layernorm.weight")
-            fill(attn.q_b_proj.weight, a + "q_b_proj.weight", 0)
-            q_weight = attn.q_b_proj.weight.data
-        else:
-            fill(attn.q_proj.weight, a + "q_proj.weight", 0)
-            q_weight = attn.q_proj.weight.data
-        for kind, param in (("weight", attn.qkv_a_proj.weight), ("bias", attn.qkv_a_proj.bias)):
-            if param is not None:
-                _fill_rows(param, [(n.format(kind), s, r) for n, s, r in parts], checkpoint)
-        fill(attn.kv_a_layernorm.weight, a + "kv_a_layernorm.weight")
-        fill(attn.kv_b_proj.weight, a + "kv_b_proj.weight", 0)
-        fill(attn.o_proj.weight, a + "o_proj.weight", 1)
-        if attn.o_proj.bias is not None:
-            fill(attn.o_proj.bias, a + "o_proj.bias")
-        if arch.mla.rope_interleave:
-            perm = interleaved_to_half(attn.rope)
-            heads = q_weight.view(attn.num_heads, attn.qk_dim, -1)
-            heads[:, attn.nope:] = heads[:, attn.nope:][:, perm].clone()
-            for param in (attn.qkv_a_proj.weight, attn.qkv_a_proj.bias):
-                if param is not None:
-                    param.data[-attn.rope:] = param.data[-attn.rope:][perm].clone()
-
-    def load_layer(local: int, layer) -> None:
-        p = f"model.layers.{model.layer_start + local}."
-        attn, mlp = layer.self_attn, layer.mlp
-        fill(layer.input_layernorm.weight, p + "input_layernorm.weight")
-        fill(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-        if isinstance(attn, MLAAttention):
-            load_mla(attn, p)
-        else:
-            load_attention(attn, p)
-        if isinstance(mlp, SparseMoeBlock):
-            load_moe_block(mlp, checkpoint, p)
-            if isinstance(mlp, DeepseekMoE):
-                if mlp.e_score_correction_bias is not None:
-                    fill(mlp.e_score_correction_bias, p + "mlp.gate.e_score_correction_bias")
-                if mlp.shared_experts is not None:
-                    load_mlp(mlp.shared_experts, p + "mlp.shared_experts.")
+    def run(self, tasks: list) -> None:
+        """Independent load tasks (the embeddings, head and final norm; each decoder layer) on up
+        to LOAD_THREADS Python threads, each running torch on one thread (single_threaded in
+        build_model): a thread preempted by the HTTP process delays only its own task, while
+        the other takes the rest, so there is no barrier to stall on."""
+        workers = min(LOAD_THREADS, len(tasks), os.cpu_count() or 1)
+        if workers <= 1:
+            for task in tasks:
+                task()
             return
-        load_mlp(mlp, p + "mlp.")
-
-    def load_mlp(mlp, m: str) -> None:
-        inter = mlp.gate_up_proj.weight.shape[0] // 2
-        for kind, param in (("weight", mlp.gate_up_proj.weight),
-                            ("bias", mlp.gate_up_proj.bias if arch.mlp_bias else None)):
-            if param is not None:
-                _fill_rows(param, [(*part(m + f"gate_proj.{kind}", 0), inter),
-                                   (*part(m + f"up_proj.{kind}", 0), inter)], checkpoint)
-        fill(mlp.down_proj.weight, m + "down_proj.weight", 1)
-        if arch.mlp_bias:
-            fill(mlp.down_proj.bias, m + "down_proj.bias")
-
-    def load_attention(attn, p: str) -> None:
-        q_rows, kv_rows = attn.q_size, attn.kv_size
-        for kind, param in (("weight", attn.qkv_proj.weight),
-                            ("bias", attn.qkv_proj.bias if arch.attention_bias else None)):
-            if param is not None:
-                _fill_rows(param, [(*part(p + f"self_attn.q_proj.{kind}", 0), q_rows),
-                                   (*kv_part(p + f"self_attn.k_proj.{kind}"), kv_rows),
-                                   (*kv_part(p + f"self_attn.v_proj.{kind}"), kv_rows)], checkpoint)
-        fill(attn.o_proj.weight, p + "self_attn.o_proj.weight", 1)
-        if arch.attention_out_bias:
-            fill(attn.o_proj.bias, p + "self_attn.o_proj.bias")
-        if arch.qk_norm:
-            fill(attn.q_norm.weight, p + "self_attn.q_norm.weight")
-            fill(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-
-    # Independent tasks (the embeddings, head and final norm; each decoder layer) on up to two
-    # Python threads, each running torch on one thread (single_threaded in build_model): a
-    # thread preempted by the HTTP process delays only its own task, while the other takes
-    # the rest, so there is no barrier to stall on.
-    tasks = [load_ends] + [lambda i=i, layer=layer: load_layer(i, layer)
-                           for i, layer in enumerate(model.layers)]
-    workers = min(LOAD_THREADS, len(tasks), os.cpu_count() or 1)
-    if workers <= 1:
-        for task in tasks:
-            task()
-    else:
         with ThreadPoolExecutor(workers, thread_name_prefix="hearth-load") as pool:
             for future in [pool.submit(task) for task in tasks]:
                 future.result()
-    _check_all_read(model, recorder)
+
+    def check_all_read(self, model) -> None:
+        """Raise if a tensor of this model part (its layers; embeddings/head on the end stages)
+        was not read: the model would run without it and compute something else."""
+        def belongs(name: str) -> bool:
+            if name.startswith("model.layers."):
+                return model.layer_start <= int(name.split(".")[2]) < model.layer_end
+            if name == "model.embed_tokens.weight":
+                return model.is_first
+            if name == "lm_head.weight":  # a tied checkpoint may store a copy of the embeddings
+                return model.is_last and not model.arch.tie_word_embeddings
+            return model.is_last  # model.norm.* and anything unknown at the top level
+        elsewhere = _owned_elsewhere(model)
+        unused = sorted(n for n in self.tensor_names()
+                        if belongs(n) and n not in self.read and not elsewhere(n))
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" (and {len(unused) - 5} more)"
+                                             if len(unused) > 5 else "")
+            raise ValueError(f"checkpoint tensors the {model.arch.architecture} model has no "
+                             f"place for: {shown}")
 
 
 # Where each layout keeps a layer's router and experts (p = "model.layers.{i}."):
@@ -255,7 +145,7 @@ _PER_EXPERT_NAMES = (("mlp.experts.{j}.", ("gate_proj.weight", "up_proj.weight",
                      ("block_sparse_moe.experts.{j}.", ("w1.weight", "w3.weight", "w2.weight")))
 
 
-def load_moe_block(block: SparseMoeBlock, checkpoint, p: str) -> None:
+def load_moe_block(block: SparseMoeBlock, checkpoint: WeightLoader, p: str) -> None:
     """Fill a sparse block's router and this rank's experts (FusedMoE's docstring: all experts
     cut along I, or with expert parallelism E/P whole experts) from any of the layouts above.
     A missing or mis-shaped expert is an error naming the tensor."""
@@ -346,9 +236,9 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
     # meta-device + to_empty route pulls in torch's symbolic-shapes machinery, ~0.4 s of a cold
     # start.
     backend = select_attention_backend(device)  # CPU kernels, if any, come with use_kernels
+    family = family_of(arch.architecture)
     with torch.device(device):
-        model = model_class(arch.architecture)(arch, tp, layer_range, attn_backend=backend,
-                                               **extra)
+        model = family.model_class()(arch, tp, layer_range, attn_backend=backend, **extra)
     # The RoPE tables are computed on the CPU (see RotaryEmbedding): put them on the device.
     rope = RotaryEmbedding(arch.rotary_dim, arch.max_position_embeddings, arch.rope_theta,
                            arch.rope_scaling)
@@ -358,5 +248,7 @@ def build_model(checkpoint, dtype: torch.dtype, device: str = "cpu",
     if before_load is not None:  # on every thread: its repacks are task pools (parallel_tasks:
         before_load(model)       # a preempted thread holds up only its own task), not barriers
     with single_threaded():  # small passes beside a busy HTTP process (its docstring)
-        load_weights(model, checkpoint)
+        loader = WeightLoader(checkpoint, tp)
+        family.weight_loader()(model, loader)
+        loader.check_all_read(model)
         return model.to(dtype=dtype).eval()

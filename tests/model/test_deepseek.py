@@ -164,7 +164,7 @@ def test_short_chunks_over_a_cached_prefix_attend_absorbed(tiny_deepseek, monkey
     up-projecting its context (a later agent turn over a long cached prefix) attends as decode
     does; its tokens and logprobs equal the expanded path's (exact formats), and the pool is
     whole after both."""
-    from hearth.models.deepseek import MLAAttention
+    from hearth.models.families.deepseek.model import MLAAttention
 
     base = [(5 * j) % 200 + 3 for j in range(40)]
     turn = base + [(11 * j) % 200 + 7 for j in range(20)]  # a 20-token chunk after 40 cached

@@ -240,7 +240,7 @@ def test_a_tensor_the_model_has_no_place_for_is_an_error(tmp_path: Path) -> None
 def test_deepseek_arch_and_yarn_softmax_scale_match_transformers(tmp_path: Path) -> None:
     """MLA's shape is read from the config, and YaRN's mscale_all_dim scales the softmax as
     transformers does (the parity case above would catch it too; this names the cause)."""
-    from hearth.models.deepseek import mla_softmax_scale
+    from hearth.models.families.deepseek.model import mla_softmax_scale
 
     hf_model, folder = make_hf_model(tmp_path, "deepseek-v3-yarn")
     arch = HFCheckpoint(folder).arch

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hearth.models.arch import MlaSpec, ModelArch, MoeSpec
-from hearth.models.deepseek import DeepseekV3ForCausalLM
-from hearth.models.llama import LlamaForCausalLM
+from hearth.models.families.deepseek.model import DeepseekV3ForCausalLM
+from hearth.models.families.llama.model import LlamaForCausalLM
 from hearth.ops.attention import build_attention_metadata
 from hearth.ops.attention_backends import (CpuKernelAttentionBackend, CudaAttentionBackend,
                                            TorchAttentionBackend, select_attention_backend)

@@ -689,7 +689,7 @@ def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
     call per layer) equals the same step through the module path (the same kernels op by op,
     with the per-request queries in the attention kernel)."""
     from hearth.models.arch import ModelArch
-    from hearth.models.llama import LlamaForCausalLM
+    from hearth.models.families.llama.model import LlamaForCausalLM
 
     torch.manual_seed(5)
     arch = ModelArch("llama", vocab_size=96, hidden_size=128, intermediate_size=256, num_layers=3,
@@ -762,8 +762,8 @@ def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
     bottleneck, shared experts, rows of 40 (the attention's generic loop); V2: softmax +
     group_limited_greedy, q_proj, no shared experts, rows of 64 (its AVX-512 path)."""
     from hearth.models.arch import MlaSpec, ModelArch, MoeSpec
-    from hearth.models.deepseek import DeepseekV3ForCausalLM
-    from hearth.models.quant import quantize_absorb
+    from hearth.models.families.deepseek.model import DeepseekV3ForCausalLM
+    from hearth.models.families.deepseek.quant import quantize_absorb
 
     v3 = variant == "v3"
     nope = 32 if v3 else 16  # V3: the absorbed up-projections packed (Q8_0); V2: kv_b float

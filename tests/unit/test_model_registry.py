@@ -1,10 +1,20 @@
 """The family registry, MoE shapes in ModelArch, and how MoE models may be split across ranks."""
 
+import ast
+import dataclasses
+from pathlib import Path
+
 import pytest
 
+import hearth.models.arch
 from hearth.engine.parallel.layout import check_parallel_shape
-from hearth.models.arch import SUPPORTED_ARCHITECTURES, ModelArch, MoeSpec
-from hearth.models.registry import GGUF_ARCHITECTURES, HF_ARCHITECTURES, model_class
+from hearth.models import registry
+from hearth.models.arch import ModelArch, MoeSpec
+from hearth.models.registry import (FAMILIES, MLA_ARCHITECTURES, MOE_ARCHITECTURES,
+                                    SUPPORTED_ARCHITECTURES, family_of, gguf_family, hf_family,
+                                    model_class)
+
+FAMILIES_DIR = Path(hearth.models.arch.__file__).parent / "families"
 
 
 def make_arch(architecture: str = "qwen3_moe", moe: MoeSpec | None = None, **kw) -> ModelArch:
@@ -15,14 +25,83 @@ def make_arch(architecture: str = "qwen3_moe", moe: MoeSpec | None = None, **kw)
     return ModelArch(architecture=architecture, moe=moe, **{**shape, **kw})
 
 
-def test_every_family_has_a_model_class_and_every_file_name_a_family():
-    assert set(HF_ARCHITECTURES.values()) <= set(SUPPORTED_ARCHITECTURES)
-    assert {family for family, _ in GGUF_ARCHITECTURES.values()} <= set(SUPPORTED_ARCHITECTURES)
+def test_every_family_name_resolves_to_its_family_and_code():
+    for family in FAMILIES:
+        for hf_name, architecture in family.hf_names.items():
+            assert hf_family(hf_name, "f") == (family, architecture)
+        for gguf_name, architecture in family.gguf_names.items():
+            assert gguf_family(gguf_name, family.is_moe, "f") == (family, architecture)
+        for architecture in family.architectures:
+            assert family_of(architecture) is family
+            assert model_class(architecture) is family.model_class()
+        assert callable(family.weight_loader())
+        hooks = family.quant_hooks()
+        assert hooks is None or (callable(hooks.attention_linears)
+                                 and callable(hooks.quantize_attention))
     classes = {arch: model_class(arch).__name__ for arch in SUPPORTED_ARCHITECTURES}
     assert classes["llama"] == classes["qwen3"] == "LlamaForCausalLM"
     assert classes["mixtral"] == classes["qwen3_moe"] == "MoeLlamaForCausalLM"
-    with pytest.raises(ValueError, match="no model class for architecture 'gpt2'"):
+    assert classes["deepseek_v2"] == classes["deepseek_v3"] == "DeepseekV3ForCausalLM"
+    # llama.cpp's "llama" holds Llama and (with experts) Mixtral: the experts pick the family
+    assert gguf_family("llama", False, "f")[1] == "llama"
+    assert gguf_family("llama", True, "f")[1] == "mixtral"
+    with pytest.raises(ValueError, match="a qwen2 file with experts is not supported"):
+        gguf_family("qwen2", True, "f")
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+        gguf_family("gpt2", False, "f")
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        hf_family("GPT2LMHeadModel", "f")
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; hearth supports llama"):
         model_class("gpt2")
+
+
+def test_the_arch_tables_are_derived_from_the_families():
+    assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "mixtral",
+                                       "qwen3_moe", "deepseek_v2", "deepseek_v3")
+    assert MOE_ARCHITECTURES == tuple(a for f in FAMILIES if f.is_moe for a in f.architectures)
+    assert MOE_ARCHITECTURES == ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+    assert MLA_ARCHITECTURES == ("deepseek_v2", "deepseek_v3")
+    for name in ("SUPPORTED_ARCHITECTURES", "MOE_ARCHITECTURES", "MLA_ARCHITECTURES"):
+        assert not hasattr(hearth.models.arch, name)  # one source: the registry
+
+
+def test_each_family_folder_is_registered_and_each_registered_family_has_its_folder():
+    """A new family is its folder (with FAMILY in __init__.py) and a line in FAMILIES: a folder
+    without the line, or a line without the folder, fails here."""
+    folders = sorted(p.name for p in FAMILIES_DIR.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(f.name for f in FAMILIES)
+    for family in FAMILIES:
+        assert (FAMILIES_DIR / family.name / "model.py").exists()
+        assert (FAMILIES_DIR / family.name / "weights.py").exists()
+
+
+def test_no_module_outside_the_families_names_an_architecture():
+    """hearth/models and the engine never compare against an architecture's name: what differs
+    per family is asked of its Family (the random checkpoint writers, test factories, excepted)."""
+    names = set(SUPPORTED_ARCHITECTURES) | {g for f in FAMILIES for g in f.gguf_names}
+    root = FAMILIES_DIR.parent.parent
+    paths = [p for p in (root / "models").glob("*.py") if not p.name.startswith("random_")]
+    paths += list((root / "engine").glob("*.py"))
+    found = [f"{p.relative_to(root)}: {node.value!r}" for p in paths
+             for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Constant) and node.value in names]
+    assert found == []
+
+
+def test_families_may_not_claim_the_same_names():
+    llama = family_of("llama")
+    check_families = registry.check_families
+    twin = dataclasses.replace(llama, name="twin", architectures=("twin",), hf_names={},
+                               gguf_names={"qwen2": "twin"})
+    with pytest.raises(ValueError, match=r"gguf qwen2 \(dense\) is claimed by families llama "
+                                         r"and twin"):
+        check_families((llama, twin))
+    clash = dataclasses.replace(twin, hf_names={"LlamaForCausalLM": "twin"}, gguf_names={})
+    with pytest.raises(ValueError, match="'LlamaForCausalLM' is claimed by families llama"):
+        check_families((llama, clash))
+    with pytest.raises(ValueError, match="names map to"):
+        dataclasses.replace(twin, hf_names={"X": "llama"})
+    check_families((llama, dataclasses.replace(twin, gguf_names={"qwen2": "twin"}, is_moe=True)))
 
 
 def test_moe_settings_belong_to_moe_families_only():

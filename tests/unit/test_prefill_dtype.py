@@ -113,7 +113,7 @@ def test_many_row_steps_keep_bf16_activations_and_few_row_steps_stay_fp32(with_k
     linears on bf16 activations (bf16 in, bf16 out), a smaller step on fp32 ones; the final
     hidden states are fp32 either way."""
     from hearth.models.arch import ModelArch
-    from hearth.models.llama import LlamaForCausalLM
+    from hearth.models.families.llama.model import LlamaForCausalLM
 
     torch.manual_seed(3)
     kernels = load_cpu_kernels() if with_kernels else None

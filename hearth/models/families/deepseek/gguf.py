@@ -1,7 +1,11 @@
-"""llama.cpp's `deepseek2` GGUF metadata (DeepSeek-V2/V3, Kimi K2) -> hearth's MlaSpec and MoeSpec,
-the GGUF side of hearth/models/hf_loader.py's `_mla_spec` / `_deepseek_moe_spec`. Tensor names
-are mapped in gguf_loader.py (with the router's correction bias, `CORRECTION_BIAS`, and the split
-`attn_k_b` / `attn_v_b` form of kv_b_proj)."""
+"""llama.cpp's `deepseek2` GGUF files (DeepSeek-V2/V3, Kimi K2) -> hearth's MlaSpec and MoeSpec,
+the GGUF side of config.py, and the family's tensor names beyond the Llama set (MLA's
+projections, the shared experts, the router's correction bias). The split `attn_k_b` /
+`attn_v_b` form of kv_b_proj is joined in hearth/models/gguf_loader.py for every MLA family.
+
+llama.cpp runs deepseek2 with interleaved-pair RoPE, as DeepSeek's own weights are laid out, so
+its converter leaves the rotary rows alone: they stay interleaved (`MlaSpec.rope_interleave`)
+and the family's weight loader permutes them, as for the HF folder."""
 
 from __future__ import annotations
 
@@ -12,10 +16,36 @@ from hearth.models.gguf_file import GGUFFile
 
 # GGUF name of the router's correction bias (noaux_tc) -> its HF name under a layer
 CORRECTION_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
+_PROJECTIONS = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# GGUF block tensor ("name.kind" after "blk.{i}.") -> HF name after "model.layers.{i}."
+TENSOR_NAMES = {**{f"{g}.{kind}": f"{h}.{kind}" for g, h in _PROJECTIONS.items()
+                   for kind in ("weight", "bias")},
+                f"{CORRECTION_BIAS[0]}.bias": CORRECTION_BIAS[1]}
+
+
+def gguf_fields(meta: dict[str, Any], file: GGUFFile, key, architecture: str) -> dict[str, Any]:
+    """MLA and the grouped router; a file whose router scores by sigmoid is DeepSeek-V3 (or
+    Kimi K2), V2's is a softmax. MLA: every head has its own K and V, up-projected from the
+    latent (llama.cpp's head_count_kv says 1 in newer files: its absorbed attention is MQA over
+    the latent)."""
+    mla, moe = deepseek_mla_spec(file, key), deepseek_moe_spec(meta, file, key)
+    return {"architecture": "deepseek_v3" if moe.scoring_func == "sigmoid" else architecture,
+            "mla": mla, "moe": moe, "head_dim": mla.qk_head_dim,
+            "num_kv_heads": int(key("attention.head_count"))}
 
 
 def deepseek_mla_spec(file: GGUFFile, key) -> MlaSpec:
-    """deepseek2's attention keys -> MlaSpec (hf_loader's _mla_spec, from the GGUF side).
+    """deepseek2's attention keys -> MlaSpec (config.py's mla_spec, from the GGUF side).
 
     Newer converters describe the absorbed form llama.cpp runs (key_length = kv_lora_rank +
     rope, value_length = kv_lora_rank) and put the per-head widths in key_length_mla /
@@ -44,7 +74,7 @@ _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
 def deepseek_moe_spec(meta: dict[str, Any], file: GGUFFile, key) -> MoeSpec:
-    """deepseek2's expert keys -> MoeSpec (hf_loader's _deepseek_moe_spec, from the GGUF side).
+    """deepseek2's expert keys -> MoeSpec (config.py's moe_spec, from the GGUF side).
 
     The file has no topk_method: V3's noaux_tc is told by the router's correction bias
     (exp_probs_b), V2's group-limited greedy by expert groups without one. Dense layers are the

@@ -41,7 +41,7 @@ from torch import nn
 from hearth.models.arch import TOPK_METHODS, ModelArch
 from hearth.models.layers import (QLINEAR_MAX_ROWS, ColumnParallelLinear, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear)
-from hearth.models.llama import LlamaForCausalLM, LlamaMLP
+from hearth.models.families.llama.model import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock, route_grouped
 from hearth.ops.attention import AttentionMetadata, build_attention_metadata
 from hearth.ops.attention_backends import AttentionBackend

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from hearth.models.arch import ModelArch
-from hearth.models.llama import LlamaForCausalLM, LlamaMLP
+from hearth.models.families.llama.model import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock
 from hearth.ops.attention_backends import AttentionBackend
 from hearth.ops.parallel import SINGLE, ParallelGroup

@@ -134,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, tp: ParallelGroup, rotary: RotaryEmbedding,
                  mlp: nn.Module, attn: nn.Module | None, backend: AttentionBackend):
         super().__init__()
-        # LlamaAttention, or a family's own (hearth.models.deepseek.MLAAttention)
+        # LlamaAttention, or a family's own (hearth.models.families.deepseek.model.MLAAttention)
         self.self_attn = attn if attn is not None else LlamaAttention(arch, tp, rotary, backend)
         self.mlp = mlp  # LlamaMLP, or a family's own (hearth.models.moe.SparseMoeBlock)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)

@@ -1,0 +1,70 @@
+"""Model families: one folder each, listed in hearth/models/registry.py.
+
+A family's folder holds everything hearth knows about it: the file formats' names it answers to
+and how their configs become a `ModelArch` (`__init__.py`: its `FAMILY`), its modules
+(`model.py`), how checkpoint tensors fill them (`weights.py`), and any format hooks of its own
+(DeepSeek's `gguf.py`, `quant.py`). What several families share stays in hearth/models/ (layers,
+the fused MoE, quantization and GGUF machinery, the loaders' common fields).
+
+Importing a family's `__init__` reads no weights and imports no torch: a worker's HTTP process
+resolves names without it. Its model, weight loader and quant hooks are named as
+"module:attribute" inside the family's package and imported when a model is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+# hf_fields(config.json dict, architecture, folder) -> ModelArch fields of this family
+HfFields = Callable[[dict, str, Any], dict]
+# gguf_fields(metadata, GGUFFile, key(suffix, default) -> value, architecture) -> ModelArch
+# fields of this family (may include a refined "architecture", e.g. deepseek_v2 -> v3)
+GgufFields = Callable[[dict, Any, Callable, str], dict]
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """One model family as the loaders, the model builder and the quantizer see it."""
+
+    name: str  # its folder under hearth/models/families/
+    architectures: tuple[str, ...]  # the ModelArch.architecture values it runs
+    hf_names: dict[str, str]  # config.json "architectures"[0] -> ModelArch.architecture
+    gguf_names: dict[str, str]  # GGUF general.architecture -> ModelArch.architecture
+    hf_fields: HfFields  # config.json -> the ModelArch fields the shared parser does not know
+    gguf_fields: GgufFields  # GGUF metadata -> the same
+    model: str  # "module:class" in the family's package: the nn.Module that runs it
+    load_weights: str = "weights:load_weights"  # "module:function(model, WeightLoader)"
+    is_moe: bool = False  # every ModelArch of the family has a MoeSpec (and no other has)
+    uses_mla: bool = False  # every ModelArch of the family has an MlaSpec (and no other has)
+    # GGUF names whose Q/K rows llama.cpp's converter permuted for interleaved RoPE
+    gguf_permuted_qk: tuple[str, ...] = ()
+    # GGUF block tensor names of this family beyond the Llama set -> HF names under a layer
+    gguf_tensor_names: dict[str, str] = field(default_factory=dict)
+    # "module" with the family's quantization hooks (attention_linears, quantize_attention);
+    # None: the Llama attention layout (hearth/models/quant.py)
+    quant: str | None = None
+
+    def __post_init__(self) -> None:
+        named = set(self.hf_names.values()) | set(self.gguf_names.values())
+        if not named <= set(self.architectures):
+            raise ValueError(f"family {self.name}: names map to {sorted(named)}, not all of "
+                             f"its architectures {self.architectures}")
+
+    def _resolve(self, ref: str) -> Any:
+        module, attr = ref.split(":")
+        return getattr(self._module(module), attr)
+
+    def _module(self, module: str) -> ModuleType:
+        return importlib.import_module(f"{__name__}.{self.name}.{module}")
+
+    def model_class(self) -> type:
+        return self._resolve(self.model)
+
+    def weight_loader(self) -> Callable:
+        return self._resolve(self.load_weights)
+
+    def quant_hooks(self) -> ModuleType | None:
+        return None if self.quant is None else self._module(self.quant)
