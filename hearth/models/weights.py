@@ -5,7 +5,7 @@ loader)`, which says where each tensor goes; this module holds what every family
 shares: the `WeightLoader` (shards, merged rows, the read check, the load threads) and the MoE
 experts' checkpoint layouts (`load_moe_block`). Each rank asks the checkpoint only for its own
 shard: `checkpoint.get(name, shard=(dim, rank, world_size))`; merged projections are filled part
-by part (`WeightLoader.fill_rows`; their layout: hearth/models/families/llama/weights.py).
+by part (`WeightLoader.fill_rows`; their layout: hearth/models/families/llama/loading.py).
 
 Every tensor of the checkpoint that belongs to this model part is read: one the model has no
 place for (a bias of a projection the arch says has none, an unknown norm) is an error at load,

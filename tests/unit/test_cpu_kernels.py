@@ -763,7 +763,7 @@ def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
     group_limited_greedy, q_proj, no shared experts, rows of 64 (its AVX-512 path)."""
     from hearth.models.arch import MlaSpec, ModelArch, MoeSpec
     from hearth.models.families.deepseek.model import DeepseekV3ForCausalLM
-    from hearth.models.families.deepseek.quant import quantize_absorb
+    from hearth.models.families.deepseek.quant_hooks import quantize_absorb
 
     v3 = variant == "v3"
     nope = 32 if v3 else 16  # V3: the absorbed up-projections packed (Q8_0); V2: kv_b float

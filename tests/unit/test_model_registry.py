@@ -72,7 +72,7 @@ def test_each_family_folder_is_registered_and_each_registered_family_has_its_fol
     assert folders == sorted(f.name for f in FAMILIES)
     for family in FAMILIES:
         assert (FAMILIES_DIR / family.name / "model.py").exists()
-        assert (FAMILIES_DIR / family.name / "weights.py").exists()
+        assert (FAMILIES_DIR / family.name / "loading.py").exists()
 
 
 def test_no_module_outside_the_families_names_an_architecture():

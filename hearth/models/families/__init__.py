@@ -2,8 +2,8 @@
 
 A family's folder holds everything hearth knows about it: the file formats' names it answers to
 and how their configs become a `ModelArch` (`__init__.py`: its `FAMILY`), its modules
-(`model.py`), how checkpoint tensors fill them (`weights.py`), and any format hooks of its own
-(DeepSeek's `gguf.py`, `quant.py`). What several families share stays in hearth/models/ (layers,
+(`model.py`), how checkpoint tensors fill them (`loading.py`), and any format hooks of its own
+(DeepSeek's `gguf.py`, `quant_hooks.py`). What several families share stays in hearth/models/ (layers,
 the fused MoE, quantization and GGUF machinery, the loaders' common fields).
 
 Importing a family's `__init__` reads no weights and imports no torch: a worker's HTTP process
@@ -36,7 +36,7 @@ class Family:
     hf_fields: HfFields  # config.json -> the ModelArch fields the shared parser does not know
     gguf_fields: GgufFields  # GGUF metadata -> the same
     model: str  # "module:class" in the family's package: the nn.Module that runs it
-    load_weights: str = "weights:load_weights"  # "module:function(model, WeightLoader)"
+    load_weights: str = "loading:load_weights"  # "module:function(model, WeightLoader)"
     is_moe: bool = False  # every ModelArch of the family has a MoeSpec (and no other has)
     uses_mla: bool = False  # every ModelArch of the family has an MlaSpec (and no other has)
     # GGUF names whose Q/K rows llama.cpp's converter permuted for interleaved RoPE

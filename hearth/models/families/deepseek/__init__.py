@@ -2,7 +2,7 @@
 and DeepSeek's MoE (grouped router, shared experts)."""
 
 from hearth.models.families import Family
-from hearth.models.families.deepseek import config, gguf
+from hearth.models.families.deepseek import arch_fields, gguf
 
 FAMILY = Family(
     name="deepseek",
@@ -11,10 +11,10 @@ FAMILY = Family(
     # deepseek2 holds V2, V3 and Kimi K2: gguf.gguf_fields tells V3 by its sigmoid router
     gguf_names={"deepseek2": "deepseek_v2"},
     gguf_tensor_names=gguf.TENSOR_NAMES,
-    hf_fields=config.hf_fields,
+    hf_fields=arch_fields.hf_fields,
     gguf_fields=gguf.gguf_fields,
     model="model:DeepseekV3ForCausalLM",
     is_moe=True,
     uses_mla=True,
-    quant="quant",
+    quant="quant_hooks",
 )

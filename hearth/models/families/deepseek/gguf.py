@@ -1,5 +1,5 @@
 """llama.cpp's `deepseek2` GGUF files (DeepSeek-V2/V3, Kimi K2) -> hearth's MlaSpec and MoeSpec,
-the GGUF side of config.py, and the family's tensor names beyond the Llama set (MLA's
+the GGUF side of arch_fields.py, and the family's tensor names beyond the Llama set (MLA's
 projections, the shared experts, the router's correction bias). The split `attn_k_b` /
 `attn_v_b` form of kv_b_proj is joined in hearth/models/gguf_loader.py for every MLA family.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hearth.models.arch import MlaSpec, MoeSpec
+from hearth.models.specs import MlaSpec, MoeSpec
 from hearth.models.gguf_file import GGUFFile
 
 # GGUF name of the router's correction bias (noaux_tc) -> its HF name under a layer
@@ -45,7 +45,7 @@ def gguf_fields(meta: dict[str, Any], file: GGUFFile, key, architecture: str) ->
 
 
 def deepseek_mla_spec(file: GGUFFile, key) -> MlaSpec:
-    """deepseek2's attention keys -> MlaSpec (config.py's mla_spec, from the GGUF side).
+    """deepseek2's attention keys -> MlaSpec (arch_fields.py's mla_spec, from the GGUF side).
 
     Newer converters describe the absorbed form llama.cpp runs (key_length = kv_lora_rank +
     rope, value_length = kv_lora_rank) and put the per-head widths in key_length_mla /
@@ -74,7 +74,7 @@ _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
 def deepseek_moe_spec(meta: dict[str, Any], file: GGUFFile, key) -> MoeSpec:
-    """deepseek2's expert keys -> MoeSpec (config.py's moe_spec, from the GGUF side).
+    """deepseek2's expert keys -> MoeSpec (arch_fields.py's moe_spec, from the GGUF side).
 
     The file has no topk_method: V3's noaux_tc is told by the router's correction bias
     (exp_probs_b), V2's group-limited greedy by expert groups without one. Dense layers are the

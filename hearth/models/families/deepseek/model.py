@@ -109,7 +109,7 @@ class MLAAttention(nn.Module):
 
     def set_quantized_absorb(self, uk, uv, kernels) -> None:
         """The absorbed up-projections as PackedWeights: W_UK_h^T rows [H L, nope] and W_UV_h
-        rows [H v, L] (quant.py `quantize_absorb`)."""
+        rows [H v, L] (quant_hooks.py `quantize_absorb`)."""
         self.absorb_uk, self.absorb_uv, self.kernels = uk, uv, kernels
 
     def _absorb(self, x: torch.Tensor, w, rows: int) -> torch.Tensor | None:

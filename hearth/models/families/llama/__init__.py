@@ -1,7 +1,7 @@
 """The Llama family: Llama 2/3 (SmolLM2), Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k norm)."""
 
 from hearth.models.families import Family
-from hearth.models.families.llama import config
+from hearth.models.families.llama import arch_fields
 
 FAMILY = Family(
     name="llama",
@@ -12,7 +12,7 @@ FAMILY = Family(
     # llama.cpp's converter permutes Llama and Mistral Q/K rows for its interleaved RoPE;
     # Qwen files use NEOX-style RoPE and are stored as HF has them
     gguf_permuted_qk=("llama", "mistral"),
-    hf_fields=config.hf_fields,
-    gguf_fields=config.gguf_fields,
+    hf_fields=arch_fields.hf_fields,
+    gguf_fields=arch_fields.gguf_fields,
     model="model:LlamaForCausalLM",
 )

@@ -1,7 +1,7 @@
 """Mixtral and Qwen3-MoE: the Llama decoder with a sparse MoE block where the config says."""
 
 from hearth.models.families import Family
-from hearth.models.families.moe_llama import config
+from hearth.models.families.moe_llama import arch_fields
 
 FAMILY = Family(
     name="moe_llama",
@@ -11,8 +11,8 @@ FAMILY = Family(
     # file with experts is this family's, one without the Llama family's (registry.gguf_family)
     gguf_names={"llama": "mixtral", "qwen3moe": "qwen3_moe"},
     gguf_permuted_qk=("llama",),
-    hf_fields=config.hf_fields,
-    gguf_fields=config.gguf_fields,
+    hf_fields=arch_fields.hf_fields,
+    gguf_fields=arch_fields.gguf_fields,
     model="model:MoeLlamaForCausalLM",
     is_moe=True,
 )

@@ -3,7 +3,7 @@ layer's router and experts in any of the layouts hearth.models.weights.load_moe_
 
 from __future__ import annotations
 
-from hearth.models.families.llama import weights as llama
+from hearth.models.families.llama import loading as llama
 from hearth.models.weights import WeightLoader, load_moe_block
 
 

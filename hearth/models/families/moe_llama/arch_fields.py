@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hearth.models.arch import MoeSpec
-from hearth.models.families.llama.config import attention_fields
+from hearth.models.specs import MoeSpec
+from hearth.models.families.llama.arch_fields import attention_fields
 
 
 def hf_fields(config: dict[str, Any], architecture: str, folder) -> dict[str, Any]:

@@ -6,7 +6,7 @@ the shared experts; the rest as the Llama family loads it."""
 from __future__ import annotations
 
 from hearth.models.families.deepseek.model import interleaved_to_half
-from hearth.models.families.llama import weights as llama
+from hearth.models.families.llama import loading as llama
 from hearth.models.weights import WeightLoader, load_moe_block
 
 
