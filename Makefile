@@ -35,11 +35,16 @@ $(KERNELS): $(STAMP) $(wildcard hearth/ops/csrc/*) hearth/ops/build_kernels.py
 serve: setup
 	$(BIN)/hearth up --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
+# One pytest worker per core (pytest-xdist), a test file at a time per worker (--dist loadfile:
+# a file's module-scoped servers stay in one process). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= logical
+TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest $(TEST_FLAGS) tests
 
 test-unit: setup
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest $(TEST_FLAGS) tests/unit
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py
