@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.models.parallel_group import ParallelGroup
 from hearth.ops.lowp_gemm import LowpWeight
-from hearth.ops.parallel import ParallelGroup
 
 
 # A step with at most this many rows multiplies through the quantized weights (decode: bound by

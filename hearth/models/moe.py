@@ -32,7 +32,7 @@ from torch import nn
 
 from hearth.models.arch import ModelArch
 from hearth.models.layers import LOWP_MIN_ROWS, QLINEAR_MAX_ROWS, drop_float
-from hearth.ops.parallel import ParallelGroup
+from hearth.models.parallel_group import ParallelGroup
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool

@@ -27,10 +27,10 @@ from hearth.models.deepseek import DeepseekMoE, MLAAttention, interleaved_to_hal
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.llama import LlamaForCausalLM
 from hearth.models.moe import SparseMoeBlock
+from hearth.models.parallel_group import SINGLE, ParallelGroup
 from hearth.models.registry import model_class
 from hearth.ops.attention_backends import select_attention_backend
 from hearth.ops.cpu_kernels import single_threaded
-from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
 LOAD_THREADS = 2  # Python threads decoding tensors at a load (see load_weights)
