@@ -20,7 +20,7 @@ from hearth.models.layers import (KERNEL_ACT_DTYPES, LOWP_MIN_ROWS, QLINEAR_MAX_
                                   ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
 from hearth.models.parallel_group import SINGLE, ParallelGroup
-from hearth.ops.attention import AttentionMetadata
+from hearth.ops.attention import CAUSAL, AttentionMetadata, AttentionSpec
 from hearth.ops.attention_backends import (AttentionBackend, TorchAttentionBackend,
                                            select_attention_backend)
 from hearth.ops.cpu_kernels import CpuKernels
@@ -53,6 +53,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.backend = backend
+        # a sliding window, chunked-local attention or sinks (a family sets them per layer)
+        self.spec: AttentionSpec = CAUSAL
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -70,7 +72,7 @@ class LlamaAttention(nn.Module):
                                           self.num_kv_heads, self.head_dim, qk_norm):
             q, k = self.norm_and_rotate(q, k, positions)
             self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.spec)
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def norm_and_rotate(self, q, k, positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,15 +125,16 @@ class LlamaDecoderLayer(nn.Module):
     def enable_fused_decode(self) -> bool:
         """Steps of short queries only (decodes, speculative verify steps: at most 16 tokens in
         all) go through one fused kernel call (`decode_layers` over this layer) when every part is
-        one the kernel does: a dense MLP, quantized weights, no biases or q/k norms, one
-        rank. Returns whether it is enabled."""
+        one the kernel does: a dense MLP, quantized weights, no biases or q/k norms, plain
+        causal attention, one rank. Returns whether it is enabled."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP) or not isinstance(attn, LlamaAttention):
             self._fused = None
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         kernels = attn.backend.kernels  # the fused call attends through the same build
-        if (kernels is None or attn.q_norm is not None or any(m.bias is not None for m in linears)
+        if (kernels is None or attn.q_norm is not None or not attn.spec.is_causal
+                or any(m.bias is not None for m in linears)
                 or attn.o_proj.group.size > 1 or any(m.qweight is None for m in linears)):
             self._fused = None
             return False
