@@ -120,8 +120,7 @@ class MLAAttention(nn.Module):
         more rows than the quantized path takes (the rule of Linear.matmul)."""
         if w is None or x.dtype != torch.float32 or x.shape[0] > QLINEAR_MAX_ROWS:
             return None
-        k = self.kernels
-        return k.ops.mla_absorb(x, w.qs, w.d, w.m, w.qtype, rows, k.threads.count, w.int8_act)
+        return self.kernels.mla_absorb(x, w, rows)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> [T, H, L]: each head's query through its W_UK (q_nope_h W_UK_h)."""
@@ -272,7 +271,7 @@ def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
     model as built: no CPU kernels, tensor parallelism (the kernel has no all-reduce), a linear
     without packed weights or with a bias, float experts, mixed activation formats."""
     kernels = getattr(model.attn_backend, "kernels", None)
-    if (kernels is None or not hasattr(kernels.ops, "mla_decode_layers") or model.tp.size > 1
+    if (kernels is None or not kernels.has("mla_decode_layers") or model.tp.size > 1
             or not model.layers):
         return None
     layers, blocks, int8 = [], [], set()

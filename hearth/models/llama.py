@@ -100,7 +100,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and gate_up.dtype in KERNEL_ACT_DTYPES:
-            return self.down_proj(self.kernels.ops.silu_mul(gate_up))
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 

@@ -178,6 +178,36 @@ class CpuKernels:
         reads a cached prefix from the paged cache in place."""
         return self.variant == "avx512amx" and head_dim == 64
 
+    def has(self, op: str) -> bool:
+        """Whether the loaded build registers `op` (False before any build is loaded)."""
+        return hasattr(torch.ops.hearth, op)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 bf16_out: bool = False) -> torch.Tensor:
+        """norm(x) * weight (csrc/elementwise.h), float32 or (bf16_out) bfloat16."""
+        return torch.ops.hearth.rms_norm(x, weight, eps, bf16_out)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float, bf16_out: bool = False) -> torch.Tensor:
+        """residual += x in place; returns norm(residual) * weight."""
+        return torch.ops.hearth.add_rms_norm(x, residual, weight, eps, bf16_out)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> silu(gate) * up [T, I]."""
+        return torch.ops.hearth.silu_mul(gate_up)
+
+    def moe_topk(self, logits: torch.Tensor, k: int, renormalize: bool,
+                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax router: (weights [T, k] float32, ids [T, k] int64); adds each pick to
+        `counts` (an empty tensor: not counted)."""
+        return torch.ops.hearth.moe_topk(logits, k, renormalize, counts)
+
+    def mla_absorb(self, x: torch.Tensor, w: PackedWeight, rows: int) -> torch.Tensor:
+        """x [T, H, K] through each head's `rows` rows of `w` ([H rows, K] packed) -> [T, H,
+        rows] (csrc/mla_layers.h)."""
+        return torch.ops.hearth.mla_absorb(x, w.qs, w.d, w.m, w.qtype, rows, self.threads.count,
+                                           w.int8_act)
+
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
                                         w.in_features, self.threads.count, w.int8_act)
