@@ -35,7 +35,7 @@ def _flatten(layer) -> tuple[list[torch.Tensor], list[int]]:
     tensors, types = [], []
     for f in fields(layer):
         value = getattr(layer, f.name)
-        if "PackedWeight" in str(f.type):
+        if f.type.startswith("PackedWeight"):
             tensors += [_EMPTY] * 3 if value is None else [value.qs, value.d, value.m]
             types.append(0 if value is None else value.qtype)
         else:
@@ -45,8 +45,15 @@ def _flatten(layer) -> tuple[list[torch.Tensor], list[int]]:
 
 def _split_shape(shape) -> tuple[list[int], list[float]]:
     """A shape dataclass's int (and bool) fields, then its float fields, each in field order."""
-    ints = [int(getattr(shape, f.name)) for f in fields(shape) if f.type in ("int", "bool")]
-    floats = [float(getattr(shape, f.name)) for f in fields(shape) if f.type == "float"]
+    ints, floats = [], []
+    for f in fields(shape):  # annotations are strings here (`from __future__ import annotations`)
+        if f.type not in ("int", "bool", "float"):
+            raise TypeError(f"{type(shape).__name__}.{f.name}: a shape field is int, bool or float")
+        value = getattr(shape, f.name)
+        if f.type == "float":
+            floats.append(float(value))
+        else:
+            ints.append(int(value))
     return ints, floats
 
 
