@@ -19,8 +19,8 @@ def reference(q, k_cache, v_cache, meta, scale: float, spec: AttentionSpec) -> t
     out = torch.empty(q.shape, dtype=torch.float64)
     requests = list(zip(meta.prefill_query_starts, meta.prefill_query_lens,
                         meta.prefill_context_lens, [t.tolist() for t in meta.prefill_block_tables]))
-    requests += [(row, 1, ctx, table) for row, ctx, table in
-                 zip(meta.decode_token_index.tolist(), meta.decode_context_lens, meta.decode_tables)]
+    requests += [(row, 1, ctx, table) for row, ctx, table in zip(
+        meta.decode_token_index.tolist(), meta.decode_context_lens, meta.decode_tables)]
     group = HEADS // KV_HEADS
     for start, q_len, ctx_len, table in requests:
         keys = k_cache[table].reshape(-1, KV_HEADS, DIM)[:ctx_len].double()
