@@ -264,13 +264,14 @@ class RankSetLost(CoreFailed):
 
 
 def _rank_set_lost(exc: BaseException) -> bool:
-    from hearth.ops.distributed import RankFailedError  # torch: loaded with the engine by now
+    # torch: loaded with the engine by now
+    from hearth.engine.parallel.distributed import RankFailedError
 
     return isinstance(exc, RankFailedError)
 
 
 def _rank_failed_error(failure: str) -> Exception:
-    from hearth.ops.distributed import RankFailedError
+    from hearth.engine.parallel.distributed import RankFailedError
 
     return RankFailedError(failure)
 

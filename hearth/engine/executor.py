@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 
 from hearth.config import CacheConfig, EngineConfig, ParallelConfig
+from hearth.engine import host_memory
+from hearth.engine.parallel.distributed import RankFailedError
 from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank
 from hearth.engine.runner import DTYPES, KV_DTYPES, ModelRunner
 from hearth.engine.step import Executor
@@ -32,9 +34,8 @@ from hearth.models.moe import use_lowp_expert_prompts
 from hearth.models.quant import (FLOAT_GGML_TYPES, QUANTIZATIONS, attach_file_blocks,
                                  quantize_model)
 from hearth.models.weights import build_model
-from hearth.ops import host_memory, kv_quant
+from hearth.ops import kv_quant
 from hearth.ops.cpu_kernels import QTYPES, CpuKernels, load_cpu_kernels
-from hearth.ops.distributed import RankFailedError
 
 __all__ = ["BuiltModel", "RankFailedError", "build_model_for", "make_executor", "num_kv_blocks",
            "resolve_formats"]

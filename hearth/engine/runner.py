@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from hearth.engine import host_memory
 from hearth.engine.sampler import RowSampler
 from hearth.engine.step import SampleResult, SampleRow, StepCommand, sample_row_positions
 from hearth.engine.step_state import StepReceiver
 from hearth.engine.thread_tuner import ThreadTuner
 from hearth.models.moe import SparseMoeBlock
-from hearth.ops import host_memory, kv_quant
+from hearth.ops import kv_quant
 from hearth.ops.attention import build_attention_metadata
 
 

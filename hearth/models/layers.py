@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.models.parallel_group import ParallelGroup
 from hearth.ops.lowp_gemm import LowpWeight
-from hearth.ops.parallel import ParallelGroup
 
 
 # A step with at most this many rows multiplies through the quantized weights (decode: bound by
@@ -149,8 +149,7 @@ class RMSNorm(nn.Module):
         """norm(x) * weight, in `out_dtype` (default: x's dtype)."""
         out_dtype = out_dtype or x.dtype
         if self._kernel_ok(x) and out_dtype in KERNEL_ACT_DTYPES:
-            return self.kernels.ops.rms_norm(x, self.weight, self.eps,
-                                             out_dtype == torch.bfloat16)
+            return self.kernels.rms_norm(x, self.weight, self.eps, out_dtype == torch.bfloat16)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -163,8 +162,8 @@ class RMSNorm(nn.Module):
         out_dtype = out_dtype or residual.dtype
         if (self._kernel_ok(x) and residual.dtype == torch.float32 and residual.is_contiguous()
                 and out_dtype in KERNEL_ACT_DTYPES):
-            return self.kernels.ops.add_rms_norm(x, residual, self.weight, self.eps,
-                                                 out_dtype == torch.bfloat16), residual
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps,
+                                             out_dtype == torch.bfloat16), residual
         residual = residual + x
         return self(residual, out_dtype), residual
 

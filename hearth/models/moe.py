@@ -32,7 +32,7 @@ from torch import nn
 
 from hearth.models.arch import ModelArch
 from hearth.models.layers import LOWP_MIN_ROWS, QLINEAR_MAX_ROWS, drop_float
-from hearth.ops.parallel import ParallelGroup
+from hearth.models.parallel_group import ParallelGroup
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool
@@ -219,7 +219,7 @@ class SparseMoeBlock(nn.Module):
         kernels = self.experts.kernels
         if kernels is not None and x.device.type == "cpu":  # one op: softmax, top-k, counts
             counts = self.expert_counts if self.expert_counts is not None else self._no_counts
-            return kernels.ops.moe_topk(logits, self.top_k, self.renormalize, counts)
+            return kernels.moe_topk(logits, self.top_k, self.renormalize, counts)
         topk_weights, topk_ids = route_softmax(logits, self.top_k, self.renormalize)
         self.count(topk_ids)
         return topk_weights, topk_ids

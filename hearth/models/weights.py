@@ -26,10 +26,10 @@ import torch
 
 from hearth.models.layers import RotaryEmbedding
 from hearth.models.moe import SparseMoeBlock
+from hearth.models.parallel_group import SINGLE, ParallelGroup
 from hearth.models.registry import family_of
 from hearth.ops.attention_backends import select_attention_backend
 from hearth.ops.cpu_kernels import single_threaded
-from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
 LOAD_THREADS = 2  # Python threads decoding tensors at a load (WeightLoader.run)

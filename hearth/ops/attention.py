@@ -76,6 +76,49 @@ class AttentionMetadata:
         return mask[:, None, None, :].to(self.device)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's queries see keys, beyond plain causal attention. Query i of a request
+    (its position in the context) sees key j <= i, and further:
+
+        window W:  only the last W keys, j > i - W                (Mistral, gpt-oss)
+        chunk C:   only keys of its own chunk, j // C == i // C   (Llama 4's local layers)
+        sinks:     [H] float32, one learned logit per query head that joins every softmax
+                   as a key with no value (gpt-oss): out = sum_j p_j v_j with
+                   p_j = e^(s_j) / (sum_k e^(s_k) + e^(sink_h)), so the weights may sum to < 1
+
+    Both limits may be set (a token then sees the keys both allow). The default is plain causal
+    attention, which every backend's fast paths serve.
+    """
+
+    window: int | None = None
+    chunk: int | None = None
+    sinks: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"attention {name} must be at least 1, got {value}")
+
+    @property
+    def is_causal(self) -> bool:
+        """Plain causal attention: nothing to limit, no sinks."""
+        return self.window is None and self.chunk is None and self.sinks is None
+
+    def first_key(self, positions: torch.Tensor) -> torch.Tensor:
+        """The first key each query position sees (int64, like `positions`)."""
+        first = torch.zeros_like(positions)
+        if self.window is not None:
+            first = torch.maximum(first, positions - self.window + 1)
+        if self.chunk is not None:
+            first = torch.maximum(first, positions // self.chunk * self.chunk)
+        return first
+
+
+CAUSAL = AttentionSpec()
+
+
 def padded_table(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     """[len(tables), longest] block tables, each padded with 0, in one torch.tensor call."""
     width = max((len(t) for t in tables), default=0)

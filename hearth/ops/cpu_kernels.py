@@ -12,10 +12,14 @@ import json
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hearth.ops import build_kernels
+
+if TYPE_CHECKING:
+    from hearth.ops.fused_decode import LlamaStack, MlaStack, ShortQueryStep
 
 log = logging.getLogger("hearth.ops")
 
@@ -174,6 +178,36 @@ class CpuKernels:
         reads a cached prefix from the paged cache in place."""
         return self.variant == "avx512amx" and head_dim == 64
 
+    def has(self, op: str) -> bool:
+        """Whether the loaded build registers `op` (False before any build is loaded)."""
+        return hasattr(torch.ops.hearth, op)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 bf16_out: bool = False) -> torch.Tensor:
+        """norm(x) * weight (csrc/elementwise.h), float32 or (bf16_out) bfloat16."""
+        return torch.ops.hearth.rms_norm(x, weight, eps, bf16_out)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float, bf16_out: bool = False) -> torch.Tensor:
+        """residual += x in place; returns norm(residual) * weight."""
+        return torch.ops.hearth.add_rms_norm(x, residual, weight, eps, bf16_out)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> silu(gate) * up [T, I]."""
+        return torch.ops.hearth.silu_mul(gate_up)
+
+    def moe_topk(self, logits: torch.Tensor, k: int, renormalize: bool,
+                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax router: (weights [T, k] float32, ids [T, k] int64); adds each pick to
+        `counts` (an empty tensor: not counted)."""
+        return torch.ops.hearth.moe_topk(logits, k, renormalize, counts)
+
+    def mla_absorb(self, x: torch.Tensor, w: PackedWeight, rows: int) -> torch.Tensor:
+        """x [T, H, K] through each head's `rows` rows of `w` ([H rows, K] packed) -> [T, H,
+        rows] (csrc/mla_layers.h)."""
+        return torch.ops.hearth.mla_absorb(x, w.qs, w.d, w.m, w.qtype, rows, self.threads.count,
+                                           w.int8_act)
+
     def qlinear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return torch.ops.hearth.qlinear(x, w.qs, w.d, w.m, w.qtype, w.out_features,
                                         w.in_features, self.threads.count, w.int8_act)
@@ -206,6 +240,37 @@ class CpuKernels:
         return torch.ops.hearth.moe_experts(x, w13, w2, topk_weights, topk_ids, expert_start,
                                             q, types, self.threads.count,
                                             q13 is not None and q13.int8_act)
+
+
+    def decode_layers(self, stack: "LlamaStack", x: torch.Tensor, residual: torch.Tensor | None,
+                      k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                      step: "ShortQueryStep") -> tuple[torch.Tensor, torch.Tensor]:
+        """`stack`'s Llama layers over a step of short queries in one call (csrc/decode_layers.h;
+        `residual` None: the first layer's input is its own residual). Returns (hidden,
+        residual) after the last layer; the K/V of the step's tokens are written."""
+        return self.ops.decode_layers(
+            x=x, residual=x if residual is None else residual, has_residual=residual is not None,
+            weights=stack.weights, qtypes=stack.qtypes, dims=stack.dims, fdims=stack.fdims,
+            rope_cos=stack.rope_cos, rope_sin=stack.rope_sin, k_caches=k_caches,
+            v_caches=v_caches, positions=step.positions, slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables, context_lens=step.context_lens,
+            query_lens=step.query_lens, split=self.decode_split, threads=self.threads.count,
+            int8_act=stack.int8_act)
+
+    def mla_decode_layers(self, stack: "MlaStack", x: torch.Tensor, residual: torch.Tensor | None,
+                          caches: list[torch.Tensor], expert_counts: list[torch.Tensor],
+                          step: "ShortQueryStep") -> tuple[torch.Tensor, torch.Tensor]:
+        """`stack`'s MLA layers over a step of short queries in one call (csrc/mla_layers.h):
+        `caches` the layers' latent caches, `expert_counts` each layer's router counts (an
+        empty tensor: not counted). Returns (hidden, residual) after the last layer."""
+        return self.ops.mla_decode_layers(
+            x=x, residual=x if residual is None else residual, has_residual=residual is not None,
+            weights=stack.weights, qtypes=stack.qtypes, dims=stack.dims, fdims=stack.fdims,
+            expert_counts=expert_counts, rope_cos=stack.rope_cos, rope_sin=stack.rope_sin,
+            caches=caches, positions=step.positions, slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables, context_lens=step.context_lens,
+            query_lens=step.query_lens, split=self.decode_split, threads=self.threads.count,
+            int8_act=stack.int8_act)
 
 
 def available_variants() -> list[str]:

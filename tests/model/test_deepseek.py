@@ -16,6 +16,7 @@ import torch
 
 from hearth.config import SpeculativeConfig
 from hearth.engine.llm import LLM
+from hearth.models.families.deepseek.model import FusedMLAModel
 from hearth.models.hf_loader import HFCheckpoint
 from hearth.models.random_checkpoint import _write_word_tokenizer, write_random_deepseek
 from tests.model.test_hf_parity import make_hf_model
@@ -148,7 +149,7 @@ def test_fused_decode_layers_serve_the_fast_formats(tiny_deepseek):
             model = llm.engine.executor.model
             if getattr(model.attn_backend, "kernels", None) is None:
                 pytest.skip("no CPU kernel build is usable here")
-            assert model._fused_all.op == torch.ops.hearth.mla_decode_layers
+            assert isinstance(model._fused_all, FusedMLAModel)
             if not fused:
                 model._fused_all = None
             runs.append(llm.generate(PROMPTS + [PROMPTS[0] * 3], GREEDY))

@@ -83,6 +83,19 @@ def test_models_name_no_attention_kernel_and_no_private_ops_name():
     assert found == []
 
 
+def test_models_call_kernels_only_through_named_methods():
+    """No model file reaches a build's raw ops (`kernels.ops.x(...)`, `torch.ops.hearth`):
+    each kernel is a method of `CpuKernels` that names its arguments, attention is the
+    backend's."""
+    found = []
+    for path in sorted(MODELS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "ops" and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "hearth"):
+                found.append(f"{path.relative_to(MODELS)}:{node.lineno} reads .ops")
+    assert found == []
+
+
 def mixed_step(gen, block_size: int, num_blocks: int):
     """A step with a prompt chunk after a cached prefix, a fresh prompt, a verify step of 4 and
     two decodes; block tables out of order."""

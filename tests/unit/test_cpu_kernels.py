@@ -20,6 +20,7 @@ from hearth.ops import kv_quant
 from hearth.ops.attention import build_attention_metadata, write_kv
 from hearth.ops.attention_backends import CpuKernelAttentionBackend
 from hearth.ops.cpu_kernels import QTYPE_IDS, available_variants, load_cpu_kernels, pack_ggml
+from hearth.ops.fused_decode import LlamaLayerWeights, LlamaShape, LlamaStack
 from tests.attention_steps import paged_attention
 
 VARIANTS = available_variants()
@@ -685,8 +686,8 @@ def test_short_query_kernel_rejects_bad_metadata(kernels):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, *SCALED_KV])
 def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
     """A step of short queries (1 + k tokens per request, as a speculative verify step) through
-    the fused decoder layers (all layers in one `decode_layers` call, and one `decode_layer`
-    call per layer) equals the same step through the module path (the same kernels op by op,
+    the fused decoder layers (all layers in one `decode_layers` call, and one such call per
+    layer) equals the same step through the module path (the same kernels op by op,
     with the per-request queries in the attention kernel)."""
     from hearth.models.arch import ModelArch
     from hearth.models.families.llama.model import LlamaForCausalLM
@@ -706,12 +707,9 @@ def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
             lin.set_quantized(pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(lin.weight.data)), kernels)
     assert model.enable_fused_decode()
     calls = []
-    op = model._fused_all.op
-    model._fused_all = model._fused_all._replace(
-        op=lambda *a, _op=op: calls.append("all") or _op(*a))
+    model._fused_all = model._fused_all._replace(kernels=counting(kernels, calls, "all"))
     for layer in model.layers:
-        op = layer._fused.op
-        layer._fused = layer._fused._replace(op=lambda *a, _op=op: calls.append("layer") or _op(*a))
+        layer._fused = layer._fused._replace(kernels=counting(kernels, calls, "layer"))
     block_size, num_blocks = 16, 24
     context_lens, query_lens = [40, 7, 100], [5, 7, 3]  # one request with nothing cached before
     gen = torch.Generator().manual_seed(6)
@@ -736,6 +734,17 @@ def test_fused_layer_takes_short_query_steps(kernels, cache_dtype):
     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
     assert_same_cache(all_kv, module_kv)
     assert_same_cache(layer_kv, module_kv)
+
+
+def counting(kernels, calls: list, name: str):
+    """`kernels` with each fused decode call recorded in `calls` as `name`."""
+    from types import SimpleNamespace
+
+    def record(op):
+        return lambda *a: calls.append(name) or op(*a)
+
+    return SimpleNamespace(decode_layers=record(kernels.decode_layers),
+                           mla_decode_layers=record(kernels.mla_decode_layers))
 
 
 def quantize_for_kernels(model, kernels) -> None:
@@ -790,9 +799,7 @@ def test_fused_mla_layers_equal_the_module_path(kernels, cache_dtype, variant):
     assert quantize_absorb(model, kernels) == ({"absorbed-q8_0": 3} if v3 else {"none": 3})
     assert model.enable_fused_decode()
     calls = []
-    op = model._fused_all.op
-    model._fused_all = model._fused_all._replace(
-        op=lambda *a, _op=op: calls.append("mla") or _op(*a))
+    model._fused_all = model._fused_all._replace(kernels=counting(kernels, calls, "mla"))
     block_size, num_blocks = 16, 24
     context_lens, query_lens = [40, 7, 100], [5, 7, 1]
     gen = torch.Generator().manual_seed(12)
@@ -832,9 +839,11 @@ def test_fused_mla_layers_reject_what_they_do_not_cover(kernels):
     w[10] = kvb
 
     def call(caches, weights=w, types=[0] * 9, d=dims):
-        return kernels.ops.mla_decode_layers(x, x, False, weights, types, [0], [torch.empty(0)],
-                                             cos, cos, pos, caches, slots, table, ctx, d,
-                                             [1e-6, 0.1, 1.0], 512, 1)
+        return kernels.ops.mla_decode_layers(
+            x=x, residual=x, has_residual=False, weights=weights, qtypes=types, dims=d,
+            fdims=[1e-6, 0.1, 1.0], expert_counts=[torch.empty(0)], rope_cos=cos, rope_sin=cos,
+            caches=caches, positions=pos, slot_mapping=slots, block_tables=table,
+            context_lens=ctx, query_lens=None, split=512, threads=1, int8_act=False)
 
     good = torch.zeros(2, 16, 1, 40)
     with pytest.raises(RuntimeError, match="per layer 36 tensors"):
@@ -889,30 +898,56 @@ def test_mla_absorb_is_each_heads_qlinear(kernels, int8_act):
 def test_decode_layers_rejects_mismatched_lists(kernels):
     x = torch.randn(1, 32)
     kc = torch.zeros(2, 16, 1, 32)
-    with pytest.raises(RuntimeError, match="per layer 2 norms"):
-        kernels.ops.decode_layers(x, x, False, [torch.ones(32)], 1e-5, [], [], x, x,
-                                  torch.zeros(1, dtype=torch.long), [kc], [kc],
-                                  torch.zeros(1, dtype=torch.long),
-                                  torch.zeros(1, 1, dtype=torch.int32),
-                                  torch.ones(1, dtype=torch.int32), 1, 1, 32, 64, 1.0, 512, 1)
+    step = dict(positions=torch.zeros(1, dtype=torch.long),
+                slot_mapping=torch.zeros(1, dtype=torch.long),
+                block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                context_lens=torch.ones(1, dtype=torch.int32), query_lens=None)
+    with pytest.raises(RuntimeError, match="per layer 14 weight tensors, 4 types"):
+        kernels.ops.decode_layers(x=x, residual=x, has_residual=False, weights=[torch.ones(32)],
+                                  qtypes=[], dims=[1, 1, 32, 64], fdims=[1.0, 1e-5], rope_cos=x,
+                                  rope_sin=x, k_caches=[kc], v_caches=[kc], **step, split=512,
+                                  threads=1, int8_act=False)
+    with pytest.raises(RuntimeError, match="4 dims and 2 float dims"):
+        kernels.ops.decode_layers(x=x, residual=x, has_residual=False,
+                                  weights=[torch.empty(0)] * 14, qtypes=[0] * 4,
+                                  dims=[1, 1, 32], fdims=[1.0, 1e-5], rope_cos=x,
+                                  rope_sin=x, k_caches=[kc], v_caches=[kc], **step, split=512,
+                                  threads=1, int8_act=False)
 
 
-def decode_layer_by_ops(ops, args, threads):
+def test_fused_decode_layouts_are_the_dataclasses_fields(kernels):
+    """The C++ structs the fused ops unpack (csrc/fused_args.h) name the same fields in the same
+    order as the dataclasses the models fill (hearth/ops/fused_decode.py)."""
+    from dataclasses import fields
+
+    from hearth.ops import fused_decode as fd
+
+    for name, cls in (("llama_layer", fd.LlamaLayerWeights), ("llama_shape", fd.LlamaShape),
+                      ("mla_layer", fd.MlaLayerWeights), ("mla_shape", fd.MlaShape)):
+        assert kernels.ops.fused_decode_layout(name) == [f.name for f in fields(cls)], name
+
+
+def decode_layer_by_ops(ops, x, residual, has_residual, w: LlamaLayerWeights,
+                        shape: LlamaShape, cos, sin, kc, vc, meta, positions, threads, int8_act):
     """The decoder layer as its separate kernels compute it, one op after another."""
-    (x, residual, has_residual, in_norm, post_norm, eps, w, types, cos, sin, positions, kc, vc,
-     slots, tables, ctx, H, KVH, D, inter, scale, split, int8_act, qlens) = args
     T, hidden = x.shape
+    H, KVH, D, inter = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate
+    eps = shape.eps
+
+    def linear(a, p, n):
+        return ops.qlinear(a, p.qs, p.d, p.m, p.qtype, n, a.shape[1], threads, int8_act)
+
     residual = residual if has_residual else x
-    normed = ops.add_rms_norm(x, residual, in_norm, eps) if has_residual else ops.rms_norm(x, in_norm, eps)
-    qkv = ops.qlinear(normed, w[0], w[1], w[2], types[0], (H + 2 * KVH) * D, hidden, threads, int8_act)
-    ops.rope_write_kv(qkv, positions, cos, sin, kc, vc, slots, H, KVH, D)
+    normed = (ops.add_rms_norm(x, residual, w.in_norm, eps) if has_residual
+              else ops.rms_norm(x, w.in_norm, eps))
+    qkv = linear(normed, w.qkv, (H + 2 * KVH) * D)
+    ops.rope_write_kv(qkv, positions, cos, sin, kc, vc, meta.slot_mapping, H, KVH, D)
     q = qkv[:, : H * D].reshape(T, H, D)
-    attn = ops.decode_attention(q, kc, vc, tables, ctx, scale, split, threads, qlens)
-    h = ops.qlinear(attn.reshape(T, H * D), w[3], w[4], w[5], types[1], hidden, H * D, threads, int8_act)
-    normed2 = ops.add_rms_norm(h, residual, post_norm, eps)
-    gate_up = ops.qlinear(normed2, w[6], w[7], w[8], types[2], 2 * inter, hidden, threads, int8_act)
-    out = ops.qlinear(ops.silu_mul(gate_up), w[9], w[10], w[11], types[3], hidden, inter, threads,
-                      int8_act)
+    attn = ops.decode_attention(q, kc, vc, meta.short_block_table_i32, meta.short_context_lens,
+                                shape.scale, 512, threads, meta.short_query_lens)
+    h = linear(attn.reshape(T, H * D), w.o, hidden)
+    normed2 = ops.add_rms_norm(h, residual, w.post_norm, eps)
+    out = linear(ops.silu_mul(linear(normed2, w.gate_up, 2 * inter)), w.down, hidden)
     return out, residual
 
 
@@ -924,20 +959,19 @@ def decode_layer_by_ops(ops, args, threads):
                                                      ([3, 1, 5], [9, 1200, 20])])
 def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cache_dtype,
                                                  has_residual, query_lens, context_lens):
-    """The fused decoder layer (one call) computes what its kernels give, run
-    one after another: same output, same residual, same K/V written to the cache. (It guards
-    a rewrite of the layer's threading, such as one parallel region for all its phases.)"""
+    """One fused decoder layer (`decode_layers` over one layer) computes what its kernels give,
+    run one after another: same output, same residual, same K/V written to the cache. (It
+    guards a rewrite of the layer's threading, such as one parallel region for all its
+    phases.)"""
     gen = torch.Generator().manual_seed(sum(context_lens) + 7 * len(query_lens))
     H, KVH, D, hidden, inter, block_size, num_blocks = 9, 3, 64, 192, 320, 16, 160
     T = sum(query_lens)
-    w, types = [], []
+    packed = []
     for n, k, fmt in (((H + 2 * KVH) * D, hidden, "q4_1"), (hidden, H * D, "q4_0"),
                       (2 * inter, hidden, "q4_1"), (hidden, inter, "q8_0")):
         blocks = (quantize_q8_0(torch.randn(n, k, generator=gen)) if fmt == "q8_0"
                   else make_q4_blocks(n, k, fmt == "q4_1", gen))
-        p = pack_ggml(QTYPE_IDS[fmt], blocks)
-        w += [p.qs, p.d, p.m]
-        types.append(p.qtype)
+        packed.append(pack_ggml(QTYPE_IDS[fmt], blocks))
     rotary = RotaryEmbedding(D, 4096, 10000.0, None)
     kc = random_cache(gen, (num_blocks, block_size, KVH, D), cache_dtype)
     vc = random_cache(gen, (num_blocks, block_size, KVH, D), cache_dtype)
@@ -946,18 +980,24 @@ def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cac
     positions = torch.tensor([p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)])
     x = torch.randn(T, hidden, generator=gen)
     residual = torch.randn(T, hidden, generator=gen)
-    in_norm, post_norm = torch.rand(hidden, generator=gen) + 0.5, torch.rand(hidden, generator=gen) + 0.5
-
-    def args(kc, vc, x, residual):
-        return (x, residual, has_residual, in_norm, post_norm, 1e-5, w, types, rotary.cos,
-                rotary.sin, positions, kc, vc, meta.slot_mapping, meta.short_block_table_i32,
-                meta.short_context_lens, H, KVH, D, inter, 0.125, 512, int8_act,
-                meta.short_query_lens)
+    layer = LlamaLayerWeights(in_norm=torch.rand(hidden, generator=gen) + 0.5,
+                              post_norm=torch.rand(hidden, generator=gen) + 0.5,
+                              qkv=packed[0], o=packed[1], gate_up=packed[2], down=packed[3])
+    shape = LlamaShape(num_heads=H, num_kv_heads=KVH, head_dim=D, intermediate=inter,
+                       scale=0.125, eps=1e-5)
+    stack = LlamaStack.pack([layer], shape, rotary.cos, rotary.sin, int8_act)
 
     ref_kc, ref_vc, ref_x, ref_res = kc.clone(), vc.clone(), x.clone(), residual.clone()
-    want_out, want_res = decode_layer_by_ops(kernels.ops, args(ref_kc, ref_vc, ref_x, ref_res), threads)
-    a = list(args(kc, vc, x, residual))
-    got_out, got_res = kernels.ops.decode_layer(*a[:21], a[21], threads, *a[22:])
+    want_out, want_res = decode_layer_by_ops(kernels.ops, ref_x, ref_res, has_residual, layer,
+                                             shape, rotary.cos, rotary.sin, ref_kc, ref_vc, meta,
+                                             positions, threads, int8_act)
+    got_out, got_res = kernels.ops.decode_layers(
+        x=x, residual=residual, has_residual=has_residual, weights=stack.weights,
+        qtypes=stack.qtypes, dims=stack.dims, fdims=stack.fdims, rope_cos=stack.rope_cos,
+        rope_sin=stack.rope_sin, k_caches=[kc], v_caches=[vc], positions=positions,
+        slot_mapping=meta.slot_mapping, block_tables=meta.short_block_table_i32,
+        context_lens=meta.short_context_lens, query_lens=meta.short_query_lens, split=512,
+        threads=threads, int8_act=int8_act)
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_res, want_res, rtol=1e-6, atol=1e-6)
     assert_same_cache(kc.view(torch.uint8), ref_kc.view(torch.uint8))  # the same bytes

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from hearth.ops import host_memory
+from hearth.engine import host_memory
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc/Linux only")
 
@@ -36,7 +36,7 @@ def test_prefault_skips_empty_tensors():
 
 EXIT_WHILE_PREFAULTING = """
 import torch
-from hearth.ops import host_memory
+from hearth.engine import host_memory
 pool = torch.empty(1 << 30, dtype=torch.uint8)
 thread = host_memory.prefault(pool)
 assert thread is not None and thread.is_alive()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hearth.ops.distributed import Heartbeat, RankLayout, connect_store
+from hearth.engine.parallel.distributed import Heartbeat, RankLayout, connect_store
 
 LAYOUT = RankLayout(tensor_parallel_size=1, pipeline_parallel_size=3)
 INTERVAL_S = 0.05

@@ -2,12 +2,12 @@
 
 import pytest
 
+from hearth.engine.parallel.distributed import RankLayout
 from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_block_per_rank, split_layers
 from hearth.engine.parallel.messages import SampleRow, StepCommand
 from hearth.engine.parallel.stage import micro_batches
 from hearth.engine.step import split_micro_batches
 from hearth.models.arch import ModelArch
-from hearth.ops.distributed import RankLayout
 
 
 def make_arch(num_heads=9, num_kv_heads=3, num_layers=30, intermediate=1536, **kw) -> ModelArch:

@@ -8,9 +8,9 @@ from hearth.config import EngineConfig, ModelConfig, ParallelConfig
 from hearth.engine import executor
 from hearth.models.layers import LOWP_MIN_ROWS as GEMM_MIN_ROWS
 from hearth.models.layers import ColumnParallelLinear, use_lowp_prefill
+from hearth.models.parallel_group import ParallelGroup
 from hearth.ops.attention import build_attention_metadata
 from hearth.ops.cpu_kernels import load_cpu_kernels
-from hearth.ops.parallel import ParallelGroup
 from tests.attention_steps import paged_attention
 
 

@@ -15,8 +15,8 @@ from typing import Callable
 
 import msgspec
 
+from hearth.engine.parallel.distributed import RankFailedError, RankLayout
 from hearth.engine.parallel.rank import RankSpec
-from hearth.ops.distributed import RankFailedError, RankLayout
 
 log = logging.getLogger("hearth.executor")
 

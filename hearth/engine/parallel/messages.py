@@ -9,7 +9,8 @@
                                                RANK_STATS (every rank, after COLLECT_STATS)
 
 Each message is one msgspec Struct, sent as msgpack bytes behind an enum header
-(`hearth.ops.distributed.broadcast_message`); a receiver decodes only the type the header names.
+(`hearth.engine.parallel.distributed.broadcast_message`); a receiver decodes only the type the
+header names.
 """
 
 from __future__ import annotations

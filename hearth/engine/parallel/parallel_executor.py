@@ -21,6 +21,9 @@ import weakref
 import torch
 
 from hearth.config import EngineConfig
+from hearth.engine.parallel.distributed import (Heartbeat, RankFailedError, RankLayout,
+                                                broadcast_message, close_rank_groups,
+                                                connect_store, init_rank_groups, receive_message)
 from hearth.engine.parallel.layout import check_parallel_shape
 from hearth.engine.parallel.local_ranks import LocalRanks
 from hearth.engine.parallel.messages import (CollectStats, Command, LoadModel, RankStats, Reply,
@@ -29,9 +32,6 @@ from hearth.engine.parallel.messages import (CollectStats, Command, LoadModel, R
 from hearth.engine.parallel.stage import StageShard
 from hearth.engine.parallel.rank import RankSpec, rank_device
 from hearth.engine.runner import DTYPES
-from hearth.ops.distributed import (Heartbeat, RankFailedError, RankLayout, broadcast_message,
-                                    close_rank_groups, connect_store, init_rank_groups,
-                                    receive_message)
 
 log = logging.getLogger("hearth.executor")
 

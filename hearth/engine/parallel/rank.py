@@ -15,12 +15,12 @@ import time
 import msgspec
 import torch
 
+from hearth.engine.parallel.distributed import (Heartbeat, RankGroups, RankLayout,
+                                                close_rank_groups, connect_store,
+                                                init_rank_groups, receive_broadcast, send_message)
 from hearth.logs import setup_logging
 from hearth.engine.parallel.messages import (Command, LoadModel, LoadReport, Reply, StepCommand,
                                              decode_command, encode)
-from hearth.ops.distributed import (Heartbeat, RankGroups, RankLayout, close_rank_groups,
-                                    connect_store, init_rank_groups, receive_broadcast,
-                                    send_message)
 
 log = logging.getLogger("hearth.rank")
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hearth.engine.parallel.distributed import RankGroups
 from hearth.engine.parallel.layout import split_layers
 from hearth.engine.parallel.messages import RankStats, SampleResult, SampleRow, StepCommand
 from hearth.engine.sampler import RowSampler
 from hearth.engine.step_state import StepReceiver
 from hearth.models.weights import build_model
 from hearth.ops.attention import build_attention_metadata
-from hearth.ops.distributed import RankGroups
 
 
 @dataclass

@@ -11,7 +11,7 @@ Two cache layouts, both paged (`hearth/ops/attention.py` has the slot arithmetic
     `[num_blocks, block_size, num_kv_heads, head_dim]` (+ 4 bytes of scale for int8 / fp8 rows);
   * MLA (DeepSeek): per layer one plane of latent rows, `[num_blocks, block_size, 1, L + R]`
     (L = kv_lora_rank, R = qk_rope_head_dim), read two ways: absorbed for short queries, up-
-    projected to per-head K/V by the model for prompt chunks (see hearth/models/deepseek.py).
+    projected to per-head K/V by the model for prompt chunks (see hearth/models/families/deepseek/model.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from hearth.ops.attention import AttentionMetadata
+from hearth.ops.attention import CAUSAL, AttentionMetadata, AttentionSpec
 from hearth.ops.cpu_kernels import CpuKernels
 
 
@@ -49,13 +49,16 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               spec: AttentionSpec = CAUSAL) -> torch.Tensor:
         """A step's prompt chunks and decodes ([T, H, D] queries; this step's K/V already in the
         cache, `k`/`v` the same rows unrounded) over the paged cache, causal per request.
         Returns [T, H, D] in q's dtype. A chunk's own keys are read as the cache rounds them, so
         a token attends to the same K/V whether it was computed now or earlier (prefix hit,
         recompute after preemption, PD import). q may be bfloat16 over a float32 cache (a
-        many-row step under --prefill-dtype bfloat16): its prompt chunks then attend in bf16."""
+        many-row step under --prefill-dtype bfloat16): its prompt chunks then attend in bf16.
+        `spec`: the layer's sliding window, chunked-local attention and sinks (default plain
+        causal); every backend serves them, the CPU kernel one through the torch path."""
         ...
 
     # ---- MLA (latent cache) --------------------------------------------------------------

@@ -11,6 +11,9 @@ the cache is read in place, never gathered.
     torch's CPU flash kernel on a 2k-token prompt), bf16 chunks one `amx_prefill_attention` call
     each on the avx512amx build (head dim 64; ~0.65x torch's bf16 flash kernel, itself ~2x
     hearth's fp32 kernel); elsewhere the torch backend's SDPA loop.
+  * A layer with a sliding window, chunked-local attention or sinks (`AttentionSpec`): the
+    torch backend's `limited` path (the kernels have none of them), RoPE and the cache write
+    still fused.
   * MLA: short queries are `decode_attention` with the latent row as the one KV head (its value
     rows are its key rows: the output's last R values, attention over k_pe, are dropped);
     prompt chunks as the torch backend.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from hearth.ops import kv_quant
-from hearth.ops.attention import AttentionMetadata
+from hearth.ops.attention import CAUSAL, AttentionMetadata, AttentionSpec
 from hearth.ops.attention_backends.torch_sdpa import TorchAttentionBackend
 from hearth.ops.cpu_kernels import CpuKernels
 
@@ -48,8 +51,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             self.kernels.ops.qk_norm_rope_write_kv(*args, *qk_norm)
         return True
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               spec: AttentionSpec = CAUSAL) -> torch.Tensor:
+        if not spec.is_causal:  # the kernels have no window, chunk or sinks: torch's path
+            return self.limited(q, k_cache, v_cache, meta, scale, spec)
         if meta.num_short_tokens == meta.num_tokens:
             # Only short queries in this step: the kernel's output is the whole result.
             return self.short_queries(q, k_cache, v_cache, meta, scale)

@@ -7,6 +7,10 @@ chunk's own keys causal) merged by log-sum-exp (`prefix_chunk_attention`): torch
 kernel takes no offset causal mask, and a written-out one runs at half its rate. The cache may
 be narrower than q (bfloat16, int8 / fp8 rows with a scale): what is gathered is widened.
 
+A layer with a sliding window, chunked-local attention or sinks (`AttentionSpec`) takes
+`limited`: each request over only the blocks its queries can see, float32 scores with the
+window / chunk mask and the sink logit as one more softmax column (`limited_attention`).
+
 MLA: short queries attend over their gathered latent rows in float32, one request at a time;
 prompt chunks as above over the K/V the model up-projected.
 
@@ -19,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.ops import kv_quant
-from hearth.ops.attention import AttentionMetadata, write_kv
+from hearth.ops.attention import CAUSAL, AttentionMetadata, AttentionSpec, write_kv
 
 
 class TorchAttentionBackend:
@@ -32,8 +36,10 @@ class TorchAttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               spec: AttentionSpec = CAUSAL) -> torch.Tensor:
+        if not spec.is_causal:
+            return self.limited(q, k_cache, v_cache, meta, scale, spec)
         out = torch.empty_like(q)
         for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                                 meta.prefill_context_lens, meta.prefill_block_tables):
@@ -84,6 +90,35 @@ class TorchAttentionBackend:
             scale=scale, enable_gqa=True,
         )
         return o.squeeze(2)
+
+    def limited(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                spec: AttentionSpec) -> torch.Tensor:
+        """Every request of the step (prompt chunks and decodes) under `spec`'s window, chunk
+        and sinks, one request at a time over the blocks its queries can see."""
+        out = torch.empty_like(q)
+        requests = [(start, q_len, ctx_len, table.tolist()) for start, q_len, ctx_len, table in
+                    zip(meta.prefill_query_starts, meta.prefill_query_lens,
+                        meta.prefill_context_lens, meta.prefill_block_tables)]
+        requests += [(row, 1, ctx_len, table) for row, ctx_len, table in
+                     zip(meta.decode_token_index.tolist(), meta.decode_context_lens,
+                         meta.decode_tables)]
+        block_size = k_cache.shape[1]
+        for start, q_len, ctx_len, table in requests:
+            # the blocks from the one holding the first key any of these queries sees
+            first = int(spec.first_key(torch.tensor(ctx_len - q_len)))
+            first_block = first // block_size
+            blocks = torch.tensor(table[first_block:-(-ctx_len // block_size)], dtype=torch.long,
+                                  device=q.device)
+            offset = first_block * block_size
+            keys = kv_quant.widen(k_cache[blocks], torch.float32)
+            values = kv_quant.widen(v_cache[blocks], torch.float32)
+            num_kv_heads = k_cache.shape[2]
+            keys = keys.reshape(-1, num_kv_heads, keys.shape[-1])[:ctx_len - offset]
+            values = values.reshape(-1, num_kv_heads, values.shape[-1])[:ctx_len - offset]
+            rows = slice(start, start + q_len)
+            out[rows] = limited_attention(q[rows], keys, values, ctx_len - q_len, offset, scale,
+                                          spec).to(q.dtype)
+        return out
 
     # ---- MLA -----------------------------------------------------------------------------
 
@@ -142,3 +177,39 @@ def prefix_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr
     o1, o2, lse1, lse2 = o1.float(), o2.float(), lse1.float(), lse2.float()  # bf16 inputs
     lse = torch.logaddexp(lse1, lse2)
     return o1 * (lse1 - lse).exp_()[..., None] + o2 * (lse2 - lse).exp_()[..., None]
+
+
+def limited_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      first_position: int, key_offset: int, scale: float,
+                      spec: AttentionSpec) -> torch.Tensor:
+    """One request's queries q [q, H, D] at positions first_position.. over keys/values
+    [n, KVH, D] at positions key_offset.. (the last at first_position + q - 1), causal under
+    `spec`. Float32 math, query rows in blocks so the scores stay ~64 MB. Returns [q, H, D]
+    float32.
+
+        keys:     key_offset ............................ first_position + q - 1
+        query i:      [first_key(i) ........ i]   (window W: i - W + 1; chunk C: i // C * C)
+    """
+    q_len, num_heads, _ = q.shape
+    group = num_heads // keys.shape[1]
+    k = keys.transpose(0, 1).repeat_interleave(group, 0)  # [H, n, D]
+    v = values.transpose(0, 1).repeat_interleave(group, 0)
+    key_pos = torch.arange(key_offset, key_offset + keys.shape[0], device=q.device)
+    rows_per_block = max(16, min(256, (1 << 24) // (num_heads * max(1, keys.shape[0]))))
+    out = torch.empty(q_len, num_heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    for a in range(0, q_len, rows_per_block):
+        b = min(q_len, a + rows_per_block)
+        pos = torch.arange(first_position + a, first_position + b, device=q.device)
+        lo = int(spec.first_key(pos[:1])) - key_offset  # keys before it no row here sees
+        hi = first_position + b - key_offset
+        scores = torch.einsum("qhd,hkd->hqk", q[a:b].float(), k[:, lo:hi]) * scale
+        kp = key_pos[lo:hi]
+        seen = (kp[None, :] <= pos[:, None]) & (kp[None, :] >= spec.first_key(pos)[:, None])
+        scores.masked_fill_(~seen, float("-inf"))
+        if spec.sinks is not None:  # one more key per head, with no value
+            sink = spec.sinks.float().view(num_heads, 1, 1).expand(num_heads, b - a, 1)
+            probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, -1)
+        out[a:b] = torch.einsum("hqk,hkd->qhd", probs, v[:, lo:hi])
+    return out

@@ -15,7 +15,8 @@
 //                    place: flash-style tiles, the query heads of a kv head together.
 //   rms_norm, add_rms_norm, silu_mul, rope_write_kv, qk_norm_rope_write_kv: elementwise passes,
 //                    fused.
-//   decode_layer     a whole decoder layer for a step of short queries.
+//   decode_layers    whole Llama decoder layers for a step of short queries (decode_layers.h),
+//                    their arguments named structs (fused_args.h).
 //   moe_experts      a Mixture-of-Experts layer's experts (moe.h): pairs sorted by expert, only
 //                    the active experts' weights read, quantized for few-row steps.
 //   mla_decode_layers whole DeepSeek-V2/V3 / Kimi K2 decoder layers (MLA + dense or DeepSeek
@@ -23,8 +24,9 @@
 //
 // One family per header, all in this one translation unit (so the build and its ISA probes stay
 // one library per ISA): common.h (block constants, conversions, the task pool), qlinear.h
-// (float32 activations) and qlinear_a8.h (8-bit activations), elementwise.h, decode_attention.h,
-// prefill_attention.h, amx_attention.h (AMX build only), decode_layers.h, moe.h, mla_layers.h;
+// (float32 activations) and qlinear_a8.h (8-bit activations), elementwise.h, decode_attention.h
+// (its per-ISA rows: decode_attention_avx512.h, decode_attention_avx2.h), prefill_attention.h,
+// amx_attention.h (AMX build only), fused_args.h, decode_layers.h, moe.h, mla_layers.h;
 // the op registration is below.
 //
 // The same source is compiled several times by hearth/ops/build_kernels.py: AVX-512 + VNNI
@@ -49,6 +51,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -62,6 +65,7 @@ namespace {
 #include "decode_attention.h"
 #include "prefill_attention.h"
 #include "amx_attention.h"
+#include "fused_args.h"  // the fused decode ops' argument structs
 #include "decode_layers.h"
 #include "moe.h"  // moe_experts (Mixture-of-Experts layers), on qlinear's tiles
 #include "mla_layers.h"  // mla_decode_layers (DeepSeek-V2/V3, Kimi K2), on all of the above
@@ -91,30 +95,22 @@ TORCH_LIBRARY(hearth, m) {
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "int context_len, float scale, int threads=64) -> Tensor",
         &hearth::prefill_attention);
-  m.def("decode_layer(Tensor x, Tensor(a!) residual, bool has_residual, Tensor in_norm, "
-        "Tensor post_norm, float eps, Tensor[] w, int[] types, Tensor cos, Tensor sin, "
-        "Tensor positions, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-        "int head_dim, int intermediate, float scale, int split, int threads=64, bool int8_act=False, "
-        "Tensor? query_lens=None) "
-        "-> (Tensor, Tensor)",
-        &hearth::decode_layer);
-  m.def("decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] norms, "
-        "float eps, Tensor[] w, int[] types, Tensor cos, Tensor sin, Tensor positions, "
-        "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, int num_kv_heads, int head_dim, int intermediate, "
-        "float scale, int split, int threads=64, bool int8_act=False, Tensor? query_lens=None) "
-        "-> (Tensor, Tensor)",
+  m.def("decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] weights, "
+        "int[] qtypes, int[] dims, float[] fdims, Tensor rope_cos, Tensor rope_sin, "
+        "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor? query_lens, int split, int threads, "
+        "bool int8_act) -> (Tensor, Tensor)",
         &hearth::decode_layers);
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "int expert_start, Tensor[] q, int[] qtypes, int threads=64, bool int8_act=False) -> Tensor",
         &hearth::moe_experts);
-  m.def("mla_decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] w, "
-        "int[] types, int[] moe, Tensor(b!)[] counts, Tensor cos, Tensor sin, Tensor positions, "
-        "Tensor(c!)[] caches, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-        "int[] dims, float[] fdims, int split, int threads=64, bool int8_act=False, "
-        "Tensor? query_lens=None) -> (Tensor, Tensor)",
+  m.def("mla_decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] weights, "
+        "int[] qtypes, int[] dims, float[] fdims, Tensor(b!)[] expert_counts, Tensor rope_cos, "
+        "Tensor rope_sin, Tensor(c!)[] caches, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor? query_lens, int split, int threads, "
+        "bool int8_act) -> (Tensor, Tensor)",
         &hearth::mla_decode_layers);
+  m.def("fused_decode_layout(str name) -> str[]", &hearth::fused_decode_layout);
   m.def("mla_absorb(Tensor x, Tensor qs, Tensor d, Tensor m, int qtype, int rows, int threads=64, "
         "bool int8_act=False) -> Tensor", &hearth::mla_absorb);
   m.def("moe_topk(Tensor logits, int k, bool renormalize, Tensor(a!) counts) -> (Tensor, Tensor)",

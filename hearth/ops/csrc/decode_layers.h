@@ -1,69 +1,62 @@
-// Whole decoder layers for steps of short queries (decode_layer, decode_layers).
+// Whole Llama decoder layers for steps of short queries (decode_layers), and the ggml
+// repacking of weights for qlinear (repack_ggml).
 //
 // A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
 // namespace hearth::(anonymous), after the headers listed before it there.
 
-// ---------------------------------------------------------------------------------------------
-// One whole Llama decoder layer for a step of decodes only (one token per request), so a decode
-// step pays one Python call per layer instead of a dozen. The same ops as the module path, in
-// the same order; `residual` is updated in place (and is `x` itself for the first layer).
-//   w: [qkv.qs, qkv.d, qkv.m, o.qs, o.d, o.m, gate_up.qs, gate_up.d, gate_up.m,
-//       down.qs, down.d, down.m];  types: their ggml types
-std::tuple<at::Tensor, at::Tensor> decode_layer(
-    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual,
-    const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, at::TensorList w,
-    at::IntArrayRef types, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double scale, int64_t split, int64_t threads, bool int8_act,
-    const std::optional<at::Tensor>& query_lens) {
-  TORCH_CHECK(w.size() == 12 && types.size() == 4, "decode_layer: 4 packed weights");
+// One whole Llama decoder layer for a step of short queries: the same ops as the module path,
+// in the same order; `residual` is updated in place (and is `x` itself for the first layer).
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x,
+                                                const at::Tensor& residual_in, bool has_residual,
+                                                const LlamaLayer& w, const LlamaShape& shape,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                at::Tensor k_cache, at::Tensor v_cache,
+                                                const ShortQueries& step, const KernelRun& run) {
   const int64_t T = x.size(0), hidden = x.size(1);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, D = shape.head_dim;
+  const int64_t q_size = H * D, kv_size = KVH * D;
   at::Tensor residual = has_residual ? residual_in : x;
-  at::Tensor normed = has_residual ? add_rms_norm(x, residual, in_norm, eps) : rms_norm(x, in_norm, eps);
-  at::Tensor qkv = qlinear(normed, w[0], w[1], w[2], types[0], q_size + 2 * kv_size, hidden, threads, int8_act);
-  rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                head_dim);
-  at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, num_heads, head_dim});
-  at::Tensor attn = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, split, threads,
-                                     query_lens);
-  at::Tensor h = qlinear(attn.view({T, q_size}), w[3], w[4], w[5], types[1], hidden, q_size, threads, int8_act);
-  at::Tensor normed2 = add_rms_norm(h, residual, post_norm, eps);
-  at::Tensor gate_up = qlinear(normed2, w[6], w[7], w[8], types[2], 2 * intermediate, hidden, threads, int8_act);
-  at::Tensor act = silu_mul(gate_up);
-  at::Tensor out = qlinear(act, w[9], w[10], w[11], types[3], hidden, intermediate, threads, int8_act);
+  at::Tensor normed = has_residual ? add_rms_norm(x, residual, w.in_norm, shape.eps)
+                                   : rms_norm(x, w.in_norm, shape.eps);
+  at::Tensor qkv = linear(normed, w.qkv, q_size + 2 * kv_size, run);
+  rope_write_kv(qkv, step.positions, cos, sin, k_cache, v_cache, step.slot_mapping, H, KVH, D);
+  at::Tensor q = qkv.narrow(1, 0, q_size).reshape({T, H, D});
+  at::Tensor attn = decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
+                                     shape.scale, run.split, run.threads, step.query_lens);
+  at::Tensor h = linear(attn.view({T, q_size}), w.o, hidden, run);
+  at::Tensor normed2 = add_rms_norm(h, residual, w.post_norm, shape.eps);
+  at::Tensor gate_up = linear(normed2, w.gate_up, 2 * shape.intermediate, run);
+  at::Tensor out = linear(silu_mul(gate_up), w.down, hidden, run);
   return {out, residual};
 }
 
-// Layers [0, L) of the model for a step of short queries only, one decode_layer after another
-// in one call: a batch-1 decode step made 30 Python calls of 25 arguments each (~1 ms of an
-// 11 ms step on this machine); now it makes one. Per layer l: norms[2l], norms[2l + 1] (input,
-// post-attention), w[12l .. 12l + 11] and types[4l .. 4l + 3] as decode_layer takes them, and
-// k_caches[l], v_caches[l]. Returns (hidden, residual) after the last layer.
+// Layers [0, L) of a Llama model for a step of short queries only, one decode_layer after
+// another in one call: a batch-1 decode step made 30 Python calls of 25 arguments each (~1 ms
+// of an 11 ms step on this machine); now it makes one. `weights` / `qtypes`: each layer's
+// LlamaLayer (fused_args.h) in turn; `dims` / `fdims`: one LlamaShape; k_caches[l],
+// v_caches[l]: layer l's cache. Returns (hidden, residual) after the last layer.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList norms,
-    double eps, at::TensorList w, at::IntArrayRef types, const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& positions, at::TensorList k_caches,
-    at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double scale, int64_t split, int64_t threads, bool int8_act,
-    const std::optional<at::Tensor>& query_lens) {
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList weights,
+    at::IntArrayRef qtypes, at::IntArrayRef dims, at::ArrayRef<double> fdims,
+    const at::Tensor& rope_cos, const at::Tensor& rope_sin, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens,
+    const std::optional<at::Tensor>& query_lens, int64_t split, int64_t threads, bool int8_act) {
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(v_caches.size()) == L &&
-                  static_cast<int64_t>(norms.size()) == 2 * L &&
-                  static_cast<int64_t>(w.size()) == 12 * L &&
-                  static_cast<int64_t>(types.size()) == 4 * L,
-              "decode_layers: per layer 2 norms, 12 weight tensors, 4 types and a K and V cache");
+                  static_cast<int64_t>(weights.size()) == LlamaLayer::kTensors * L &&
+                  static_cast<int64_t>(qtypes.size()) == LlamaLayer::kTypes * L,
+              "decode_layers: per layer ", LlamaLayer::kTensors, " weight tensors, ",
+              LlamaLayer::kTypes, " types and a K and V cache");
+  const LlamaShape shape = LlamaShape::read(dims, fdims);
+  const ShortQueries step{positions, slot_mapping, block_tables, context_lens, query_lens};
+  const KernelRun run{split, threads, int8_act};
   at::Tensor hidden = x, residual = residual_in;
   bool has = has_residual;
   for (int64_t l = 0; l < L; ++l) {
-    std::tie(hidden, residual) = decode_layer(
-        hidden, residual, has, norms[2 * l], norms[2 * l + 1], eps, w.slice(12 * l, 12),
-        types.slice(4 * l, 4), cos, sin, positions, k_caches[l], v_caches[l], slot_mapping,
-        block_tables, context_lens, num_heads, num_kv_heads, head_dim, intermediate, scale, split,
-        threads, int8_act, query_lens);
+    std::tie(hidden, residual) =
+        decode_layer(hidden, residual, has, LlamaLayer::read(weights, qtypes, l), shape,
+                     rope_cos, rope_sin, k_caches[l], v_caches[l], step, run);
     has = true;
   }
   return {hidden, residual};

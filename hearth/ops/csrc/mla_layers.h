@@ -3,7 +3,7 @@
 // A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
 // namespace hearth::(anonymous), after the headers listed before it there.
 //
-// The same math as hearth/models/deepseek.py's modules on their short-query path, in the same
+// The same math as hearth/models/families/deepseek/model.py's modules on their short-query path, in the same
 // order, one Python call per step instead of ~250 torch ops: a decode step of the 12-layer MLA
 // bench model spent ~5 ms of its ~16 in Python dispatch and small tensor ops.
 //   attention: [q_c | c | k_pe] = qlinear(norm(x)); q = q_b(norm(q_c)) (or q_proj(norm(x)));
@@ -14,28 +14,7 @@
 //              grouped top-k (`route_grouped` in hearth/models/moe.py), moe_experts on the
 //              packed experts, plus the shared experts' dense MLP.
 
-// Tensors per layer in mla_decode_layers' `w` (an undefined slot: an empty tensor):
-//   in/post norms, the packed [qs, d, m] of qkv_a / q (q_b_proj, or q_proj without a q
-//   bottleneck) / o_proj / gate_up / down (the dense MLP, or the shared experts), the q and kv
-//   bottleneck norms, kv_b_proj's float32 weight [H (nope + v), L] (W_UK and W_UV, absorbed),
-//   the router [E, hidden] float32 and its correction bias [E], the experts' stacked float
-//   weights (shapes only) and their packed [qs, d, m] rows, then the absorbed up-projections
-//   packed (W_UK_h^T [H L, nope] and W_UV_h [H v, L], heads_qlinear; empty: kv_b_proj's float
-//   rows are used).
-enum MlaSlot : int64_t {
-  kMlaInNorm = 0, kMlaPostNorm = 1, kMlaQkvA = 2, kMlaQANorm = 5, kMlaQ = 6, kMlaKvANorm = 9,
-  kMlaKvB = 10, kMlaO = 11, kMlaGateUp = 14, kMlaDown = 17, kMlaRouter = 20, kMlaBias = 21,
-  kMlaW13 = 22, kMlaW2 = 23, kMlaQ13 = 24, kMlaQ2 = 27, kMlaUk = 30, kMlaUv = 33,
-  kMlaSlots = 36
-};
-// ggml types per layer in `types`: qkv_a, q, o, gate_up, down, experts' w13, experts' w2,
-// W_UK^T, W_UV.
-constexpr int64_t kMlaTypes = 9;
-// `dims`: heads, qk_nope, qk_rope, v_head, kv_lora_rank (L), q_lora_rank (0: none), top_k,
-// n_group, topk_group, scoring (0 softmax, 1 sigmoid), method (0 greedy, 1
-// group_limited_greedy, 2 noaux_tc), renormalize, expert_start, dense width, shared width.
-// `fdims`: rms eps, softmax scale, routed scaling factor.
-constexpr int64_t kMlaDims = 15, kMlaFdims = 3;
+// Each layer's weights and the model's shape: MlaLayer and MlaShape (fused_args.h).
 
 // MLA's absorbed up-projections in a block format: out[t, h, :N] = x[t, h, :K] through head h's
 // N rows of w ([H N, K] packed, head after head). The query side is W_UK_h^T (N = L rows of
@@ -156,35 +135,31 @@ void route_grouped_rows(const float* logits, int64_t T, int64_t E, int64_t k, in
 // One MLA decoder layer (see the top of this file); `residual` is updated in place (and is `x`
 // itself for the first layer). Returns (the MLP's output, residual).
 std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
-    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList w,
-    at::IntArrayRef types, bool moe, const at::Tensor& counts, const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& positions, at::Tensor& cache,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, at::IntArrayRef dims, at::ArrayRef<double> fdims,
-    int64_t split, int64_t threads, bool int8_act, const std::optional<at::Tensor>& query_lens) {
-  const int64_t H = dims[0], nope = dims[1], R = dims[2], V = dims[3], L = dims[4];
-  const int64_t q_lora = dims[5], qk = nope + R, D = L + R;
-  const float eps = static_cast<float>(fdims[0]);
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, const MlaLayer& w,
+    const MlaShape& shape, const at::Tensor& counts, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& cache, const ShortQueries& step, const KernelRun& run) {
+  const int64_t H = shape.num_heads, nope = shape.qk_nope, R = shape.qk_rope;
+  const int64_t V = shape.v_head, L = shape.kv_lora_rank;
+  const int64_t q_lora = shape.q_lora_rank, qk = nope + R, D = L + R;
+  const float eps = static_cast<float>(shape.eps);
   const int64_t T = x.size(0), hidden = x.size(1);
-  auto lin = [&](const at::Tensor& in, int64_t slot, int64_t type, int64_t out_features) {
-    return qlinear(in, w[slot], w[slot + 1], w[slot + 2], type, out_features, in.size(1), threads,
-                   int8_act);
-  };
+  const int64_t threads = run.threads;
+  const bool int8_act = run.int8_act;
   at::Tensor residual = has_residual ? residual_in : x;
-  at::Tensor normed = has_residual ? add_rms_norm(x, residual, w[kMlaInNorm], eps)
-                                   : rms_norm(x, w[kMlaInNorm], eps);
+  at::Tensor normed = has_residual ? add_rms_norm(x, residual, w.in_norm, eps)
+                                   : rms_norm(x, w.in_norm, eps);
   // [q_c |] c | k_pe, then the per-head query [T, H * (nope + R)]
-  at::Tensor a = lin(normed, kMlaQkvA, types[0], q_lora + D);
+  at::Tensor a = linear(normed, w.qkv_a, q_lora + D, run);
   const float* ap = a.data_ptr<float>();
   at::Tensor q;
   if (q_lora) {
     at::Tensor qc = at::empty({T, q_lora}, a.options());
-    const float* wn = w[kMlaQANorm].data_ptr<float>();
+    const float* wn = w.q_a_norm.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t)
       rms_row(ap + t * (q_lora + D), wn, eps, q_lora, qc.data_ptr<float>() + t * q_lora);
-    q = lin(qc, kMlaQ, types[1], H * qk);
+    q = linear(qc, w.q, H * qk, run);
   } else {
-    q = lin(normed, kMlaQ, types[1], H * qk);
+    q = linear(normed, w.q, H * qk, run);
   }
   // RoPE (rotate-half, fp32) on k_pe and each head's q_pe; the latent row into the cache; the
   // absorbed query's rope part.
@@ -193,9 +168,9 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
   const float* qp = q.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  const int64_t* pp = positions.data_ptr<int64_t>();
-  const int64_t* slp = slot_mapping.data_ptr<int64_t>();
-  const float* kv_norm = w[kMlaKvANorm].data_ptr<float>();
+  const int64_t* pp = step.positions.data_ptr<int64_t>();
+  const int64_t* slp = step.slot_mapping.data_ptr<int64_t>();
+  const float* kv_norm = w.kv_a_norm.data_ptr<float>();
   const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
   const int64_t half = R / 2;
   std::vector<float> row(D);
@@ -224,10 +199,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
       rotate(qp + (t * H + h) * qk + nope, qlp + (t * H + h) * D + L, t);
   }
   // q_lat_h[:L] = q_nope_h W_UK_h (kv_b_proj rows [h (nope + v), h (nope + v) + nope))
-  const bool packed_absorb = w[kMlaUk].numel() > 0;
-  const float* kvb = w[kMlaKvB].data_ptr<float>();
+  const bool packed_absorb = w.uk.present();
+  const float* kvb = w.kv_b.data_ptr<float>();
   if (packed_absorb)
-    heads_qlinear(packed_weight(w[kMlaUk], w[kMlaUk + 1], w[kMlaUk + 2], types[7], H * L, nope,
+    heads_qlinear(packed_weight(w.uk.qs, w.uk.d, w.uk.m, w.uk.qtype, H * L, nope,
                                 "mla_decode_layers: W_UK"),
                   H, L, qp, T, H * qk, qk, qlp, H * D, D, threads, int8_act);
   else parallel_tasks(H, [&](int64_t h) {
@@ -244,14 +219,15 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
     }
   }, threads);
   // [T, H, D], of which only [:L] (the latent's c) is V and written
-  at::Tensor o_lat = decode_attention_v(q_lat, cache, cache, block_tables, context_lens,
-                                        fdims[1], split, threads, query_lens, L % 16 ? 0 : L);
+  at::Tensor o_lat = decode_attention_v(q_lat, cache, cache, step.block_tables,
+                                        step.context_lens, shape.scale, run.split, threads,
+                                        step.query_lens, L % 16 ? 0 : L);
   // out_h = o_lat_h[:L] W_UV_h^T (kv_b_proj rows [h (nope + v) + nope, (h + 1)(nope + v)))
   at::Tensor attn = at::empty({T, H * V}, a.options());
   const float* olp = o_lat.data_ptr<float>();
   float* attp = attn.data_ptr<float>();
   if (packed_absorb)
-    heads_qlinear(packed_weight(w[kMlaUv], w[kMlaUv + 1], w[kMlaUv + 2], types[8], H * V, L,
+    heads_qlinear(packed_weight(w.uv.qs, w.uv.d, w.uv.m, w.uv.qtype, H * V, L,
                                 "mla_decode_layers: W_UV"),
                   H, V, olp, T, H * D, D, attp, H * V, V, threads, int8_act);
   else parallel_tasks(H, [&](int64_t h) {
@@ -267,102 +243,104 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_layer(
       }
     }
   }, threads);
-  at::Tensor h_out = lin(attn, kMlaO, types[2], hidden);
-  at::Tensor normed2 = add_rms_norm(h_out, residual, w[kMlaPostNorm], eps);
+  at::Tensor h_out = linear(attn, w.o, hidden, run);
+  at::Tensor normed2 = add_rms_norm(h_out, residual, w.post_norm, eps);
   auto dense_mlp = [&](int64_t width) {
-    at::Tensor gu = lin(normed2, kMlaGateUp, types[3], 2 * width);
-    return lin(silu_mul(gu), kMlaDown, types[4], hidden);
+    at::Tensor gu = linear(normed2, w.gate_up, 2 * width, run);
+    return linear(silu_mul(gu), w.down, hidden, run);
   };
-  if (!moe) return {dense_mlp(dims[13]), residual};
-  const at::Tensor& router = w[kMlaRouter];
+  if (!w.moe()) return {dense_mlp(shape.dense_width), residual};
+  const at::Tensor& router = w.router;
   at::Tensor logits = at::mm(normed2, router.t());
-  const int64_t E = router.size(0), k = dims[6];
+  const int64_t E = router.size(0), k = shape.top_k;
   at::Tensor topk_w = at::empty({T, k}, a.options());
   at::Tensor topk_ids = at::empty({T, k}, a.options().dtype(at::kLong));
-  route_grouped_rows(logits.data_ptr<float>(), T, E, k, dims[9], dims[10], dims[7], dims[8],
-                     dims[11] != 0, static_cast<float>(fdims[2]),
-                     w[kMlaBias].numel() ? w[kMlaBias].data_ptr<float>() : nullptr,
+  route_grouped_rows(logits.data_ptr<float>(), T, E, k, shape.scoring, shape.topk_method,
+                     shape.n_group, shape.topk_group, shape.renormalize != 0,
+                     static_cast<float>(shape.routed_scaling_factor),
+                     w.router_bias.numel() ? w.router_bias.data_ptr<float>() : nullptr,
                      topk_w.data_ptr<float>(), topk_ids.data_ptr<int64_t>(),
                      counts.numel() ? counts.data_ptr<int64_t>() : nullptr);
   // The shared experts join the routed experts' calls when they are one expert's shape and
   // formats (DeepSeek-V3, Kimi K2: one shared expert of the routed width); otherwise their own
   // dense MLP, added after.
-  const int64_t I = w[kMlaW2].size(2);
-  const bool has_shared = w[kMlaGateUp].numel() > 0;
-  const bool fold = has_shared && w[kMlaQ13].numel() > 0 && dims[14] == I &&
-                    types[3] == types[5] && types[4] == types[6];
+  const int64_t I = w.w2.size(2);
+  const bool has_shared = w.gate_up.present();
+  const bool fold = has_shared && w.q13.present() && shape.shared_width == I &&
+                    w.gate_up.qtype == w.q13.qtype && w.down.qtype == w.q2.qtype;
   SharedExpert shared;
   if (fold) {
-    shared.w13 = packed_weight(w[kMlaGateUp], w[kMlaGateUp + 1], w[kMlaGateUp + 2], types[3],
+    shared.w13 = packed_weight(w.gate_up.qs, w.gate_up.d, w.gate_up.m, w.gate_up.qtype,
                                2 * I, hidden, "mla_decode_layers: shared gate_up");
-    shared.w2 = packed_weight(w[kMlaDown], w[kMlaDown + 1], w[kMlaDown + 2], types[4], hidden, I,
+    shared.w2 = packed_weight(w.down.qs, w.down.d, w.down.m, w.down.qtype, hidden, I,
                               "mla_decode_layers: shared down");
   }
-  at::Tensor out = moe_experts_impl(normed2, w[kMlaW13], w[kMlaW2], topk_w, topk_ids, dims[12],
-                                    {w[kMlaQ13], w[kMlaQ13 + 1], w[kMlaQ13 + 2], w[kMlaQ2],
-                                     w[kMlaQ2 + 1], w[kMlaQ2 + 2]},
-                                    {types[5], types[6]}, threads, int8_act,
+  at::Tensor out = moe_experts_impl(normed2, w.w13, w.w2, topk_w, topk_ids,
+                                    shape.expert_start,
+                                    {w.q13.qs, w.q13.d, w.q13.m, w.q2.qs, w.q2.d, w.q2.m},
+                                    {w.q13.qtype, w.q2.qtype}, threads, int8_act,
                                     fold ? &shared : nullptr);
-  if (has_shared && !fold) out.add_(dense_mlp(dims[14]));
+  if (has_shared && !fold) out.add_(dense_mlp(shape.shared_width));
   return {out, residual};
 }
 
-// Layers [0, n) of an MLA model for a step of short queries only, in one call. Per layer l:
-// w[kMlaSlots l ..], types[kMlaTypes l ..], moe[l] (1: DeepSeek MoE, 0: dense MLP), counts[l]
-// (the router's per-expert counts, or empty), caches[l] ([blocks, block_size, 1, L + R],
-// float32 or bfloat16). Returns (hidden, residual) after the last layer.
+// Layers [0, n) of an MLA model for a step of short queries only, in one call. `weights` /
+// `qtypes`: each layer's MlaLayer (fused_args.h) in turn; `dims` / `fdims`: one MlaShape;
+// expert_counts[l]: the router's per-expert counts of layer l (or empty); caches[l]: its latent
+// cache [blocks, block_size, 1, L + R], float32 or bfloat16. Returns (hidden, residual) after
+// the last layer.
 std::tuple<at::Tensor, at::Tensor> mla_decode_layers(
-    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList w,
-    at::IntArrayRef types, at::IntArrayRef moe, at::TensorList counts, const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& positions, at::TensorList caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, at::IntArrayRef dims, at::ArrayRef<double> fdims,
-    int64_t split, int64_t threads, bool int8_act, const std::optional<at::Tensor>& query_lens) {
+    const at::Tensor& x, const at::Tensor& residual_in, bool has_residual, at::TensorList weights,
+    at::IntArrayRef qtypes, at::IntArrayRef dims, at::ArrayRef<double> fdims,
+    at::TensorList expert_counts, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+    at::TensorList caches, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& context_lens,
+    const std::optional<at::Tensor>& query_lens, int64_t split, int64_t threads, bool int8_act) {
   const int64_t n = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(n >= 1 && static_cast<int64_t>(w.size()) == kMlaSlots * n &&
-                  static_cast<int64_t>(types.size()) == kMlaTypes * n &&
-                  static_cast<int64_t>(moe.size()) == n &&
-                  static_cast<int64_t>(counts.size()) == n,
-              "mla_decode_layers: per layer ", kMlaSlots, " tensors, ", kMlaTypes,
-              " types, a MoE flag, a counts tensor and a cache");
-  TORCH_CHECK(dims.size() == kMlaDims && fdims.size() == kMlaFdims, "mla_decode_layers: ",
-              kMlaDims, " dims and ", kMlaFdims, " float dims");
+  TORCH_CHECK(n >= 1 && static_cast<int64_t>(weights.size()) == MlaLayer::kTensors * n &&
+                  static_cast<int64_t>(qtypes.size()) == MlaLayer::kTypes * n &&
+                  static_cast<int64_t>(expert_counts.size()) == n,
+              "mla_decode_layers: per layer ", MlaLayer::kTensors, " tensors, ", MlaLayer::kTypes,
+              " types, a counts tensor and a cache");
+  const MlaShape shape = MlaShape::read(dims, fdims);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "mla_decode_layers: x float32 [T, hidden]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.numel() == x.size(0) && slot_mapping.numel() == x.size(0),
               "mla_decode_layers: int64 positions and slots, one per token");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) * 2 == dims[2],
+  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
+                  rope_cos.is_contiguous() && rope_sin.is_contiguous() &&
+                  rope_cos.size(1) * 2 == shape.qk_rope,
               "mla_decode_layers: float32 cos/sin tables [positions, rope / 2]");
-  const int64_t D = dims[4] + dims[2];
+  const int64_t D = shape.kv_lora_rank + shape.qk_rope;
+  std::vector<MlaLayer> layers;
   for (int64_t l = 0; l < n; ++l) {
     const at::Tensor& c = caches[l];
     TORCH_CHECK(c.is_contiguous() && c.dim() == 4 && c.size(2) == 1 && c.size(3) == D &&
                     (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16),
                 "mla_decode_layers: cache ", l, " must be float32 or bfloat16 [blocks, block, 1, ",
                 D, "]");
-    const at::Tensor& kvb = w[kMlaSlots * l + kMlaKvB];
-    TORCH_CHECK(kvb.scalar_type() == at::kFloat && kvb.is_contiguous() &&
-                    kvb.numel() == dims[0] * (dims[1] + dims[3]) * dims[4],
+    const MlaLayer& w = layers.emplace_back(MlaLayer::read(weights, qtypes, l));
+    TORCH_CHECK(w.kv_b.scalar_type() == at::kFloat && w.kv_b.is_contiguous() &&
+                    w.kv_b.numel() ==
+                        shape.num_heads * (shape.qk_nope + shape.v_head) * shape.kv_lora_rank,
                 "mla_decode_layers: kv_b_proj float32 [H (nope + v), L] in layer ", l);
-    const at::TensorList lw = w.slice(kMlaSlots * l, kMlaSlots);
-    if (lw[kMlaUk].numel()) {  // the packed absorbed up-projections: checked before any write
-      packed_weight(lw[kMlaUk], lw[kMlaUk + 1], lw[kMlaUk + 2], types[kMlaTypes * l + 7],
-                    dims[0] * dims[4], dims[1], "mla_decode_layers: W_UK");
-      packed_weight(lw[kMlaUv], lw[kMlaUv + 1], lw[kMlaUv + 2], types[kMlaTypes * l + 8],
-                    dims[0] * dims[3], dims[4], "mla_decode_layers: W_UV");
+    if (w.uk.present()) {  // the packed absorbed up-projections: checked before any write
+      packed_weight(w.uk.qs, w.uk.d, w.uk.m, w.uk.qtype, shape.num_heads * shape.kv_lora_rank,
+                    shape.qk_nope, "mla_decode_layers: W_UK");
+      packed_weight(w.uv.qs, w.uv.d, w.uv.m, w.uv.qtype, shape.num_heads * shape.v_head,
+                    shape.kv_lora_rank, "mla_decode_layers: W_UV");
     }
   }
+  const ShortQueries step{positions, slot_mapping, block_tables, context_lens, query_lens};
+  const KernelRun run{split, threads, int8_act};
   at::Tensor hidden = x, residual = residual_in;
   bool has = has_residual;
   for (int64_t l = 0; l < n; ++l) {
     at::Tensor cache = caches[l];
-    std::tie(hidden, residual) = mla_decode_layer(
-        hidden, residual, has, w.slice(kMlaSlots * l, kMlaSlots),
-        types.slice(kMlaTypes * l, kMlaTypes), moe[l] != 0, counts[l], cos, sin, positions,
-        cache, slot_mapping, block_tables, context_lens, dims, fdims, split, threads, int8_act,
-        query_lens);
+    std::tie(hidden, residual) =
+        mla_decode_layer(hidden, residual, has, layers[l], shape, expert_counts[l], rope_cos,
+                         rope_sin, cache, step, run);
     has = true;
   }
   return {hidden, residual};

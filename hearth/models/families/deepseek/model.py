@@ -32,7 +32,7 @@ The first `first_k_dense_replace` layers have a dense MLP.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +43,11 @@ from hearth.models.layers import (QLINEAR_MAX_ROWS, ColumnParallelLinear, RMSNor
                                   RotaryEmbedding, RowParallelLinear)
 from hearth.models.families.llama.model import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock, route_grouped
+from hearth.models.parallel_group import SINGLE, ParallelGroup
 from hearth.ops.attention import AttentionMetadata, build_attention_metadata
 from hearth.ops.attention_backends import AttentionBackend
-from hearth.ops.parallel import SINGLE, ParallelGroup
+from hearth.ops.cpu_kernels import CpuKernels
+from hearth.ops.fused_decode import MlaLayerWeights, MlaShape, MlaStack, ShortQueryStep
 
 
 def mla_softmax_scale(arch: ModelArch) -> float:
@@ -118,8 +120,7 @@ class MLAAttention(nn.Module):
         more rows than the quantized path takes (the rule of Linear.matmul)."""
         if w is None or x.dtype != torch.float32 or x.shape[0] > QLINEAR_MAX_ROWS:
             return None
-        k = self.kernels
-        return k.ops.mla_absorb(x, w.qs, w.d, w.m, w.qtype, rows, k.threads.count, w.int8_act)
+        return self.kernels.mla_absorb(x, w, rows)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> [T, H, L]: each head's query through its W_UK (q_nope_h W_UK_h)."""
@@ -258,25 +259,11 @@ class DeepseekMoE(SparseMoeBlock):
 
 
 class FusedMLAModel(NamedTuple):
-    """Every decoder layer of a short-query step as one `mla_decode_layers` kernel call (its
-    argument layout: hearth/ops/csrc/mla_layers.h)."""
+    """Every decoder layer of a short-query step as one `mla_decode_layers` kernel call."""
 
-    op: Callable  # kernels.ops.mla_decode_layers
-    weights: list[torch.Tensor]  # kMlaSlots per layer
-    qtypes: list[int]  # kMlaTypes per layer
-    moe: list[int]  # per layer: 1 DeepSeek MoE, 0 dense MLP
+    kernels: CpuKernels
+    stack: MlaStack  # the call's fixed arguments (hearth/ops/fused_decode.py)
     moe_blocks: list[DeepseekMoE | None]  # whose expert_counts the router adds to
-    kernels: object
-    int8_act: bool
-    cos: torch.Tensor
-    sin: torch.Tensor
-    dims: list[int]
-    fdims: list[float]
-
-
-def _packed(q) -> list[torch.Tensor]:
-    """A PackedWeight's tensors in the kernels' argument order."""
-    return [q.qs, q.d, q.m]
 
 
 def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
@@ -284,11 +271,10 @@ def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
     model as built: no CPU kernels, tensor parallelism (the kernel has no all-reduce), a linear
     without packed weights or with a bias, float experts, mixed activation formats."""
     kernels = getattr(model.attn_backend, "kernels", None)
-    if (kernels is None or not hasattr(kernels.ops, "mla_decode_layers") or model.tp.size > 1
+    if (kernels is None or not kernels.has("mla_decode_layers") or model.tp.size > 1
             or not model.layers):
         return None
-    empty = torch.empty(0)
-    weights, qtypes, moe_flags, blocks, int8 = [], [], [], [], set()
+    layers, blocks, int8 = [], [], set()
     dense_width = shared_width = 0
     first = model.layers[0].self_attn
     for layer in model.layers:
@@ -303,14 +289,7 @@ def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
                 or attn.kv_b_proj.weight.dtype != torch.float32):
             return None
         int8.update(m.qweight.int8_act for m in linears)
-        weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                    *_packed(attn.qkv_a_proj.qweight),
-                    attn.q_a_layernorm.weight if attn.q_lora_rank else empty,
-                    *_packed(q_linear.qweight), attn.kv_a_layernorm.weight,
-                    attn.kv_b_proj.weight.contiguous(), *_packed(attn.o_proj.qweight)]
-        weights += ([t for m in linears[3:] for t in _packed(m.qweight)] if dense is not None
-                    else [empty] * 6)
-        types = [m.qweight.qtype for m in linears] + [0, 0] * (dense is None)
+        router = bias = w13 = w2 = q13 = q2 = None
         if isinstance(mlp, DeepseekMoE):
             experts = mlp.experts
             bias = mlp.e_score_correction_bias
@@ -318,38 +297,41 @@ def fuse_mla_layers(model: "DeepseekV3ForCausalLM") -> FusedMLAModel | None:
                     or (bias is not None and bias.dtype != torch.float32)):
                 return None
             int8.add(experts.qw13.int8_act)
-            weights += [mlp.gate, empty if bias is None else bias, *experts.kernel_weights(),
-                        *_packed(experts.qw13), *_packed(experts.qw2)]
-            types += [experts.qw13.qtype, experts.qw2.qtype]
+            router, q13, q2 = mlp.gate, experts.qw13, experts.qw2
+            w13, w2 = experts.kernel_weights()
             shared_width = dense.inter if dense is not None else 0
             blocks.append(mlp)
         else:
             dense_width = mlp.inter
-            weights += [empty] * 10
-            types += [0, 0]
             blocks.append(None)
-        if attn.absorb_uk is not None:  # the absorbed up-projections packed, else kv_b float
+        if attn.absorb_uk is not None:
             int8.add(attn.absorb_uk.int8_act)
-            weights += [*_packed(attn.absorb_uk), *_packed(attn.absorb_uv)]
-            types += [attn.absorb_uk.qtype, attn.absorb_uv.qtype]
-        else:
-            weights += [empty] * 6
-            types += [0, 0]
-        qtypes += types
-        moe_flags.append(int(isinstance(mlp, DeepseekMoE)))
+        layers.append(MlaLayerWeights(
+            in_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+            qkv_a=attn.qkv_a_proj.qweight,
+            q_a_norm=attn.q_a_layernorm.weight if attn.q_lora_rank else None,
+            q=q_linear.qweight, kv_a_norm=attn.kv_a_layernorm.weight,
+            kv_b=attn.kv_b_proj.weight.contiguous(), o=attn.o_proj.qweight,
+            gate_up=dense.gate_up_proj.qweight if dense is not None else None,
+            down=dense.down_proj.qweight if dense is not None else None,
+            router=router, router_bias=bias, w13=w13, w2=w2, q13=q13, q2=q2,
+            uk=attn.absorb_uk, uv=attn.absorb_uv))
     if len(int8) > 1:
         return None  # 8-bit activations in some linears only: the module path
     spec = model.arch.moe
     experts = next((b.experts for b in blocks if b is not None), None)
-    dims = [first.num_heads, first.nope, first.rope, first.v_dim, first.rank,
-            first.q_lora_rank or 0, spec.num_experts_per_tok, spec.n_group, spec.topk_group,
-            int(spec.scoring_func == "sigmoid"), TOPK_METHODS.index(spec.topk_method),
-            int(spec.norm_topk_prob), experts.expert_start if experts is not None else 0,
-            dense_width, shared_width]
-    return FusedMLAModel(kernels.ops.mla_decode_layers, weights, qtypes, moe_flags, blocks,
-                         kernels, int8.pop(), first.rotary.cos, first.rotary.sin, dims,
-                         [model.layers[0].input_layernorm.eps, first.scale,
-                          spec.routed_scaling_factor])
+    shape = MlaShape(
+        num_heads=first.num_heads, qk_nope=first.nope, qk_rope=first.rope, v_head=first.v_dim,
+        kv_lora_rank=first.rank, q_lora_rank=first.q_lora_rank or 0,
+        top_k=spec.num_experts_per_tok, n_group=spec.n_group, topk_group=spec.topk_group,
+        scoring=int(spec.scoring_func == "sigmoid"),
+        topk_method=TOPK_METHODS.index(spec.topk_method), renormalize=spec.norm_topk_prob,
+        expert_start=experts.expert_start if experts is not None else 0,
+        dense_width=dense_width, shared_width=shared_width,
+        eps=model.layers[0].input_layernorm.eps, scale=first.scale,
+        routed_scaling_factor=spec.routed_scaling_factor)
+    stack = MlaStack.pack(layers, shape, first.rotary.cos, first.rotary.sin, int8.pop())
+    return FusedMLAModel(kernels, stack, blocks)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
@@ -389,10 +371,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             return hidden, residual
         counts = [self._no_counts if b is None or b.expert_counts is None else b.expert_counts
                   for b in f.moe_blocks]
-        return f.op(hidden, hidden if residual is None else residual, residual is not None,
-                    f.weights, f.qtypes, f.moe, counts, f.cos, f.sin, positions, caches,
-                    meta.slot_mapping, meta.short_block_table_i32, meta.short_context_lens,
-                    f.dims, f.fdims, f.kernels.decode_split, f.kernels.threads.count,
-                    f.int8_act, meta.short_query_lens)
+        return f.kernels.mla_decode_layers(f.stack, hidden, residual, caches, counts,
+                                           ShortQueryStep.of(meta, positions))
 
     _no_counts = torch.empty(0, dtype=torch.int64)

@@ -10,7 +10,7 @@ and projects to logits; in between, hidden states and residuals pass through.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,10 +19,12 @@ from hearth.models.arch import ModelArch
 from hearth.models.layers import (KERNEL_ACT_DTYPES, LOWP_MIN_ROWS, QLINEAR_MAX_ROWS,
                                   ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
-from hearth.ops.attention import AttentionMetadata
+from hearth.models.parallel_group import SINGLE, ParallelGroup
+from hearth.ops.attention import CAUSAL, AttentionMetadata, AttentionSpec
 from hearth.ops.attention_backends import (AttentionBackend, TorchAttentionBackend,
                                            select_attention_backend)
-from hearth.ops.parallel import SINGLE, ParallelGroup
+from hearth.ops.cpu_kernels import CpuKernels
+from hearth.ops.fused_decode import LlamaLayerWeights, LlamaShape, LlamaStack, ShortQueryStep
 
 
 def local_kv_heads(arch: ModelArch, tp: ParallelGroup) -> int:
@@ -51,6 +53,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary = rotary
         self.backend = backend
+        # a sliding window, chunked-local attention or sinks (a family sets them per layer)
+        self.spec: AttentionSpec = CAUSAL
 
     def forward(self, x, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -68,7 +72,7 @@ class LlamaAttention(nn.Module):
                                           self.num_kv_heads, self.head_dim, qk_norm):
             q, k = self.norm_and_rotate(q, k, positions)
             self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.backend.attend(q, k, v, k_cache, v_cache, meta, self.scale, self.spec)
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def norm_and_rotate(self, q, k, positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,38 +100,16 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and gate_up.dtype in KERNEL_ACT_DTYPES:
-            return self.down_proj(self.kernels.ops.silu_mul(gate_up))
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
-class FusedLayer(NamedTuple):
-    """One decoder layer's short-query steps as one `decode_layer` kernel call."""
+class FusedDecode(NamedTuple):
+    """Layers whose short-query steps run as one `decode_layers` kernel call."""
 
-    op: Callable  # kernels.ops.decode_layer
-    weights: list[torch.Tensor]  # qs, d, m of qkv, o, gate_up, down (in that order)
-    qtypes: list[int]  # the four linears' quantization types
-    kernels: object  # the CpuKernels build
-    int8_act: bool  # 8-bit activations (VNNI) in some linear
-
-
-class FusedModel(NamedTuple):
-    """Every decoder layer of a short-query step as one `decode_layers` kernel call."""
-
-    op: Callable  # kernels.ops.decode_layers
-    norms: list[torch.Tensor]  # input and post-attention norm weights, layer by layer
-    weights: list[torch.Tensor]  # FusedLayer.weights of every layer
-    qtypes: list[int]
-    kernels: object
-    int8_act: bool
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    inter: int
-    scale: float
+    kernels: CpuKernels  # the build the layers attend through
+    stack: LlamaStack  # the call's fixed arguments
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -142,26 +124,39 @@ class LlamaDecoderLayer(nn.Module):
 
     def enable_fused_decode(self) -> bool:
         """Steps of short queries only (decodes, speculative verify steps: at most 16 tokens in
-        all) go through one fused kernel call (`decode_layer`) when every part of this layer is
-        one the kernel does: a dense MLP, quantized weights, no biases or q/k norms, one
-        rank. Returns whether it is enabled."""
+        all) go through one fused kernel call (`decode_layers` over this layer) when every part is
+        one the kernel does: a dense MLP, quantized weights, no biases or q/k norms, plain
+        causal attention, one rank. Returns whether it is enabled."""
         attn, mlp = self.self_attn, self.mlp
         if not isinstance(mlp, LlamaMLP) or not isinstance(attn, LlamaAttention):
             self._fused = None
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         kernels = attn.backend.kernels  # the fused call attends through the same build
-        if (kernels is None or attn.q_norm is not None or any(m.bias is not None for m in linears)
+        if (kernels is None or attn.q_norm is not None or not attn.spec.is_causal
+                or any(m.bias is not None for m in linears)
                 or attn.o_proj.group.size > 1 or any(m.qweight is None for m in linears)):
             self._fused = None
             return False
-        weights = [t for m in linears for t in (m.qweight.qs, m.qweight.d, m.qweight.m)]
-        self._fused = FusedLayer(kernels.ops.decode_layer, weights,
-                                 [m.qweight.qtype for m in linears], kernels,
-                                 any(m.qweight.int8_act for m in linears))
+        self._fused = FusedDecode(kernels, LlamaStack.pack(
+            [self.fused_weights()], self.fused_shape(), attn.rotary.cos, attn.rotary.sin,
+            any(m.qweight.int8_act for m in linears)))
         return True
 
-    _fused: FusedLayer | None = None
+    def fused_weights(self) -> LlamaLayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        return LlamaLayerWeights(
+            in_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
+            qkv=attn.qkv_proj.qweight, o=attn.o_proj.qweight, gate_up=mlp.gate_up_proj.qweight,
+            down=mlp.down_proj.qweight)
+
+    def fused_shape(self) -> LlamaShape:
+        attn = self.self_attn
+        return LlamaShape(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                          head_dim=attn.head_dim, intermediate=self.mlp.inter, scale=attn.scale,
+                          eps=self.input_layernorm.eps)
+
+    _fused: FusedDecode | None = None
 
     def forward(self, x, residual, positions, meta, kv_cache, act_dtype=None):
         """`act_dtype`: the dtype of the normed activations the linears and attention see (None:
@@ -170,15 +165,9 @@ class LlamaDecoderLayer(nn.Module):
         if (self._fused is not None and meta.num_short_tokens == meta.num_tokens
                 and x.shape[0] <= QLINEAR_MAX_ROWS and x.dtype == torch.float32
                 and act_dtype is None):
-            f, attn = self._fused, self.self_attn
-            return f.op(x, x if residual is None else residual, residual is not None,
-                        self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                        self.input_layernorm.eps, f.weights, f.qtypes, attn.rotary.cos,
-                        attn.rotary.sin, positions, kv_cache[0], kv_cache[1], meta.slot_mapping,
-                        meta.short_block_table_i32, meta.short_context_lens, attn.num_heads,
-                        attn.num_kv_heads, attn.head_dim, self.mlp.inter, attn.scale,
-                        f.kernels.decode_split, f.kernels.threads.count, f.int8_act,
-                        meta.short_query_lens)
+            kernels, stack = self._fused
+            return kernels.decode_layers(stack, x, residual, [kv_cache[0]], [kv_cache[1]],
+                                         ShortQueryStep.of(meta, positions))
         if residual is None:
             residual, normed = x, self.input_layernorm(x, act_dtype)
         else:
@@ -245,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
             return self.norm.add_forward(hidden, residual)[0], None
         return hidden, residual
 
-    _fused_all: FusedModel | None = None
+    _fused_all: FusedDecode | None = None
 
     def enable_fused_decode(self) -> bool:
         """Fuse each layer's short-query steps (`LlamaDecoderLayer.enable_fused_decode`); when
@@ -256,32 +245,22 @@ class LlamaForCausalLM(nn.Module):
         if not all([layer.enable_fused_decode() for layer in self.layers]):
             return False
         fused = [layer._fused for layer in self.layers]
-        if not fused or any(f.int8_act != fused[0].int8_act for f in fused):
+        if not fused or any(f.stack.int8_act != fused[0].stack.int8_act for f in fused):
             return True  # nothing to run, or mixed activation formats: one call per layer
-        kernels = fused[0].kernels
         first = self.layers[0]
-        attn = first.self_attn
-        self._fused_all = FusedModel(
-            kernels.ops.decode_layers,
-            [n for layer in self.layers
-             for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)],
-            [t for f in fused for t in f.weights], [t for f in fused for t in f.qtypes], kernels,
-            fused[0].int8_act, first.input_layernorm.eps, attn.rotary.cos, attn.rotary.sin,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.inter, attn.scale)
+        self._fused_all = FusedDecode(fused[0].kernels, LlamaStack.pack(
+            [layer.fused_weights() for layer in self.layers], first.fused_shape(),
+            first.self_attn.rotary.cos, first.self_attn.rotary.sin, fused[0].stack.int8_act))
         return True
 
     def _decode_layers(self, hidden, residual, positions, meta, kv_caches):
-        f = self._fused_all
+        kernels, stack = self._fused_all
         if isinstance(kv_caches, torch.Tensor):  # [layers, 2, blocks, ...]: two views per layer
             k_caches, v_caches = kv_caches[:, 0].unbind(0), kv_caches[:, 1].unbind(0)
         else:
             k_caches, v_caches = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
-        return f.op(hidden, hidden if residual is None else residual, residual is not None,
-                    f.norms, f.eps, f.weights, f.qtypes, f.cos, f.sin, positions, k_caches,
-                    v_caches, meta.slot_mapping, meta.short_block_table_i32,
-                    meta.short_context_lens, f.num_heads, f.num_kv_heads, f.head_dim, f.inter,
-                    f.scale, f.kernels.decode_split, f.kernels.threads.count, f.int8_act,
-                    meta.short_query_lens)
+        return kernels.decode_layers(stack, hidden, residual, k_caches, v_caches,
+                                     ShortQueryStep.of(meta, positions))
 
     def use_kernels(self, kernels) -> None:
         """Route norms, SiLU-mul and MoE experts through `kernels`, and attention (RoPE + cache

@@ -12,8 +12,8 @@ from torch import nn
 from hearth.models.arch import ModelArch
 from hearth.models.families.llama.model import LlamaForCausalLM, LlamaMLP
 from hearth.models.moe import SparseMoeBlock
+from hearth.models.parallel_group import SINGLE, ParallelGroup
 from hearth.ops.attention_backends import AttentionBackend
-from hearth.ops.parallel import SINGLE, ParallelGroup
 
 
 class MoeLlamaForCausalLM(LlamaForCausalLM):

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hearth.ops.parallel import CommStats, ParallelGroup
+from hearth.models.parallel_group import CommStats, ParallelGroup
 
 log = logging.getLogger("hearth.distributed")
 

@@ -1,8 +1,10 @@
 """Parallel-group handles and the collectives the model layers call.
 
-A `ParallelGroup` is built by the rank launcher (`hearth.ops.distributed.init_rank_groups`) and
-passed down to the layers; there is no global "current group". With size 1 every collective is the
-identity and nothing is timed, so single-process code pays nothing.
+A `ParallelGroup` is built by the rank launcher
+(`hearth.engine.parallel.distributed.init_rank_groups`) and passed down to the layers; there is no
+global "current group". With size 1 every collective is the identity and nothing is timed, so
+single-process code pays nothing. It lives beside the layers that take it (models/ sits below
+engine/, which builds the groups).
 """
 
 from __future__ import annotations
