@@ -3,8 +3,8 @@
 // A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
 // namespace hearth::(anonymous), after the headers listed before it there.
 //
-// The same math as hearth/models/families/deepseek/model.py's modules on their short-query path, in the same
-// order, one Python call per step instead of ~250 torch ops: a decode step of the 12-layer MLA
+// The same math as hearth/models/families/deepseek/model.py's modules on their short-query path,
+// in the same order, one Python call per step instead of ~250 torch ops: a decode step of the 12-layer MLA
 // bench model spent ~5 ms of its ~16 in Python dispatch and small tensor ops.
 //   attention: [q_c | c | k_pe] = qlinear(norm(x)); q = q_b(norm(q_c)) (or q_proj(norm(x)));
 //              the latent row [norm(c) | rope(k_pe)] into the cache; the query absorbed
