@@ -35,10 +35,10 @@ $(KERNELS): $(STAMP) $(wildcard hearth/ops/csrc/*) hearth/ops/build_kernels.py
 serve: setup
 	$(BIN)/hearth up --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
-# One pytest worker per core (pytest-xdist), a test file at a time per worker (--dist loadfile:
-# a file's module-scoped servers stay in one process). TEST_WORKERS=0 runs in this process.
+# One pytest worker per core (pytest-xdist): an e2e file runs on one worker (its module-scoped
+# servers start once), other tests go one by one (tests/conftest.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= logical
-TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadfile
+TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(BIN)/python -m pytest $(TEST_FLAGS) tests
