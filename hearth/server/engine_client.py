@@ -14,8 +14,8 @@ failed here when the core process dies; no waiter is ever left hanging. A core w
 ends its open requests with error outputs and exits (hearth/engine/core_process.py); whatever it
 could not answer (requests still in the socket, load queries) fails here the moment the socket
 closes: the add waiters raise EngineDeadError, each output queue gets a final error output, and
-`failure` is set (`/health` answers 503 and the worker stops, hearth/server/worker_app.py). A channel
-that cannot be trusted (a malformed frame) is closed from this side, so the core exits too.
+`failure` is set (`/health` answers 503 and the worker stops, hearth/server/worker_app.py). A
+channel that cannot be trusted (a malformed frame) is closed from this side, so the core exits too.
 """
 
 from __future__ import annotations
