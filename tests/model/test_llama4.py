@@ -7,8 +7,9 @@ MLP and a NoPE layer (full attention, temperature tuning with floor_scale 8) wit
 blocks of the engine's 16; shorter than the prompts), llama3 RoPE scaling, the weightless q/k
 norm. Compared: the model's logits over a paged cache (whole prompt, chunks over a cached
 prefix, decodes; torch and hearth's CPU kernels), and the engine's greedy tokens and logprobs in
-the exact formats through chunked prefill and prefix-cache hits. A Llama4ForConditionalGeneration
-folder (text_config, `language_model.` weights beside vision ones) serves the same model.
+the exact formats through chunked prefill and prefix-cache hits, and under tensor and expert
+parallelism. A Llama4ForConditionalGeneration folder (text_config, `language_model.` weights
+beside vision ones) serves the same model.
 """
 
 from __future__ import annotations
@@ -182,3 +183,24 @@ def test_a_chunk_that_is_not_whole_cache_blocks_is_refused_at_load(tmp_path):
                                          r"cache block size 16"):
         LLM(str(tmp_path / "m"), **EXACT)
     HFCheckpoint(tmp_path / "m").arch.check_block_size(8)  # 8-token blocks serve it
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "ep2"])
+def test_tensor_and_expert_parallel_equal_one_process(hf_llama4, parallel):
+    """TP cuts heads, the dense and shared MLPs and each expert's width; EP puts 2 whole
+    experts on each rank (the packed tensors sliced by expert)."""
+    _, folder = hf_llama4
+    runs = []
+    for settings in ({}, parallel):
+        llm = LLM(str(folder), **EXACT, **settings, max_num_batched_tokens=16)
+        try:
+            runs.append(llm.generate(PROMPTS, GREEDY))
+            assert llm.engine.kv_pool_is_whole()
+        finally:
+            llm.engine.close()
+    for want, got in zip(*runs):
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+            [lp.logprob for lp in want.logprobs], abs=1e-4)
