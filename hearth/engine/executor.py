@@ -307,6 +307,7 @@ def make_executor(config: EngineConfig, checkpoint,
     resolve_prefill_dtype(config)  # a bad or unsupported choice fails before anything is built
     check_parallel_shape(checkpoint.arch, pc.tensor_parallel_size,
                          pc.pipeline_parallel_size, pc.enable_expert_parallel)
+    checkpoint.arch.check_block_size(config.cache.block_size)  # e.g. Llama 4's attention chunks
     num_blocks = num_kv_blocks(config.cache, checkpoint.arch, pc, formats.kv_dtype)
     if prebuilt is None:
         check_fits(config, checkpoint, formats, num_blocks)

@@ -50,6 +50,17 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeSpec | None = None  # set exactly for a MoE family's (Family.is_moe)
     mla: MlaSpec | None = None  # set exactly for an MLA family's (head_dim: its qk width)
+    # A family's own settings beyond these fields: a frozen (hashable) object its folder defines
+    # and only its code reads (Llama 4's per-layer RoPE / NoPE, chunked attention, temperature).
+    # It may refuse a KV cache block size its attention cannot serve (`check_block_size`).
+    family_spec: object | None = None
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise a ValueError if the model's attention cannot run over cache blocks of
+        `block_size` tokens (a family spec's `check_block_size`; every other model can)."""
+        check = getattr(self.family_spec, "check_block_size", None)
+        if check is not None:
+            check(block_size)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers

@@ -32,6 +32,15 @@ class HFCheckpoint(Checkpoint):
         config = _read_json(self.folder / "config.json")
         self._files: dict[Path, Any] = {}  # open safe_open handles, one per file
         self._name_to_file = _index_tensors(self.folder)
+        self._stored: dict[str, str] = {}  # name -> its name in the file, where they differ
+        architectures = config.get("architectures") or [None]
+        text_model = hf_family(architectures[0], self.folder)[0].hf_text_models.get(
+            architectures[0])
+        if text_model is not None:  # a multimodal checkpoint: its text model only
+            config = text_model.text_config(config, self.folder)
+            self._stored = text_model.text_tensors(list(self._name_to_file))
+            self._name_to_file = {name: self._name_to_file[stored]
+                                  for name, stored in self._stored.items()}
         self.arch = arch_from_hf_config(config, self.folder, has_lm_head="lm_head.weight" in self._name_to_file)
         self.name = name or self.folder.resolve().name
         self.tokenizer_source = TokenizerSource(folder=self.folder)
@@ -50,19 +59,19 @@ class HFCheckpoint(Checkpoint):
     def get(self, name: str, shard: Shard | None = None) -> torch.Tensor:
         if name not in self._name_to_file:
             raise KeyError(f"{self.folder} has no tensor {name!r}")
-        handle = self._handle(name)
+        handle, stored = self._handle(name), self._stored.get(name, name)
         if name + FP8_SCALE_SUFFIX in self._name_to_file:
-            value = _dequantize_fp8(handle.get_tensor(name),
-                                    self._handle(name + FP8_SCALE_SUFFIX).get_tensor(
-                                        name + FP8_SCALE_SUFFIX), name)
+            scale = name + FP8_SCALE_SUFFIX
+            value = _dequantize_fp8(handle.get_tensor(stored), self._handle(scale).get_tensor(
+                self._stored.get(scale, scale)), name)
             if shard is None:
                 return value
             dim = shard[0] % value.dim()
             start, stop = shard_bounds(value.shape[dim], shard, name)
             return value.narrow(dim, start, stop - start)
         if shard is None:
-            return handle.get_tensor(name)
-        view = handle.get_slice(name)
+            return handle.get_tensor(stored)
+        view = handle.get_slice(stored)
         shape = view.get_shape()
         dim = shard[0] % len(shape)
         start, stop = shard_bounds(shape[dim], shard, name)

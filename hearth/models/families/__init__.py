@@ -25,6 +25,36 @@ HfFields = Callable[[dict, str, Any], dict]
 GgufFields = Callable[[dict, Any, Callable, str], dict]
 
 
+@dataclass(frozen=True)
+class TextModelIn:
+    """Where a multimodal checkpoint keeps the text model a family serves (Llama 4's
+    Llama4ForConditionalGeneration): its config.json under `config_key`, its tensors under
+    `prefix` (read under their names without it); tensors under a `skipped` prefix (the vision
+    tower) are never read. Any other tensor stays as named, so the load's check that every
+    tensor found a place still refuses what the text model has no place for."""
+
+    config_key: str = "text_config"
+    prefix: str = "language_model."
+    skipped: tuple[str, ...] = ()
+
+    def text_config(self, config: dict, folder) -> dict:
+        """The text model's config, named by the checkpoint's architectures."""
+        inner = config.get(self.config_key)
+        if not isinstance(inner, dict):
+            raise ValueError(f"{folder}: config.json of a {config['architectures'][0]} has no "
+                             f"{self.config_key!r}")
+        return {**inner, "architectures": config["architectures"]}
+
+    def text_tensors(self, stored: list[str]) -> dict[str, str]:
+        """The text model's tensor name -> its name in the files, for each stored name."""
+        out = {}
+        for name in stored:
+            if name.startswith(self.skipped):
+                continue
+            out[name.removeprefix(self.prefix)] = name
+        return out
+
+
 @dataclass(frozen=True, eq=False)
 class Family:
     """One model family as the loaders, the model builder and the quantizer see it."""
@@ -46,6 +76,8 @@ class Family:
     # "module" with the family's quantization hooks (attention_linears, quantize_attention);
     # None: the Llama attention layout (hearth/models/quant.py)
     quant: str | None = None
+    # HF names (also in hf_names) of multimodal checkpoints whose text model this family serves
+    hf_text_models: dict[str, TextModelIn] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         named = set(self.hf_names.values()) | set(self.gguf_names.values())
