@@ -35,10 +35,11 @@ $(KERNELS): $(STAMP) $(wildcard hearth/ops/csrc/*) hearth/ops/build_kernels.py
 serve: setup
 	$(BIN)/hearth up --prefill 1 --decode 1 --host $(HOST) --port $(PORT)
 
-# One pytest worker per core (pytest-xdist): an e2e file runs on one worker (its module-scoped
-# servers start once), other tests go one by one (tests/conftest.py). TEST_WORKERS=0: one process.
+# One pytest worker per core (pytest-xdist), a whole test file at a time per worker (--dist
+# loadfile: a file's module-scoped servers and models are built once; split test by test, the
+# two workers built them both and ran 2-4x slower). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= logical
-TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadgroup
+TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadfile
 
 test: setup
 	$(BIN)/python -m pytest $(TEST_FLAGS) tests

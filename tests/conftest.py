@@ -44,17 +44,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for tier in sorted(_TIER_SECONDS, key=_TIER_SECONDS.get, reverse=True):
         terminalreporter.write_line(f"{tier:>8}: {_TIER_SECONDS[tier]:7.1f} s over "
                                     f"{_TIER_TESTS[tier]} tests")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test`: --dist loadgroup) the tests of one e2e file stay on one
-    worker: they share module-scoped servers, and a second worker would start its own. Model and
-    unit tests go one by one to whichever worker is free (a model file's module fixtures may then
-    be built on both workers; the long files, test_formats and test_speculative, still finish
-    sooner split)."""
-    import pytest
-
-    for item in items:
-        parts = item.nodeid.split("::")[0].split("/")
-        if parts[:2] == ["tests", "e2e"]:
-            item.add_marker(pytest.mark.xdist_group(name=parts[-1]))
