@@ -9,7 +9,8 @@ Input items (a string is one user message):
     {"type": "function_call", "call_id", "name", "arguments"}   -> an assistant tool call
     {"type": "function_call_output", "call_id", "output"}       -> a tool message
     {"type": "reasoning", "content"|"summary": [{"text"}]}   -> the next assistant turn's
-                                                       reasoning_content (its template decides)
+                                                       reasoning_content (its template decides);
+                                                       with none: an assistant turn of its own
 Consecutive function calls (and the assistant message before them) form one assistant turn, as
 the Chat API writes parallel calls. `instructions` is the first system message; it is not carried
 over from a previous response (the API's own rule).
@@ -128,6 +129,10 @@ def items_to_messages(items: list[dict[str, Any]], first_index: int = 0) -> list
             reasoning.clear()
         return message
 
+    def flush_reasoning() -> None:  # reasoning no assistant item followed: a turn of its own
+        if reasoning:
+            messages.append(assistant_turn({"role": "assistant", "content": None}))
+
     for offset, item in enumerate(items):
         param = f"input.{first_index + offset}"
         if not isinstance(item, dict):
@@ -139,6 +144,8 @@ def items_to_messages(items: list[dict[str, Any]], first_index: int = 0) -> list
                 raise bad_request(f"{param}.role: one of user, assistant, system, developer",
                                   param=f"{param}.role")
             message = {"role": role, "content": _text_of(item.get("content"), f"{param}.content")}
+            if role != "assistant":
+                flush_reasoning()
             messages.append(assistant_turn(message) if role == "assistant" else message)
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", param), "type": "function",
@@ -151,6 +158,7 @@ def items_to_messages(items: list[dict[str, Any]], first_index: int = 0) -> list
                 messages.append(assistant_turn({"role": "assistant", "content": None,
                                                 "tool_calls": [call]}))
         elif kind == "function_call_output":
+            flush_reasoning()
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param),
                              "content": _text_of(item.get("output"), f"{param}.output")})
         elif kind == "reasoning":
@@ -159,7 +167,9 @@ def items_to_messages(items: list[dict[str, Any]], first_index: int = 0) -> list
                 reasoning.append(text)
         else:
             raise bad_request(f"{param}.type: input item type {kind!r} is not supported (message, "
-                              "function_call, function_call_output)", param=f"{param}.type")
+                              "function_call, function_call_output, reasoning)",
+                              param=f"{param}.type")
+    flush_reasoning()
     return messages
 
 

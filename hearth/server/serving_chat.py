@@ -108,11 +108,12 @@ class ChatChoice:
                    if end is None or start < end)
 
 
-def with_reasoning_tokens(usage: Usage, choices: list[ChatChoice]) -> Usage:
-    counts = [c.reasoning_tokens for c in choices]
-    if all(n is None for n in counts):
+def with_reasoning_tokens(state: ServerState, usage: Usage, choices: list[ChatChoice]) -> Usage:
+    """`usage` with its reasoning tokens, where the server has a reasoning parser (0 for a
+    guided request, which has none)."""
+    if state.config.reasoning_parser is None:
         return usage
-    return replace(usage, reasoning_tokens=sum(n or 0 for n in counts))
+    return replace(usage, reasoning_tokens=sum(c.reasoning_tokens or 0 for c in choices))
 
 
 def finish_reason(choice: ChatChoice, engine_reason: str | None) -> str:
@@ -217,10 +218,11 @@ async def chat_events(state: ServerState, request: ChatCompletionRequest,
     if request.n != 1 or request.kv_transfer is not None:
         raise bad_request("this API has one choice and no kv_transfer", param="n")
     run, choices, _ = await _start(state, request, None, is_disconnected)
-    return ChatEvents(abort_when_dropped(_events(run, choices[0]), run), run.abort_unfinished)
+    return ChatEvents(abort_when_dropped(_events(state, run, choices[0]), run),
+                      run.abort_unfinished)
 
 
-async def _events(run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEvent]:
+async def _events(state: ServerState, run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEvent]:
     try:
         async for _, output in run.outputs():
             for event in choice.feed(output):
@@ -229,7 +231,7 @@ async def _events(run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEven
                 yield Failed(output.error or "the engine failed this request")
             elif output.finished:
                 yield Finished(finish_reason(choice, output.finish_reason),
-                               with_reasoning_tokens(run.usage(), [choice]), stop_string(output))
+                               with_reasoning_tokens(state, run.usage(), [choice]), stop_string(output))
     finally:
         run.abort_unfinished()
 
@@ -260,7 +262,7 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
     return {
         "id": run.response_id, "object": "chat.completion", "created": run.created,
         "model": state.model_name, "choices": body_choices, "system_fingerprint": None,
-        "usage": with_reasoning_tokens(run.usage(), choices).to_dict(),
+        "usage": with_reasoning_tokens(state, run.usage(), choices).to_dict(),
     }
 
 
@@ -326,7 +328,7 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, run: Reque
                                  stop_string(output), token_ids=last_ids)
         else:
             if include_usage:
-                yield maker.usage(with_reasoning_tokens(run.usage(), choices))
+                yield maker.usage(with_reasoning_tokens(state, run.usage(), choices))
         yield SSE_DONE
     except ClientGone:
         pass
