@@ -6,6 +6,7 @@ the tool parser while markup inside the reasoning is not a call."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -145,3 +146,78 @@ def test_a_call_inside_the_reasoning_is_reasoning():
 def test_unknown_name_is_a_value_error():
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         make_reasoning_parser("granite")
+
+
+def writer_events(writer) -> list[dict]:
+    """The payloads of every SSE event a writer sends for reasoning, content, a call, the end."""
+    from hearth.api.chat_chunks import Usage
+    from hearth.api.chat_output import Finished
+
+    chunks = writer.start()
+    for event in [ReasoningDelta("Think "), ReasoningDelta("hard."), "Sure.",
+                  ToolCallDelta(0, id="call_1", name="f"), ToolCallDelta(0, arguments='{"a": 1}'),
+                  Finished("tool_calls", Usage(5, 9, reasoning_tokens=4))]:
+        chunks += writer.feed(event)
+    return [json.loads(chunk.split("data: ", 1)[1]) for chunk in chunks]
+
+
+def test_responses_writer_writes_a_reasoning_item_the_sdk_reads():
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from hearth.api.responses_writer import ResponseWriter
+
+    writer = ResponseWriter("resp_1", "m", 0, {"tools": [], "tool_choice": "auto",
+                                                "parallel_tool_calls": True})
+    payloads = writer_events(writer)
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(p) for p in payloads]
+    body = Response.model_validate(writer.body())
+    assert [item.type for item in body.output] == ["reasoning", "message", "function_call"]
+    assert body.output[0].content[0].text == "Think hard." and body.output[0].summary == []
+    assert body.output_text == "Sure."
+    assert body.usage.output_tokens_details.reasoning_tokens == 4
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        "Think hard."
+
+
+def test_messages_writer_writes_a_thinking_block_the_sdk_reads():
+    from anthropic.types import Message, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    from hearth.api.messages_writer import MessageWriter
+
+    writer = MessageWriter("msg_1", "m")
+    events = [TypeAdapter(RawMessageStreamEvent).validate_python(p)
+              for p in writer_events(writer) if p["type"] != "ping"]
+    message = Message.model_validate(writer.body())
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].thinking == "Think hard." and message.content[0].signature == ""
+    assert message.content[2].input == {"a": 1}
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+
+
+def test_reasoning_input_goes_to_the_assistant_turn():
+    from hearth.api.messages_api import MessagesRequest, to_chat_body as messages_body
+    from hearth.api.responses_api import items_to_messages
+
+    messages = items_to_messages([
+        {"type": "message", "role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "because"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "1"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "s"}]},
+        {"type": "message", "role": "user", "content": "again"}])
+    assert [(m["role"], m.get("reasoning_content")) for m in messages] == [
+        ("user", None), ("assistant", "because"), ("tool", None), ("assistant", "s"),
+        ("user", None)]
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "x"},
+                                          {"type": "redacted_thinking", "data": "..."},
+                                          {"type": "text", "text": "a"}]}]})
+    assert messages_body(request)["messages"][1] == {"role": "assistant", "content": "a",
+                                                    "reasoning_content": "t"}
