@@ -7,7 +7,8 @@ Completion chunk:  {"id", "object": "text_completion", "created", "model",
 With `return_token_ids` (vLLM's placement): a choice's `token_ids`; the prompt's
 `prompt_token_ids` on the chat role chunk (top level) or a completion choice's first chunk.
 Usage:             {"prompt_tokens", "completion_tokens", "total_tokens",
-                    "prompt_tokens_details": {"cached_tokens"}}
+                    "prompt_tokens_details": {"cached_tokens"},
+                    "completion_tokens_details": {"reasoning_tokens"} (with a reasoning parser)}
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int | None = None  # of completion_tokens; None: no reasoning parser
 
     def to_dict(self) -> dict:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
 
 _UNICODE_TO_BYTE = {char: byte for byte, char in byte_level_alphabet().items()}

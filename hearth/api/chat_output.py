@@ -4,7 +4,7 @@ All three APIs (Chat Completions, Responses, Anthropic Messages) map onto one in
 a `ChatCompletionRequest` (messages + tools + tool_choice + response_format + sampling fields),
 and read one internal output stream back:
 
-    ChatEvent = str (content text) | ToolCallDelta | Finished | Failed
+    ChatEvent = str (content text) | ReasoningDelta | ToolCallDelta | Finished | Failed
 
 in output order, exactly one `Finished` or `Failed` last. A worker produces it straight from the
 engine and the request's tool parser (`serving_chat.chat_events`); the router reads it off the
@@ -12,7 +12,8 @@ stitched Chat Completions stream it already builds (`ChatChunkReader`). So tool 
 building and PD stitching exist once, and a front door is only two pure translations: its request
 into a chat request, and these events into its own wire shape.
 
-ToolCallDelta keeps the tool parser's contract: a call's first delta has id and name (arguments
+ReasoningDelta (with `--reasoning-parser`) is the model's reasoning, which comes before the
+content and calls of the same output. ToolCallDelta keeps the tool parser's contract: a call's first delta has id and name (arguments
 ""), its later deltas carry argument fragments only.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Union
 
 from hearth.api.chat_chunks import Usage
+from hearth.api.reasoning import ReasoningDelta
 from hearth.api.tool_calls import ToolCallDelta
 
 
@@ -38,7 +40,7 @@ class Failed:
     message: str  # the engine (or every endpoint the router tried) failed after output began
 
 
-ChatEvent = Union[str, ToolCallDelta, Finished, Failed]
+ChatEvent = Union[str, ReasoningDelta, ToolCallDelta, Finished, Failed]
 
 
 class ChatEvents:
@@ -66,9 +68,11 @@ class ChatEvents:
 def usage_from_dict(usage: dict | None) -> Usage:
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
     return Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
                  completion_tokens=int(usage.get("completion_tokens") or 0),
-                 cached_tokens=int(details.get("cached_tokens") or 0))
+                 cached_tokens=int(details.get("cached_tokens") or 0),
+                 reasoning_tokens=None if reasoning is None else int(reasoning))
 
 
 class ChatChunkReader:
@@ -94,6 +98,8 @@ class ChatChunkReader:
         events: list[ChatEvent] = []
         for choice in payload.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events.append(ReasoningDelta(delta["reasoning_content"]))
             if delta.get("content"):
                 events.append(delta["content"])
             for call in delta.get("tool_calls") or ():

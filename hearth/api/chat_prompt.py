@@ -107,6 +107,8 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["name"] = message.name
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None and message.role == "assistant":
+            entry["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             entry["tool_calls"] = [
                 {"id": call.id, "type": "function",

@@ -6,7 +6,9 @@
 
 Content blocks: `text`; `tool_use` (assistant) -> a tool call; `tool_result` (user) -> a tool
 message (content a string or text blocks; `is_error` prefixes the text with "Error: ", since chat
-templates have no such flag). Other block types (image, document, thinking...) are a 400.
+templates have no such flag); `thinking` (assistant) -> the turn's reasoning_content, which the
+chat template keeps or drops (`redacted_thinking` is dropped: hearth cannot read it). Other block
+types (image, document...) are a 400.
 `tool_choice`: auto / any (-> required) / tool {name} / none; `disable_parallel_tool_use` ->
 parallel_tool_calls false. Only custom (client) tools; no server tools.
 
@@ -136,12 +138,18 @@ def _turn_messages(message: MessageParam, index: int) -> list[dict[str, Any]]:
     text, as the results answer the previous turn's calls); tool uses become tool calls."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts, calls, results = [], [], []
+    texts, calls, results, thinking = [], [], [], []
     for block_index, block in enumerate(message.content):
         param = f"messages.{index}.content.{block_index}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_block_text(block, param))
+        elif kind == "thinking" and message.role == "assistant":
+            if not isinstance(block.get("thinking"), str):
+                raise bad_request(f"{param}.thinking: expected a string", param=f"{param}.thinking")
+            thinking.append(block["thinking"])
+        elif kind == "redacted_thinking" and message.role == "assistant":
+            continue
         elif kind == "tool_use" and message.role == "assistant":
             calls.append(_tool_call(block, param))
         elif kind == "tool_result" and message.role == "user":
@@ -155,6 +163,8 @@ def _turn_messages(message: MessageParam, index: int) -> list[dict[str, Any]]:
     text = "\n".join(texts)
     if message.role == "assistant":
         turn: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if thinking:
+            turn["reasoning_content"] = "\n".join(thinking)
         if calls:
             turn["tool_calls"] = calls
         return [turn]

@@ -4,6 +4,8 @@ One writer per message, fed the ChatEvents in order (hearth/api/chat_output.py);
 events and the final Message come from the same bookkeeping. Stream (`event: <type>` + `data:`):
 
     message_start (content [], usage zeros) -> ping
+    per reasoning run: content_block_start {type: thinking, thinking "", signature ""}
+                   -> content_block_delta {thinking_delta}... -> content_block_stop
     per text run:  content_block_start {type: text} -> content_block_delta {text_delta}...
                    -> content_block_stop
     per tool call: content_block_start {type: tool_use, id, name, input {}}
@@ -11,6 +13,8 @@ events and the final Message come from the same bookkeeping. Stream (`event: <ty
     message_delta {stop_reason, stop_sequence} + usage -> message_stop
     (a failure after the start: an `error` event {"type": "error", "error": {...}})
 
+A thinking block's `signature` is "": hearth signs nothing, and a thinking block sent back in
+a later request is read whatever its signature (hearth/api/messages_api.py).
 stop_reason: end_turn (EOS), stop_sequence (with the string), max_tokens, tool_use.
 Usage: `input_tokens` counts the prompt tokens that were computed; the prefix-cache hits are
 `cache_read_input_tokens` (Anthropic's total input is their sum); no cache writes are billed.
@@ -23,6 +27,7 @@ from typing import Any
 
 from hearth.api.chat_output import ChatEvent, Failed, Finished
 from hearth.api.chat_chunks import Usage
+from hearth.api.reasoning import ReasoningDelta
 from hearth.api.tool_calls import ToolCallDelta
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -68,6 +73,8 @@ class MessageWriter:
     def feed(self, event: ChatEvent) -> list[str]:
         if isinstance(event, str):
             return self._text(event)
+        if isinstance(event, ReasoningDelta):
+            return self._thinking(event.text)
         if isinstance(event, ToolCallDelta):
             return self._call(event)
         if isinstance(event, Finished):
@@ -92,6 +99,15 @@ class MessageWriter:
         self.content[self._open]["text"] += text
         return out + [sse_event("content_block_delta", {
             "index": self._open, "delta": {"type": "text_delta", "text": text}})]
+
+    def _thinking(self, text: str) -> list[str]:
+        out = []
+        if self._open is None or self.content[self._open]["type"] != "thinking":
+            out += self._close()
+            out += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
+        self.content[self._open]["thinking"] += text
+        return out + [sse_event("content_block_delta", {
+            "index": self._open, "delta": {"type": "thinking_delta", "thinking": text}})]
 
     def _call(self, delta: ToolCallDelta) -> list[str]:
         out = []

@@ -80,6 +80,9 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's reasoning, as a response returned it; the chat template decides
+    # whether it goes back into the prompt (the <think> templates drop it from past turns)
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(_Strict):

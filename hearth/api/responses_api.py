@@ -8,7 +8,9 @@ Input items (a string is one user message):
     {"role", "content"} / {"type": "message", ...}   content: a string or input_text/output_text parts
     {"type": "function_call", "call_id", "name", "arguments"}   -> an assistant tool call
     {"type": "function_call_output", "call_id", "output"}       -> a tool message
-    {"type": "reasoning", ...}                                  -> dropped (no reasoning models here)
+    {"type": "reasoning", "content"|"summary": [{"text"}]}   -> the next assistant turn's
+                                                       reasoning_content (its template decides);
+                                                       with none: an assistant turn of its own
 Consecutive function calls (and the assistant message before them) form one assistant turn, as
 the Chat API writes parallel calls. `instructions` is the first system message; it is not carried
 over from a previous response (the API's own rule).
@@ -93,6 +95,22 @@ def _text_of(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
+def _reasoning_text(item: dict, param: str) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary ("" if neither;
+    encrypted_content is not ours to read)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+            raise bad_request(f"{param}.{key}: a list of {{type, text}} parts",
+                              param=f"{param}.{key}")
+        if parts:
+            return "\n".join(p["text"] for p in parts)
+    return ""
+
+
 def _string(item: dict, key: str, param: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
@@ -103,6 +121,18 @@ def _string(item: dict, key: str, param: str) -> str:
 def items_to_messages(items: list[dict[str, Any]], first_index: int = 0) -> list[dict[str, Any]]:
     """Responses input items -> Chat Completions messages (first_index: for error params)."""
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they belong to
+
+    def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
+            reasoning.clear()
+        return message
+
+    def flush_reasoning() -> None:  # reasoning no assistant item followed: a turn of its own
+        if reasoning:
+            messages.append(assistant_turn({"role": "assistant", "content": None}))
+
     for offset, item in enumerate(items):
         param = f"input.{first_index + offset}"
         if not isinstance(item, dict):
@@ -113,24 +143,33 @@ def items_to_messages(items: list[dict[str, Any]], first_index: int = 0) -> list
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(f"{param}.role: one of user, assistant, system, developer",
                                   param=f"{param}.role")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{param}.content")})
+            message = {"role": role, "content": _text_of(item.get("content"), f"{param}.content")}
+            if role != "assistant":
+                flush_reasoning()
+            messages.append(assistant_turn(message) if role == "assistant" else message)
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", param), "type": "function",
                     "function": {"name": _string(item, "name", param),
                                  "arguments": _string(item, "arguments", param)}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append(assistant_turn({"role": "assistant", "content": None,
+                                                "tool_calls": [call]}))
         elif kind == "function_call_output":
+            flush_reasoning()
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param),
                              "content": _text_of(item.get("output"), f"{param}.output")})
         elif kind == "reasoning":
-            continue
+            text = _reasoning_text(item, param)
+            if text:
+                reasoning.append(text)
         else:
             raise bad_request(f"{param}.type: input item type {kind!r} is not supported (message, "
-                              "function_call, function_call_output)", param=f"{param}.type")
+                              "function_call, function_call_output, reasoning)",
+                              param=f"{param}.type")
+    flush_reasoning()
     return messages
 
 

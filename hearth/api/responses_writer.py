@@ -5,6 +5,9 @@ events and the final Response object come from the same bookkeeping, so both mod
 same output. Stream (each event `event: <type>` + `data: {..., "sequence_number": n}`):
 
     response.created, response.in_progress                       (status in_progress, output [])
+    per reasoning run: response.output_item.added (reasoning) -> response.content_part.added
+                    -> response.reasoning_text.delta... -> response.reasoning_text.done
+                    -> response.content_part.done -> response.output_item.done
     per text run:   response.output_item.added (message) -> response.content_part.added
                     -> response.output_text.delta... -> response.output_text.done
                     -> response.content_part.done -> response.output_item.done
@@ -15,7 +18,9 @@ same output. Stream (each event `event: <type>` + `data: {..., "sequence_number"
 
 Output items: {"type": "message", "id": "msg_...", "role": "assistant", "status",
 "content": [{"type": "output_text", "text", "annotations": [], "logprobs": []}]} and
-{"type": "function_call", "id": "fc_...", "call_id", "name", "arguments", "status"}.
+{"type": "function_call", "id": "fc_...", "call_id", "name", "arguments", "status"} and
+{"type": "reasoning", "id": "rs_...", "summary": [], "status",
+"content": [{"type": "reasoning_text", "text"}]} (the model's own reasoning text, unsummarised).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 from hearth.api.chat_output import ChatEvent, Failed, Finished
 from hearth.api.chat_chunks import Usage
+from hearth.api.reasoning import ReasoningDelta
 from hearth.api.tool_calls import ToolCallDelta
 
 
@@ -34,7 +40,7 @@ def response_usage(usage: Usage) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
@@ -69,6 +75,8 @@ class ResponseWriter:
     def feed(self, event: ChatEvent) -> list[str]:
         if isinstance(event, str):
             return self._text(event)
+        if isinstance(event, ReasoningDelta):
+            return self._text(event.text, reasoning=True)
         if isinstance(event, ToolCallDelta):
             return self._call(event)
         if isinstance(event, Finished):
@@ -78,12 +86,17 @@ class ResponseWriter:
         raise TypeError(f"not a chat event: {event!r}")
 
     # ---- items --------------------------------------------------------------------------------
-    def _open_message(self) -> list[str]:
-        item = {"type": "message", "id": _item_id("msg"), "role": "assistant", "status": "in_progress",
-                "content": []}
+    def _open_message(self, reasoning: bool = False) -> list[str]:
+        if reasoning:
+            item = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                    "status": "in_progress", "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": _item_id("msg"), "role": "assistant",
+                    "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self.output.append(item)
         self._open = len(self.output) - 1
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         out = [self._event("response.output_item.added", output_index=self._open,
                            item=copy.deepcopy(item))]
         item["content"].append(part)
@@ -91,15 +104,21 @@ class ResponseWriter:
                                output_index=self._open, content_index=0, part=dict(part)))
         return out
 
-    def _text(self, text: str) -> list[str]:
+    def _text(self, text: str, reasoning: bool = False) -> list[str]:
         out = []
-        if self._open is None or self.output[self._open]["type"] != "message":
+        kind = "reasoning" if reasoning else "message"
+        if self._open is None or self.output[self._open]["type"] != kind:
             out += self._close("completed")
-            out += self._open_message()
+            out += self._open_message(reasoning)
         item = self.output[self._open]
         item["content"][0]["text"] += text
-        out.append(self._event("response.output_text.delta", item_id=item["id"],
-                               output_index=self._open, content_index=0, delta=text, logprobs=[]))
+        if reasoning:
+            out.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                   output_index=self._open, content_index=0, delta=text))
+        else:
+            out.append(self._event("response.output_text.delta", item_id=item["id"],
+                                   output_index=self._open, content_index=0, delta=text,
+                                   logprobs=[]))
         return out
 
     def _call(self, delta: ToolCallDelta) -> list[str]:
@@ -129,7 +148,13 @@ class ResponseWriter:
         item = self.output[index]
         item["status"] = status
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"],
+                                   output_index=index, content_index=0, text=part["text"]))
+            out.append(self._event("response.content_part.done", item_id=item["id"],
+                                   output_index=index, content_index=0, part=dict(part)))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=part["text"], logprobs=[]))

@@ -9,6 +9,7 @@ from typing import Any
 
 from hearth.config import SPECULATIVE_METHODS, EngineConfig
 from hearth.api.edge import DoorwayConfig
+from hearth.server.reasoning_parsers import REASONING_PARSERS
 from hearth.server.server_config import ServerConfig
 from hearth.flags.options import (Option, _add_groups, _bytes_to_mb, _comma_list, _default_configs,
                                   _field_values, _first, _get, _kwargs, _mb_to_bytes, _names,
@@ -181,6 +182,10 @@ SERVER_OPTIONS = (("server", (
     Option("--tool-call-parser", "server.tool_call_parser",
            help="auto (by the chat template: its tool-call markers, Llama 3 headers) | hermes | "
                 "llama3_json | kimi_k2 | deepseek_v3 | deepseek_v31"),
+    Option("--reasoning-parser", "server.reasoning_parser", choices=REASONING_PARSERS,
+           help="return <think> reasoning apart from content (reasoning_content, reasoning "
+                "items, thinking blocks): deepseek_r1 (output starts inside the block) | qwen3 "
+                "(a block where the output opens one); default: none"),
     _off_switch("--no-guided-auto-tools", "server.guided_auto_tools",
                 "do not constrain tool-call arguments under tool_choice=auto"),
     Option("--max-body-mb", "server.max_body_bytes", float, "larger request bodies get 413",

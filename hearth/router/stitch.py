@@ -57,6 +57,7 @@ class FirstToken:
     num_cached_tokens: int
     token_ids: list[int] | None = None  # with return_token_ids: [the first token]
     prompt_token_ids: list[int] | None = None
+    reasoning: str = ""  # chat with --reasoning-parser: message.reasoning_content of the hop
 
     @classmethod
     def from_response(cls, body: dict, chat: bool) -> "FirstToken":
@@ -65,8 +66,10 @@ class FirstToken:
         usage = body.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         prompt_ids = body.get("prompt_token_ids") if chat else choice.get("prompt_token_ids")
+        reasoning = (choice.get("message") or {}).get("reasoning_content") if chat else None
         return cls(text or "", choice.get("logprobs"), int(usage.get("prompt_tokens", 0)),
-                   int(details.get("cached_tokens", 0)), choice.get("token_ids"), prompt_ids)
+                   int(details.get("cached_tokens", 0)), choice.get("token_ids"), prompt_ids,
+                   reasoning or "")
 
 
 @dataclass
@@ -131,11 +134,13 @@ class Stitcher:
         out = self.role_chunk(0)
         ids = list(first.token_ids or ())
         state.token_ids += ids
-        if not first.text and not first.logprobs and not (ids and self.pass_token_ids):
+        if not (first.text or first.reasoning) and not first.logprobs \
+                and not (ids and self.pass_token_ids):
             return out
         if self.chat:
-            choice = {"index": 0, "delta": {"content": first.text}, "logprobs": first.logprobs,
-                      "finish_reason": None}
+            delta = {"reasoning_content": first.reasoning} if first.reasoning else {}
+            choice = {"index": 0, "delta": {**delta, "content": first.text},
+                      "logprobs": first.logprobs, "finish_reason": None}
         else:
             choice = {"index": 0, "text": first.text, "logprobs": first.logprobs, "finish_reason": None}
         if self.pass_token_ids:
@@ -183,7 +188,8 @@ class Stitcher:
             delta.pop("role", None)
             self._skip_chat(state, delta, choice)
             choice["delta"] = delta
-            empty = not delta.get("content") and not delta.get("tool_calls")
+            empty = not (delta.get("content") or delta.get("tool_calls")
+                         or delta.get("reasoning_content"))
         else:
             self._skip_text(state, choice)
             empty = not choice.get("text")

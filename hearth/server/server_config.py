@@ -17,6 +17,8 @@ class ServerConfig:
     max_waiting: int = 256  # requests queued beyond the engine's running set; past it: 429
     max_body_bytes: int = 32 * 2**20  # request bodies larger than this: 413
     tool_call_parser: str = "auto"  # auto (by model family) | one of tool_parsers.TOOL_PARSERS
+    # <think> blocks -> reasoning (reasoning_parsers.REASONING_PARSERS); None: all output is content
+    reasoning_parser: str | None = None
     guided_auto_tools: bool = True  # constrain tool-call arguments also under tool_choice "auto"
     cpu_threads: int = 2  # threads for rendering/tokenizing off the event loop (edge.CpuPool)
     log_level: str = "info"

@@ -1,8 +1,12 @@
 """POST /v1/chat/completions: messages -> prompt -> n engine requests -> response or SSE stream.
 
-Each choice owns one tool parser (when tools are in play) fed with the engine's text deltas;
-the streamed chunks and the non-streamed message come from the same parser events, so both
-modes report the same content and the same tool calls.
+Each choice owns one OutputParser (hearth/server/output_parser.py): the reasoning parser when
+`--reasoning-parser` is set, then a tool parser when tools are in play, fed with the engine's
+text deltas; the streamed chunks and the non-streamed message come from the same parser events,
+so both modes report the same reasoning, content and tool calls.
+
+A guided request (a forced tool call, response_format) is constrained from its first token, so
+its output has no reasoning block: it gets no reasoning parser.
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ from hearth.server.serving import (
     sampling_params,
     stop_string,
 )
+from hearth.api.reasoning import ReasoningDelta
+from hearth.api.chat_chunks import Usage
+from hearth.server.output_parser import OutputEvent, OutputParser, assemble_reasoning
+from hearth.server.reasoning_parsers import make_reasoning_parser
 from hearth.server.tool_grammar import tool_choice_guidance
 from hearth.server.tool_parsers import (
     SPECIAL_TOKEN_PARSERS,
-    Event,
     ToolParser,
     assemble,
     make_tool_parser,
@@ -51,28 +58,62 @@ class ChatChoice:
     """One choice's parser state and what it has produced."""
 
     parser: ToolParser | None
+    output: OutputParser | None = None  # None: the text is content as it comes
     flush_at_finish: bool = True  # False on a prefill hop: the output goes on on the decode side
-    events: list[Event] = field(default_factory=list)
+    events: list[OutputEvent] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     unsent_logprobs: list[Logprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # (output offset in characters, tokens) of each delta: which tokens were reasoning
+    _delta_spans: list[tuple[int, int]] = field(default_factory=list)
+    _num_chars: int = 0
 
-    def feed(self, output: RequestOutput) -> list[Event]:
+    def feed(self, output: RequestOutput) -> list[OutputEvent]:
         self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs
         self.unsent_logprobs += output.new_logprobs
-        if self.parser is None:
-            new = [output.new_text] if output.new_text else []
+        self._delta_spans.append((self._num_chars, len(output.new_token_ids)))
+        self._num_chars += len(output.new_text)
+        if self.output is None:
+            new: list[OutputEvent] = [output.new_text] if output.new_text else []
         else:
-            new = self.parser.feed(output.new_text)
+            new = self.output.feed(output.new_text)
             if output.finished and self.flush_at_finish:
-                new += self.parser.finish()
+                new += self.output.finish()
         self.events += new
         return new
+
+    def read_sent(self, text: str) -> None:
+        """Parse the first token's text, which the prefill hop already sent: its events are
+        dropped, the parsers' state carries on."""
+        self._delta_spans.append((self._num_chars, 1))
+        self._num_chars += len(text)
+        if self.output is not None:
+            self.output.feed(text)
 
     @property
     def has_tool_calls(self) -> bool:
         return self.parser is not None and self.parser.num_calls > 0
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """Output tokens that were reasoning (its markup included); None without a reasoning
+        parser. A delta's tokens count with the side where the delta began (one token per delta
+        but for speculative steps); before the block is decided they count as reasoning."""
+        reasoning = self.output.reasoning if self.output is not None else None
+        if reasoning is None:
+            return None
+        end = reasoning.reasoning_end
+        return sum(num for start, num in self._delta_spans
+                   if end is None or start < end)
+
+
+def with_reasoning_tokens(state: ServerState, usage: Usage, choices: list[ChatChoice]) -> Usage:
+    """`usage` with its reasoning tokens, where the server has a reasoning parser (0 for a
+    guided request, which has none)."""
+    if state.config.reasoning_parser is None:
+        return usage
+    return replace(usage, reasoning_tokens=sum(c.reasoning_tokens or 0 for c in choices))
 
 
 def finish_reason(choice: ChatChoice, engine_reason: str | None) -> str:
@@ -82,8 +123,9 @@ def finish_reason(choice: ChatChoice, engine_reason: str | None) -> str:
 
 
 def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
-          ) -> tuple[list[int], list, str | None]:
-    """(prompt ids, per-choice SamplingParams, tool parser name or None); runs on the CPU pool."""
+          ) -> tuple[list[int], list, str | None, str | None]:
+    """(prompt ids, per-choice SamplingParams, tool parser name or None, reasoning parser name
+    or None); runs on the CPU pool."""
     check_model(state, request.model)
     tools = request.tools or None
     tool_choice = request.tool_choice or ("auto" if tools else "none")
@@ -106,6 +148,7 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
         raise bad_request("tool_choice requires tools", param="tool_choice")
     if guided is None:
         guided = response_format_guidance(request.response_format)
+    reasoning = state.config.reasoning_parser if guided is None else None
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
     top = request.top_logprobs or 0
@@ -118,7 +161,7 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
     ]
     if parser in SPECIAL_TOKEN_PARSERS:  # the parser reads the markup tokens and drops them
         params = [replace(p, skip_special_tokens=False) for p in params]
-    return prompt_ids, params, parser
+    return prompt_ids, params, parser, reasoning
 
 
 async def _start(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
@@ -126,18 +169,21 @@ async def _start(state: ServerState, request: ChatCompletionRequest, hop: Hop | 
                  ) -> tuple[RequestRun, list[ChatChoice], list[int]]:
     """Plan the request, submit its engine requests and give each choice its parser."""
     # rendering and tokenizing are CPU work: off the event loop
-    prompt_ids, params, parser_name = await state.cpu.run(_plan, state, request, hop)
+    prompt_ids, params, parser_name, reasoning_name = await state.cpu.run(_plan, state, request,
+                                                                          hop)
     run = RequestRun(state, new_id("chatcmpl"), is_disconnected)
     await run.submit([prompt_ids] * request.n, params, hop.spec if hop else None,
                      num_output_tokens=1 if hop and hop.is_decode else 0,
                      output_token_ids=hop.output_token_ids if hop else [])
-    choices = [ChatChoice(make_tool_parser(parser_name) if parser_name else None,
-                          flush_at_finish=not (hop and hop.is_prefill))
-               for _ in range(request.n)]
-    if hop and hop.is_decode and choices[0].parser is not None:
+    choices = []
+    for _ in range(request.n):
+        tools = make_tool_parser(parser_name) if parser_name else None
+        reasoning = make_reasoning_parser(reasoning_name) if reasoning_name else None
+        output = OutputParser(reasoning, tools) if tools or reasoning else None
+        choices.append(ChatChoice(tools, output, flush_at_finish=not (hop and hop.is_prefill)))
+    if hop and hop.is_decode and choices[0].output is not None:
         # the prefill hop sent what the first token produced: read it, drop the events
-        choices[0].parser.feed(first_token_text(state.tokenizer, hop,
-                                                params[0].skip_special_tokens))
+        choices[0].read_sent(first_token_text(state.tokenizer, hop, params[0].skip_special_tokens))
     return run, choices, prompt_ids
 
 
@@ -172,10 +218,11 @@ async def chat_events(state: ServerState, request: ChatCompletionRequest,
     if request.n != 1 or request.kv_transfer is not None:
         raise bad_request("this API has one choice and no kv_transfer", param="n")
     run, choices, _ = await _start(state, request, None, is_disconnected)
-    return ChatEvents(abort_when_dropped(_events(run, choices[0]), run), run.abort_unfinished)
+    return ChatEvents(abort_when_dropped(_events(state, run, choices[0]), run),
+                      run.abort_unfinished)
 
 
-async def _events(run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEvent]:
+async def _events(state: ServerState, run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEvent]:
     try:
         async for _, output in run.outputs():
             for event in choice.feed(output):
@@ -183,8 +230,8 @@ async def _events(run: RequestRun, choice: ChatChoice) -> AsyncIterator[ChatEven
             if output.finished and output.finish_reason == "error":
                 yield Failed(output.error or "the engine failed this request")
             elif output.finished:
-                yield Finished(finish_reason(choice, output.finish_reason), run.usage(),
-                               stop_string(output))
+                yield Finished(finish_reason(choice, output.finish_reason),
+                               with_reasoning_tokens(state, run.usage(), [choice]), stop_string(output))
     finally:
         run.abort_unfinished()
 
@@ -196,8 +243,10 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
     body_choices = []
     for index, choice in enumerate(choices):
         raise_if_failed(run.choices[index])
-        content, calls = assemble(choice.events)
+        content, calls = assemble([e for e in choice.events if not isinstance(e, ReasoningDelta)])
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if state.config.reasoning_parser is not None:
+            message["reasoning_content"] = assemble_reasoning(choice.events)
         if calls:
             message["tool_calls"] = [tool_call_message(c) for c in calls]
         body_choices.append({
@@ -213,7 +262,7 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
     return {
         "id": run.response_id, "object": "chat.completion", "created": run.created,
         "model": state.model_name, "choices": body_choices, "system_fingerprint": None,
-        "usage": run.usage().to_dict(),
+        "usage": with_reasoning_tokens(state, run.usage(), choices).to_dict(),
     }
 
 
@@ -226,7 +275,7 @@ def _unsent_logprobs(state: ServerState, choice: ChatChoice, want_logprobs: bool
 
 
 def _chunks_for(maker: ChunkMaker, state: ServerState, index: int, choice: ChatChoice,
-                events: list[Event], want_logprobs: bool, token_ids: list[int] | None,
+                events: list[OutputEvent], want_logprobs: bool, token_ids: list[int] | None,
                 ) -> list[str]:
     """One chunk per event; unsent logprobs ride on the first. With return_token_ids
     (`token_ids` not None) the output's ids ride on the first too ([] on the others), and ids
@@ -235,8 +284,12 @@ def _chunks_for(maker: ChunkMaker, state: ServerState, index: int, choice: ChatC
     chunks = []
     for event in events:
         logprobs = _unsent_logprobs(state, choice, want_logprobs)
-        delta = ({"content": event} if isinstance(event, str)
-                 else {"tool_calls": [tool_call_delta(event)]})
+        if isinstance(event, str):
+            delta: dict[str, Any] = {"content": event}
+        elif isinstance(event, ReasoningDelta):
+            delta = {"reasoning_content": event.text}
+        else:
+            delta = {"tool_calls": [tool_call_delta(event)]}
         chunks.append(maker.chat(index, delta, logprobs, token_ids=token_ids))
         token_ids = None if token_ids is None else []
     if token_ids:
@@ -275,7 +328,7 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, run: Reque
                                  stop_string(output), token_ids=last_ids)
         else:
             if include_usage:
-                yield maker.usage(run.usage())
+                yield maker.usage(with_reasoning_tokens(state, run.usage(), choices))
         yield SSE_DONE
     except ClientGone:
         pass

@@ -52,6 +52,7 @@ from hearth.server.server_config import ServerConfig
 from hearth.server.serving import ClientGone, ServerState, check_model, check_prompt_chars, check_token_ids
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completions import create_completion
+from hearth.server.reasoning_parsers import check_reasoning_parser
 from hearth.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 log = logging.getLogger("hearth.server")
@@ -82,6 +83,7 @@ class Worker:
 
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
                  on_fatal: Callable[[], None] | None = None, core: CoreProcess | None = None) -> None:
+        check_reasoning_parser(server_config.reasoning_parser)  # before the engine starts
         self.engine_config = engine_config
         self.config = server_config
         self.on_fatal = on_fatal  # asks the HTTP server to stop (launch.py wires uvicorn's)

@@ -25,6 +25,12 @@ _STRING, _ARRAY = 8, 9
 
 def write_marker_model(target: Path, parser: str) -> Path:
     """The default model's GGUF with `parser`'s markers and our template for it, at `target`."""
+    return write_model_copy(target, MARKERS[parser], chat_template(parser))
+
+
+def write_model_copy(target: Path, markers: list[str], template: str) -> Path:
+    """The default model's GGUF with `markers` as its special tokens from FIRST_MARKER_ID on
+    (none: the vocabulary as it is) and `template` as its chat template, at `target`."""
     source = resolve_builtin(DEFAULT_MODEL)
     buf = memoryview(source.read_bytes())
     _, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
@@ -44,12 +50,11 @@ def write_marker_model(target: Path, parser: str) -> Path:
     data_start = _aligned(pos, alignment)
 
     tokens = list(metadata["tokenizer.ggml.tokens"])
-    markers = MARKERS[parser]
     taken = tokens[FIRST_MARKER_ID : FIRST_MARKER_ID + len(markers)]
     assert all(t.startswith("<") and t not in ("<|im_start|>", "<|im_end|>") for t in taken), taken
     tokens[FIRST_MARKER_ID : FIRST_MARKER_ID + len(markers)] = markers
     replaced = {"tokenizer.ggml.tokens": _string_array(tokens),
-                "tokenizer.chat_template": _string(chat_template(parser))}
+                "tokenizer.chat_template": _string(template)}
     assert not any("\ufffd" in t for t in tokens)  # every token string reads back byte for byte
     kv = b"".join(_raw_string(key) + replaced[key] if key in replaced else raw for key, raw in entries)
     header = buf[:24].tobytes() + kv + buf[table_start:pos].tobytes()
