@@ -20,12 +20,21 @@ from hearth.models.loader import load_checkpoint
 MODEL = "smollm2-135m-instruct"
 
 
+# Built models kept at once (least recently used dropped first). Each holds its weights (~0.5-1 GB
+# for the default model's fp32 and packed forms); test_formats alone asks for ten settings, and
+# with every one kept a pytest worker grew to ~7.5 GB. Under `make test`'s two workers that left
+# too little for the Ray cluster module on the same 24 GB box (Ray's memory monitor killed its
+# actors). A test file's tests run together on one worker, so a few entries still hit.
+MAX_BUILT = 3
+
+
 class Models:
-    """Built models of one checkpoint, one per (dtype, quantization, kernels, device) setting."""
+    """Built models of one checkpoint, one per (dtype, quantization, kernels, device) setting;
+    at most MAX_BUILT kept."""
 
     def __init__(self, checkpoint) -> None:
         self.checkpoint = checkpoint
-        self._built: dict[tuple, BuiltModel] = {}
+        self._built: dict[tuple, BuiltModel] = {}  # in order of last use
 
     def prebuilt(self, config: EngineConfig) -> BuiltModel | None:
         """The shared model for `config`'s formats (None with T x P ranks: they build their own)."""
@@ -33,9 +42,13 @@ class Models:
             return None
         mc = config.model
         key = (mc.dtype, mc.quantization, mc.cpu_kernels, config.parallel.device, mc.prefill_dtype)
-        if key not in self._built:
-            self._built[key] = build_model_for(config, self.checkpoint)
-        return self._built[key]
+        built = self._built.pop(key, None)
+        if built is None:
+            while len(self._built) >= MAX_BUILT:
+                self._built.pop(next(iter(self._built)))
+            built = build_model_for(config, self.checkpoint)
+        self._built[key] = built
+        return built
 
     def config(self, **overrides) -> EngineConfig:
         return make_engine_config(MODEL, **overrides)
