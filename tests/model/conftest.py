@@ -9,6 +9,8 @@ sampler, so a test sees a fresh engine exactly as before. Tests make engines thr
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from hearth.config import EngineConfig
@@ -20,11 +22,9 @@ from hearth.models.loader import load_checkpoint
 MODEL = "smollm2-135m-instruct"
 
 
-# Built models kept at once (least recently used dropped first). Each holds its weights (~0.5-1 GB
-# for the default model's fp32 and packed forms); test_formats alone asks for ten settings, and
-# with every one kept a pytest worker grew to ~7.5 GB. Under `make test`'s two workers that left
-# too little for the Ray cluster module on the same 24 GB box (Ray's memory monitor killed its
-# actors). A test file's tests run together on one worker, so a few entries still hit.
+# Built models kept at once (least recently used dropped first). Each holds its weights (~0.3-0.8
+# GB for the default model's fp32 and packed forms); test_formats alone asks for ten settings.
+# A test file's tests run together on one worker, so a few entries still hit.
 MAX_BUILT = 3
 
 
@@ -72,3 +72,13 @@ def checkpoint():
 @pytest.fixture(scope="session")
 def models(checkpoint) -> Models:
     return Models(checkpoint)
+
+
+@pytest.fixture(autouse=True)
+def collect_engines():
+    """An engine (its KV pool: ~1 GB for the default model) sits in reference cycles, so it is
+    freed only by Python's cyclic collector, which may not run for many tests: test_formats
+    alone grew a pytest worker to ~7.8 GB. Collect after each test, so what a test made is gone
+    before the next one (and beside `make test`'s other worker, Ray's memory monitor stays quiet)."""
+    yield
+    gc.collect()
