@@ -6,8 +6,9 @@ The source is compiled once per instruction set the CPU lists (AVX-512 + AMX, AV
 AVX-512, AVX2) into `hearth/ops/_build/` under names that carry a hash of the source and the torch
 version, so a stale build is never loaded. Each build is then run once in a child process on a
 small self-check (its results against plain torch): a CPU that lists an instruction set it cannot
-execute kills only the child, and that build is marked unusable in `probe.json`. `hearth.ops.cpu_kernels` loads the best usable build at run time and
-falls back to plain torch when there is none.
+execute kills only the child, and that build is marked unusable in `probe.json`.
+`hearth.ops.cpu_kernels` loads the best usable build at run time and falls back to plain torch
+when there is none.
 """
 
 from __future__ import annotations
