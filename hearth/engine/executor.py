@@ -32,7 +32,7 @@ from hearth.models.arch import ModelArch
 from hearth.models.layers import use_lowp_prefill
 from hearth.models.moe import use_lowp_expert_prompts
 from hearth.models.quant import (FLOAT_GGML_TYPES, QUANTIZATIONS, attach_file_blocks,
-                                 quantize_model)
+                                 auto_quantization, quantize_model)
 from hearth.models.weights import build_model
 from hearth.ops import kv_quant
 from hearth.ops.cpu_kernels import QTYPES, CpuKernels, load_cpu_kernels
@@ -105,8 +105,7 @@ def resolve_formats(config: EngineConfig, checkpoint) -> Formats:
         kv_dtype = KV_DTYPES[cc.kv_cache_dtype]
     quantization = mc.quantization
     if quantization == "auto":
-        quantization = ("gguf" if kernels is not None and hasattr(checkpoint, "raw_blocks")
-                        else "none")
+        quantization = auto_quantization(checkpoint, kernels)
     elif quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unsupported {quantization!r}; "
                          f"choose from auto, {', '.join(QUANTIZATIONS)}")

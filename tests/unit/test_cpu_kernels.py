@@ -86,10 +86,10 @@ def test_qlinear_equals_dequantized_matmul(kernels, fmt, rows):
     torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' 8-bit activations, dequantized: per 32-element block dx = max|x| / 127,
-    q = round(x * 127 / max|x|)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+def quantize_activations(x: torch.Tensor, span: int = 32) -> torch.Tensor:
+    """The kernels' 8-bit activations, dequantized: per `span`-element block dx = max|x| / 127,
+    q = round(x * 127 / max|x|) (span 256: Q4_K's super-blocks on AVX2 without VNNI)."""
+    blocks = x.reshape(x.shape[0], -1, span)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return ((blocks * inv).round() * (amax / 127.0)).reshape(x.shape)
@@ -172,7 +172,8 @@ def test_qlinear_k_quants_equal_dequantized_matmul(kernels, fmt, rows, int8_act)
     weight = dequantize(blocks.reshape(-1), QTYPE_IDS[fmt], (n, k))
     x = torch.randn(rows, k, generator=gen)
     got = kernels.qlinear(x, pack_ggml(QTYPE_IDS[fmt], blocks, int8_act=int8_act))
-    want = (quantize_activations(x) if int8_act and fmt == "q4_k" else x) @ weight.T
+    span = 256 if torch.ops.hearth.q4_k_superblock_act() else 32
+    want = (quantize_activations(x, span) if int8_act and fmt == "q4_k" else x) @ weight.T
     # float32 summation order over 512 products of weights up to ~10
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 

@@ -18,6 +18,9 @@
 // How a call lays out its quantized activations: the order the weight loop reads them in.
 enum ActLayout {
   kNatural = 0,   // int8, row order (the plain loops, AVX2, and VNNI x Q8_0)
+  kQ4Pairs = 1,   // int8, per 2 blocks: their first halves (elements 0-15), then their second
+                  // halves: the order of a 32-byte load of 2 Q4 blocks split into low and high
+                  // nibbles (AVX2 x Q4_K)
   kQ4Quads = 2,   // int8, per 4 blocks: their first halves (elements 0-15), then their second
                   // halves: the order of a 64-byte load of 4 Q4 blocks split into low and high nibbles
 };
@@ -32,20 +35,25 @@ struct QAct {
 
 inline int64_t act_group(int layout) { return layout == kQ4Quads ? 4 : 2; }  // blocks per register
 inline int64_t act_stride(int layout, int64_t nb) {
-  return layout == kQ4Quads ? (nb + 3) / 4 * 128 : nb * kQK;
+  return layout == kQ4Quads ? (nb + 3) / 4 * 128 : layout == kQ4Pairs ? (nb + 1) / 2 * 64 : nb * kQK;
 }
 
+// `span` elements share one scale: 32 (a block; every path but one) or 256 (a Q4_K super-block,
+// llama.cpp's Q8_K, for the AVX2 Q4_K tile's integer sums over a whole super-block).
 void quantize_rows(const float* x, int64_t M, int64_t K, int layout, int8_t* q, float* dx,
-                   float* xs, float* dxe) {
+                   float* xs, float* dxe, int64_t span = kQK) {
   const int64_t nb = K / kQK, G = act_group(layout), ng = (nb + G - 1) / G, lanes = 16 / G;
-  const int64_t stride = act_stride(layout, nb);
+  const int64_t stride = act_stride(layout, nb), per = span / kQK;
   std::memset(q, 0, M * stride);
   std::fill(dxe, dxe + M * ng * 16, 0.0f);
   for (int64_t i = 0; i < M; ++i) {
+    float amax = 0;
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + i * K + b * kQK;
-      float amax = 0;
-      for (int j = 0; j < kQK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      if (b % per == 0) {
+        amax = 0;
+        for (int64_t j = 0; j < span; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      }
       const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
       int32_t sum = 0;
       for (int j = 0; j < kQK; ++j) {
@@ -53,6 +61,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int layout, int8_t* q, 
         sum += v;
         if (layout == kQ4Quads)
           q[i * stride + (b / 4) * 128 + (j / 16) * 64 + (b % 4) * 16 + j % 16] = static_cast<int8_t>(v);
+        else if (layout == kQ4Pairs)
+          q[i * stride + (b / 2) * 64 + (j / 16) * 32 + (b % 2) * 16 + j % 16] = static_cast<int8_t>(v);
         else
           q[i * stride + b * kQK + j] = static_cast<int8_t>(v);
       }
@@ -168,6 +178,81 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
     }
 }
 #elif defined(__AVX2__)
+// Q4_K with 8-bit activations on AVX2 (llama.cpp's Q4_K x Q8_K): a super-block's activations
+// share one scale (quantize_act: span 256), so its dot product is integer sums to its end. Per
+// pair of 32-blocks one 32-byte load of nibbles splits into both blocks' first halves (low
+// nibbles) and second halves (high), which the kQ4Pairs order of x matches; vpmaddubsw's int16
+// sums of the two halves (|.| <= 2 * 2 * 15 * 127) meet the blocks' 6-bit scales in one
+// vpmaddwd, and one float FMA per super-block applies d dx. The mins' term, -dmin mn times each
+// block's sum of x, is the short float loop after (sm . xs), as for Q4_1.
+template <int NR, int MT>
+void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAct& a, int64_t i0,
+                         float* out, int64_t ldo) {
+  const int64_t row = w.K / 2, nb = w.nb, ns = nb / 8;
+  const uint8_t* q0 = w.qs + n * row;
+  const uint16_t* d0 = w.d + n * w.d_row();
+  const uint8_t* k0 = w.ks + n * nb * 2;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  alignas(32) static const struct Picks {  // vpshufb: lane 0 = scale 2p, lane 1 = scale 2p + 1
+    int8_t b[4][32];
+    Picks() {
+      for (int p = 0; p < 4; ++p)
+        for (int j = 0; j < 32; ++j) b[p][j] = static_cast<int8_t>(4 * p + (j >= 16 ? 2 : 0) + j % 2);
+    }
+  } picks;
+  __m256 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t ahead = ahead_rows(row);
+  for (int64_t s = 0; s < ns; ++s) {
+    __m256i isum[NR][MT], sc[NR];
+    for (int r = 0; r < NR; ++r) {
+      sc[r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k0 + r * nb * 2 + 16 * s))));
+      for (int i = 0; i < MT; ++i) isum[r][i] = _mm256_setzero_si256();
+    }
+    for (int p = 0; p < 4; ++p) {
+      const int64_t off = s * 128 + p * 32;
+      if (p % 2 == 0)
+        for (int r = 0; r < NR; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + off), _MM_HINT_T1);
+      __m256i xa[MT], xb[MT];
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xp = a.q + (i0 + i) * a.stride + (4 * s + p) * 64;
+        xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+        xb[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+      }
+      const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(picks.b[p]));
+      for (int r = 0; r < NR; ++r) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + r * row + off));
+        const __m256i lo = _mm256_and_si256(wv, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+        const __m256i scl = _mm256_shuffle_epi8(sc[r], pick);
+        for (int i = 0; i < MT; ++i) {
+          const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]),
+                                                _mm256_maddubs_epi16(hi, xb[i]));
+          isum[r][i] = _mm256_add_epi32(isum[r][i], _mm256_madd_epi16(prod, scl));
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float d = _cvtsh_ss(d0[r * w.d_row() + 2 * s]);
+      for (int i = 0; i < MT; ++i)
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i]),
+                                    _mm256_set1_ps(d * a.dx[(i0 + i) * nb + 8 * s]), acc[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) {
+      const float* smr = sm + r * nb;
+      const float* xs = a.xs + (i0 + i) * nb;
+      float m = 0;
+#pragma omp simd reduction(+ : m)
+      for (int64_t b = 0; b < nb; ++b) m += smr[b] * xs[b];
+      out[i * ldo + r] = reduce_add8(acc[r][i]) + m;
+    }
+}
+
 // AVX2 without VNNI (and the AVX-512 build without it): llama.cpp's AVX2 dot products over the
 // row-order layout, one 32-element block per register. vpmaddubsw multiplies unsigned by signed
 // bytes and adds neighbours into int16 lanes, vpmaddwd with ones sums those into 8 int32 lanes,
@@ -179,6 +264,7 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
 template <int NR, int MT>
 void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* sm, const QAct& a,
                      int64_t i0, float* out, int64_t ldo) {
+  if (w.qtype == kQ4_K) return qlinear_tile_q4k_i8<NR, MT>(w, n, sm, a, i0, out, ldo);
   const bool q8 = w.qtype == kQ8_0;
   const int64_t row = w.qs_row(), nb = w.nb;
   const uint8_t* q0 = w.qs + n * row;
@@ -306,15 +392,27 @@ bool has_vnni() {
 // Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read (the
 // int8-activation path of qlinear and moe_experts); `dxe_row` receives the per-row stride of
 // a.dxe (to address a block of rows).
+// Whether Q4_K meets 8-bit activations in whole super-blocks (the AVX2 tile without VNNI):
+// then each 256 elements of x share one scale.
+bool q4_k_superblock_act() {
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
                   std::vector<float>& sc, int64_t& dxe_row) {
-  const int layout = has_vnni() && qtype != kQ8_0 ? kQ4Quads : kNatural;
+  const bool superblock = qtype == kQ4_K && q4_k_superblock_act();
+  const int layout = has_vnni() && qtype != kQ8_0 ? kQ4Quads : superblock ? kQ4Pairs : kNatural;
   const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
   dxe_row = (nb + G - 1) / G * 16;
   q.resize(M * stride);
   sc.resize(M * nb * 2 + M * dxe_row);
   float* dx = sc.data();
-  quantize_rows(x, M, K, layout, q.data(), dx, dx + M * nb, dx + 2 * M * nb);
+  quantize_rows(x, M, K, layout, q.data(), dx, dx + M * nb, dx + 2 * M * nb,
+                superblock ? kQK_K : kQK);
   return QAct{M, nb, stride, q.data(), dx, dx + M * nb, dx + 2 * M * nb};
 }
 
