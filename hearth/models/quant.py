@@ -168,13 +168,14 @@ def _file_blocks(checkpoint, sources: list[str], kernels, int8_act: bool = False
                  ) -> tuple[int, list[torch.Tensor]] | None:
     """(kernel type, block rows per source) for a layer whose tensors the file stores in blocks:
     as stored where all share a kernel format, else each requantized to Q8_0; None where any is
-    stored as floats (or is not one stored tensor). `int8_act`: Q6_K too is requantized (its
-    kernels take float32 activations only; the MoE op takes one activation format)."""
+    stored as floats (or is not one stored tensor). `int8_act` on a build whose Q6_K takes
+    float32 activations only: Q6_K too is requantized (the MoE op takes one activation format)."""
     types = [checkpoint.stored_type(n) for n in sources]
     if any(t is None or t in FLOAT_GGML_TYPES for t in types):
         return None
     merged = _merged_raw(checkpoint, sources)
-    if merged is not None and not (int8_act and merged[0] == Q6_K):
+    q6_k_a8 = kernels is not None and kernels.kquant_superblock_act()
+    if merged is not None and not (int8_act and merged[0] == Q6_K and not q6_k_a8):
         return merged
     return QTYPE_IDS["q8_0"], [_q8_0_rows(checkpoint, n, kernels) for n in sources]
 
@@ -269,12 +270,12 @@ def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[st
 def auto_quantization(checkpoint, kernels) -> str:
     """`auto` for a checkpoint the kernels serve: a GGUF's own blocks (`gguf`), with 8-bit
     activations (`gguf-a8`) where most of its block-format weights are Q4_K (a Q4_K_M / Q4_K_S
-    file) and this build multiplies Q4_K in whole super-blocks (CpuKernels.q4_k_superblock_act:
+    file) and this build multiplies Q4_K in whole super-blocks (CpuKernels.kquant_superblock_act:
     the AVX2 tile, ~1.4x the float32 tile's rows per second at one activation row, measured in
     docs/formats.md); a float checkpoint: `none`."""
     if kernels is None or not hasattr(checkpoint, "raw_blocks"):
         return "none"
-    if not (hasattr(checkpoint, "stored_type") and kernels.q4_k_superblock_act()):
+    if not (hasattr(checkpoint, "stored_type") and kernels.kquant_superblock_act()):
         return "gguf"
     elements: dict[int, int] = {}
     for name in checkpoint.tensor_names():

@@ -178,12 +178,13 @@ class CpuKernels:
         reads a cached prefix from the paged cache in place."""
         return self.variant == "avx512amx" and head_dim == 64
 
-    def q4_k_superblock_act(self) -> bool:
-        """Whether this build multiplies Q4_K by 8-bit activations in whole super-blocks (the
-        AVX2 tile without VNNI: x quantized per 256 elements, integer sums to a super-block's
-        end, llama.cpp's Q4_K x Q8_K): there the -a8 formats beat float32 activations on Q4_K
-        rows (docs/formats.md)."""
-        return self.has("q4_k_superblock_act") and bool(self.ops.q4_k_superblock_act())
+    def kquant_superblock_act(self) -> bool:
+        """Whether this build multiplies Q4_K and Q6_K by 8-bit activations in whole
+        super-blocks (the AVX2 tiles without VNNI: x quantized per 256 elements, integer sums
+        to a super-block's end, llama.cpp's Q4_K x Q8_K): there the -a8 formats beat float32
+        activations on K-quant rows and take Q6_K too (docs/formats.md). Elsewhere Q6_K
+        always takes float32 activations."""
+        return self.has("kquant_superblock_act") and bool(self.ops.kquant_superblock_act())
 
     def has(self, op: str) -> bool:
         """Whether the loaded build registers `op` (False before any build is loaded)."""

@@ -220,7 +220,7 @@ def test_auto_takes_8_bit_activations_on_q4_k_files_where_the_build_reads_them_f
     from hearth.engine.executor import resolve_formats
     config = make_engine_config(str(files[mix]), dtype="float32", quantization="auto")
     formats = resolve_formats(config, load_checkpoint(str(files[mix])))
-    fast = formats.kernels.q4_k_superblock_act()
+    fast = formats.kernels.kquant_superblock_act()
     assert formats.quantization == ("gguf-a8" if fast else "gguf")
     runner = runner_for(files[mix], "auto")
     assert runner.model.layers[0].self_attn.o_proj.qweight.int8_act == fast

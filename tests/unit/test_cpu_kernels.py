@@ -165,15 +165,17 @@ def make_blocks(fmt: str, n: int, k: int, gen) -> torch.Tensor:
 def test_qlinear_k_quants_equal_dequantized_matmul(kernels, fmt, rows, int8_act):
     """Q4_K in its own super-block form, Q6_K widened to bytes: the kernel's weights are ggml's
     dequantization of the file's blocks (exact, so only summation order differs), at every
-    tile shape. Q6_K takes float32 activations even when 8-bit ones are asked for."""
+    tile shape; with 8-bit activations the reference quantizes x as the build does (per 256
+    elements on the AVX2 super-block tiles; elsewhere Q6_K takes float32 activations)."""
     gen = torch.Generator().manual_seed(rows)
     n, k = 70, 512
     blocks = make_blocks(fmt, n, k, gen)
     weight = dequantize(blocks.reshape(-1), QTYPE_IDS[fmt], (n, k))
     x = torch.randn(rows, k, generator=gen)
     got = kernels.qlinear(x, pack_ggml(QTYPE_IDS[fmt], blocks, int8_act=int8_act))
-    span = 256 if torch.ops.hearth.q4_k_superblock_act() else 32
-    want = (quantize_activations(x, span) if int8_act and fmt == "q4_k" else x) @ weight.T
+    superblock = torch.ops.hearth.kquant_superblock_act()
+    quantized = int8_act and (fmt == "q4_k" or superblock)
+    want = (quantize_activations(x, 256 if superblock else 32) if quantized else x) @ weight.T
     # float32 summation order over 512 products of weights up to ~10
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 

@@ -209,26 +209,31 @@ def test_k_quant_experts_equal_reference_on_dequantized_weights(kernels, fmt13, 
     same = kernels.moe_experts(x, one.expand(f13.shape), one.expand(f2.shape), weights, ids, 0,
                                q13, q2)
     assert torch.equal(same, got)
-    with pytest.raises(RuntimeError, match="Q6_K experts take float32 activations"):
-        kernels.moe_experts(x, f13, f2, weights, ids, 0,
-                            pack_ggml(QTYPE_IDS[fmt13], b13, True), pack_ggml(QTYPE_IDS[fmt2], b2, True))
+    if not torch.ops.hearth.kquant_superblock_act():  # there Q6_K takes 8-bit activations too
+        with pytest.raises(RuntimeError, match="Q6_K experts take float32 activations"):
+            kernels.moe_experts(x, f13, f2, weights, ids, 0, pack_ggml(QTYPE_IDS[fmt13], b13, True),
+                                pack_ggml(QTYPE_IDS[fmt2], b2, True))
 
 
+@pytest.mark.parametrize("fmt13, fmt2", [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q6_k", "q4_k")])
 @pytest.mark.parametrize("num_tokens", [1, 6, 40])
-def test_q4_k_experts_with_int8_activations_equal_reference(kernels, num_tokens):
-    """Q4_K expert stacks with 8-bit activations (the -a8 formats): the reference quantizes
+def test_k_quant_experts_with_int8_activations_equal_reference(kernels, fmt13, fmt2, num_tokens):
+    """K-quant expert stacks with 8-bit activations (the -a8 formats): the reference quantizes
     each expert's input rows, and again the SiLU-mul rows, as the build does (per 256 elements
-    where Q4_K meets them in whole super-blocks, else per 32) and multiplies by the file's
-    dequantized weights."""
+    where K-quants meet them in whole super-blocks, else per 32; Q6_K stacks take 8-bit
+    activations only there) and multiplies by the file's dequantized weights."""
     from tests.unit.test_cpu_kernels import make_blocks, quantize_activations
+    superblock = torch.ops.hearth.kquant_superblock_act()
+    if "q6_k" in (fmt13, fmt2) and not superblock:
+        pytest.skip("this build's Q6_K takes float32 activations only")
     gen = torch.Generator().manual_seed(10 + num_tokens)
     e, h, inter, top_k = 4, 512, 256, 2
-    span = 256 if torch.ops.hearth.q4_k_superblock_act() else 32
+    span = 256 if superblock else 32
     x = torch.randn(num_tokens, h, generator=gen)
     weights, ids = route_softmax(torch.randn(num_tokens, e, generator=gen), top_k, True)
-    b13, b2 = make_blocks("q4_k", e * 2 * inter, h, gen), make_blocks("q4_k", e * h, inter, gen)
-    f13 = dequantize(b13.reshape(-1), QTYPE_IDS["q4_k"], (e * 2 * inter, h)).view(e, 2 * inter, h)
-    f2 = dequantize(b2.reshape(-1), QTYPE_IDS["q4_k"], (e * h, inter)).view(e, h, inter)
+    b13, b2 = make_blocks(fmt13, e * 2 * inter, h, gen), make_blocks(fmt2, e * h, inter, gen)
+    f13 = dequantize(b13.reshape(-1), QTYPE_IDS[fmt13], (e * 2 * inter, h)).view(e, 2 * inter, h)
+    f2 = dequantize(b2.reshape(-1), QTYPE_IDS[fmt2], (e * h, inter)).view(e, h, inter)
     want = torch.zeros(num_tokens, h)
     for t in range(num_tokens):
         for j in range(top_k):
@@ -236,6 +241,6 @@ def test_q4_k_experts_with_int8_activations_equal_reference(kernels, num_tokens)
             gu = quantize_activations(x[t:t + 1], span) @ f13[k].T
             act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
             want[t] += weights[t, j] * (quantize_activations(act, span) @ f2[k].T)[0]
-    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, pack_ggml(QTYPE_IDS["q4_k"], b13, True),
-                              pack_ggml(QTYPE_IDS["q4_k"], b2, True))
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, pack_ggml(QTYPE_IDS[fmt13], b13, True),
+                              pack_ggml(QTYPE_IDS[fmt2], b2, True))
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())

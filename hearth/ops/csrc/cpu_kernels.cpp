@@ -123,7 +123,7 @@ TORCH_LIBRARY(hearth, m) {
   m.def("requantize_q8_0(Tensor qs, Tensor d, Tensor m, int qtype, int out_features, "
         "int in_features, int threads=64) -> Tensor", &hearth::requantize_q8_0);
   m.def("isa() -> int", &hearth::isa);
-  m.def("q4_k_superblock_act() -> bool", &hearth::q4_k_superblock_act);
+  m.def("kquant_superblock_act() -> bool", &hearth::kquant_superblock_act);
   m.def("bf16_dot_products() -> bool", &hearth::bf16_dot_products);
   m.def("amx_attention_usable() -> bool", &hearth::amx_attention_usable);
   m.def("amx_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "

@@ -207,7 +207,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
     const QWeight q13 =
         packed_weight(q[0], q[1], q[2], qtypes[0], E * 2 * I, H, "moe_experts: w13");
     const QWeight q2 = packed_weight(q[3], q[4], q[5], qtypes[1], E * H, I, "moe_experts: w2");
-    TORCH_CHECK(!int8_act || (q13.qtype != kQ6_K && q2.qtype != kQ6_K),
+    TORCH_CHECK(!int8_act || kquant_superblock_act() || (q13.qtype != kQ6_K && q2.qtype != kQ6_K),
                 "moe_experts: Q6_K experts take float32 activations (no int8_act)");
     std::vector<int64_t> rows = s.token;
     for (int64_t t = 0; t < S; ++t) rows.push_back(t);

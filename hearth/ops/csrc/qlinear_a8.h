@@ -185,6 +185,21 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
 // sums of the two halves (|.| <= 2 * 2 * 15 * 127) meet the blocks' 6-bit scales in one
 // vpmaddwd, and one float FMA per super-block applies d dx. The mins' term, -dmin mn times each
 // block's sum of x, is the short float loop after (sm . xs), as for Q4_1.
+// vpshufb controls over 8 int16 scales held in both 128-bit lanes: pick p fills lane 0 with
+// scale 2p and lane 1 with scale 2p + 1 (the two 32-blocks of a pair, or a 32-element run's two
+// 16-element halves).
+struct ScalePicks {
+  alignas(32) int8_t b[4][32];
+  ScalePicks() {
+    for (int p = 0; p < 4; ++p)
+      for (int j = 0; j < 32; ++j) b[p][j] = static_cast<int8_t>(4 * p + (j >= 16 ? 2 : 0) + j % 2);
+  }
+};
+inline __m256i pick_scales(__m256i both, int p) {
+  static const ScalePicks picks;
+  return _mm256_shuffle_epi8(both, _mm256_load_si256(reinterpret_cast<const __m256i*>(picks.b[p])));
+}
+
 template <int NR, int MT>
 void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAct& a, int64_t i0,
                          float* out, int64_t ldo) {
@@ -193,13 +208,6 @@ void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAc
   const uint16_t* d0 = w.d + n * w.d_row();
   const uint8_t* k0 = w.ks + n * nb * 2;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  alignas(32) static const struct Picks {  // vpshufb: lane 0 = scale 2p, lane 1 = scale 2p + 1
-    int8_t b[4][32];
-    Picks() {
-      for (int p = 0; p < 4; ++p)
-        for (int j = 0; j < 32; ++j) b[p][j] = static_cast<int8_t>(4 * p + (j >= 16 ? 2 : 0) + j % 2);
-    }
-  } picks;
   __m256 acc[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
@@ -222,12 +230,11 @@ void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAc
         xa[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
         xb[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
       }
-      const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(picks.b[p]));
       for (int r = 0; r < NR; ++r) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + r * row + off));
         const __m256i lo = _mm256_and_si256(wv, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
-        const __m256i scl = _mm256_shuffle_epi8(sc[r], pick);
+        const __m256i scl = pick_scales(sc[r], p);
         for (int i = 0; i < MT; ++i) {
           const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]),
                                                 _mm256_maddubs_epi16(hi, xb[i]));
@@ -253,6 +260,57 @@ void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAc
     }
 }
 
+// Q6_K with 8-bit activations on AVX2, as Q4_K above: one activation scale per super-block, the
+// widened values (q - 32, |.| <= 32) as |w| against x carrying w's sign in vpmaddubsw, whose
+// int16 sums meet each 16 elements' int8 scale in one vpmaddwd; one float FMA per super-block.
+template <int NR, int MT>
+void qlinear_tile_q6k_i8(const QWeight& w, int64_t n, const QAct& a, int64_t i0, float* out,
+                         int64_t ldo) {
+  const int64_t K = w.K, nb = w.nb, ns = nb / 8;
+  const int8_t* q0 = reinterpret_cast<const int8_t*>(w.qs) + n * K;
+  const uint16_t* d0 = w.d + n * w.d_row();
+  const int8_t* k0 = reinterpret_cast<const int8_t*>(w.ks) + n * nb * 2;
+  __m256 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t ahead = ahead_rows(K);
+  for (int64_t s = 0; s < ns; ++s) {
+    __m256i isum[NR][MT], first[NR], second[NR];  // scales 0-7 / 8-15 in both lanes
+    for (int r = 0; r < NR; ++r) {
+      const __m256i s16 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + r * nb * 2 + 16 * s)));
+      first[r] = _mm256_permute4x64_epi64(s16, 0x44);
+      second[r] = _mm256_permute4x64_epi64(s16, 0xEE);
+      for (int i = 0; i < MT; ++i) isum[r][i] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < 8; ++c) {  // 32-element runs
+      const int64_t off = s * 256 + c * 32;
+      if (c % 2 == 0)
+        for (int r = 0; r < NR; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * K + off), _MM_HINT_T1);
+      __m256i xv[MT];
+      for (int i = 0; i < MT; ++i)
+        xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (i0 + i) * a.stride + off));
+      for (int r = 0; r < NR; ++r) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + r * K + off));
+        const __m256i wabs = _mm256_abs_epi8(wv);
+        const __m256i scl = pick_scales(c < 4 ? first[r] : second[r], c % 4);
+        for (int i = 0; i < MT; ++i)
+          isum[r][i] = _mm256_add_epi32(
+              isum[r][i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv[i], wv)), scl));
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float d = _cvtsh_ss(d0[r * w.d_row() + s]);
+      for (int i = 0; i < MT; ++i)
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i]),
+                                    _mm256_set1_ps(d * a.dx[(i0 + i) * nb + 8 * s]), acc[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = reduce_add8(acc[r][i]);
+}
+
 // AVX2 without VNNI (and the AVX-512 build without it): llama.cpp's AVX2 dot products over the
 // row-order layout, one 32-element block per register. vpmaddubsw multiplies unsigned by signed
 // bytes and adds neighbours into int16 lanes, vpmaddwd with ones sums those into 8 int32 lanes,
@@ -265,6 +323,7 @@ template <int NR, int MT>
 void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* sm, const QAct& a,
                      int64_t i0, float* out, int64_t ldo) {
   if (w.qtype == kQ4_K) return qlinear_tile_q4k_i8<NR, MT>(w, n, sm, a, i0, out, ldo);
+  if (w.qtype == kQ6_K) return qlinear_tile_q6k_i8<NR, MT>(w, n, a, i0, out, ldo);
   const bool q8 = w.qtype == kQ8_0;
   const int64_t row = w.qs_row(), nb = w.nb;
   const uint8_t* q0 = w.qs + n * row;
@@ -392,9 +451,9 @@ bool has_vnni() {
 // Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read (the
 // int8-activation path of qlinear and moe_experts); `dxe_row` receives the per-row stride of
 // a.dxe (to address a block of rows).
-// Whether Q4_K meets 8-bit activations in whole super-blocks (the AVX2 tile without VNNI):
-// then each 256 elements of x share one scale.
-bool q4_k_superblock_act() {
+// Whether Q4_K and Q6_K meet 8-bit activations in whole super-blocks (the AVX2 tiles without
+// VNNI): then each 256 elements of x share one scale. Elsewhere Q6_K takes float32 activations.
+bool kquant_superblock_act() {
 #if defined(__AVX2__) && !defined(__AVX512VNNI__)
   return true;
 #else
@@ -404,8 +463,10 @@ bool q4_k_superblock_act() {
 
 QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
                   std::vector<float>& sc, int64_t& dxe_row) {
-  const bool superblock = qtype == kQ4_K && q4_k_superblock_act();
-  const int layout = has_vnni() && qtype != kQ8_0 ? kQ4Quads : superblock ? kQ4Pairs : kNatural;
+  const bool superblock = (qtype == kQ4_K || qtype == kQ6_K) && kquant_superblock_act();
+  const int layout = has_vnni() && qtype != kQ8_0       ? kQ4Quads
+                     : superblock && qtype == kQ4_K ? kQ4Pairs
+                                                    : kNatural;
   const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
   dxe_row = (nb + G - 1) / G * 16;
   q.resize(M * stride);
@@ -432,7 +493,7 @@ at::Tensor qlinear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tenso
   float* op = out.data_ptr<float>();
   constexpr int64_t NR = 4, kGroupsPerTask = 16;  // a task: 64 weight rows
   const int64_t num_groups = N / NR;
-  if (int8_act && qtype != kQ6_K) {  // Q6_K: always float32 activations (qlinear.h)
+  if (int8_act && (qtype != kQ6_K || kquant_superblock_act())) {  // else Q6_K: float32 (qlinear.h)
     thread_local std::vector<int8_t> qx;
     thread_local std::vector<float> sc;
     int64_t dxe_row = 0;
