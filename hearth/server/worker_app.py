@@ -70,7 +70,14 @@ def load_tokenizer(engine_config: EngineConfig):
     return Tokenizer.from_source(load_tokenizer_source(engine_config.model.model))
 
 
-def resolve_tool_parser(name: str, tokenizer: Any) -> str:
+def resolve_tool_parser(name: str, tokenizer: Any, chat_format: str = "template") -> str:
+    """`--tool-call-parser`: auto -> the format the chat template writes (the harmony format's
+    own under --chat-format harmony, which only it can read)."""
+    if chat_format == "harmony":
+        if name not in ("auto", "openai"):
+            raise ValueError(f"--tool-call-parser {name} cannot read the harmony format's calls "
+                             "(--chat-format harmony): use openai or auto")
+        return "openai"
     if name == "auto":
         return tool_parser_for_template(getattr(tokenizer, "chat_template", None))
     if name not in TOOL_PARSERS:
@@ -133,6 +140,7 @@ class Worker:
         try:
             chat_format = resolve_chat_format(self.config.chat_format, tokenizer.chat_template)
             reasoning_parser = resolve_reasoning_parser(self.config.reasoning_parser, chat_format)
+            tool_parser = resolve_tool_parser(self.config.tool_call_parser, tokenizer, chat_format)
         except ValueError as exc:
             self._fail(str(exc))
             return
@@ -143,7 +151,7 @@ class Worker:
             metrics=ServerMetrics(name, block_size=info.block_size,
                                   num_blocks=info.stats.num_total_blocks),
             model_name=name, max_model_len=info.max_model_len,
-            tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
+            tool_parser=tool_parser,
             token_texts=TokenTexts(tokenizer), cpu=self.cpu,
             max_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
             role=self.engine_config.kv_transfer.role, aliases=tuple(names[1:]),

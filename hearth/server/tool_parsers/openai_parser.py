@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hearth.api.harmony import CALL, CHANNEL, START, Body, End, Header, HarmonyReader, Plain
+from hearth.api.harmony import CHANNEL, START, Body, End, Header, HarmonyReader, Plain
 from hearth.api.tool_calls import ToolCallDelta, random_call_id
 from hearth.server.tool_parsers.parser_base import Event, ToolParser
 
@@ -39,7 +39,7 @@ class OpenAIToolParser(ToolParser):
 
     @classmethod
     def writes_template(cls, chat_template: str) -> bool:
-        return CHANNEL in chat_template and START in chat_template and CALL in chat_template
+        return CHANNEL in chat_template and START in chat_template  # harmony's messages
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
