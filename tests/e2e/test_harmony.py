@@ -4,13 +4,15 @@ its tokenizer and a chat template that writes harmony channels (tests/e2e/marker
 parser, with the openai_gptoss reasoning parser by default. The model's output is forced by a
 regex (`structured_outputs`) into an analysis message and a tool call: through the official
 client the reasoning comes back as reasoning_content, the call as a tool call, streamed the same
-as not; a forced call (tool_choice) through the Responses API, with a reasoning effort."""
+as not; a forced call (tool_choice) through the Responses and Messages APIs."""
 
 from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from tests.e2e.conftest import MODEL, start_server
@@ -89,3 +91,28 @@ def test_bad_effort_is_a_400(server):
     reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": ASK, "reasoning_effort": "max"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_messages_api_forced_call(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    message = client.messages.create(
+        model=MODEL, max_tokens=120, messages=ASK, tool_choice={"type": "tool", "name": "get_weather"},
+        system="Be brief.",
+        tools=[{"name": t["function"]["name"], "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"]} for t in TOOLS],
+        extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use"
+    [block] = message.content
+    assert block.type == "tool_use" and block.name == "get_weather"
+    jsonschema.validate(block.input, SCHEMAS["get_weather"])
+
+
+@pytest.mark.parametrize("body", [
+    {"structured_outputs": {"regex": "a", "grammar": "root ::= \"a\""}},
+    {"structured_outputs": {}},
+    {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+])
+def test_bad_structured_outputs_are_400s(server, body):
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": ASK, **body})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "structured_outputs"
