@@ -212,3 +212,19 @@ def test_grammar_forces_harmony_calls():
     assert {e["end"] for e in fmt["elements"]} == {"<|call|>"}
     auto = json.loads(tool_choice_guidance([WEATHER], "auto", False, "openai").value)["format"]
     assert auto["triggers"] == ["<|channel|>commentary to=functions."]
+
+
+def test_server_parsers_under_the_harmony_format():
+    from types import SimpleNamespace
+
+    from hearth.server.worker_app import resolve_reasoning_parser, resolve_tool_parser
+    chatml = SimpleNamespace(chat_template="{{ '<|im_start|>' }}")
+    assert resolve_tool_parser("auto", chatml, "harmony") == "openai"
+    assert resolve_tool_parser("auto", chatml, "template") == "hermes"
+    assert resolve_reasoning_parser(None, "harmony") == "openai_gptoss"
+    assert resolve_reasoning_parser("harmony", "harmony") == "harmony"
+    assert resolve_reasoning_parser(None, "template") is None
+    with pytest.raises(ValueError, match="cannot read the harmony"):
+        resolve_reasoning_parser("qwen3", "harmony")
+    with pytest.raises(ValueError, match="cannot read the harmony"):
+        resolve_tool_parser("hermes", chatml, "harmony")
