@@ -118,6 +118,11 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Strict):
+    regex: str | None = None
+    grammar: str | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -169,6 +174,11 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # low | medium | high: how long a reasoning model thinks (the harmony format's system
+    # message says it; other formats ignore it)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's extension: a regex or grammar (EBNF / Lark) the output must match
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -60,6 +60,11 @@ class TextConfig(_Strict):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Strict):
+    effort: Literal["low", "medium", "high"] | None = None  # -> the chat request's reasoning_effort
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summaries are made
+
+
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[Any]  # items are checked one by one (items_to_messages)
@@ -77,6 +82,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -217,7 +223,8 @@ def to_chat_body(request: ResponsesRequest, history: list[dict[str, Any]]) -> di
         body["response_format"] = response_format
     for key, value in (("max_completion_tokens", request.max_output_tokens),
                        ("temperature", request.temperature), ("top_p", request.top_p),
-                       ("seed", request.seed), ("user", request.user)):
+                       ("seed", request.seed), ("user", request.user),
+                       ("reasoning_effort", request.reasoning and request.reasoning.effort)):
         if value is not None:
             body[key] = value
     return body
@@ -283,7 +290,7 @@ def request_echo(request: ResponsesRequest) -> dict[str, Any]:
         "store": request.store,
         "user": request.user,
         "truncation": "disabled",
-        "reasoning": None,
+        "reasoning": request.reasoning.model_dump() if request.reasoning else None,
         "background": False,
         "service_tier": "default",
     }

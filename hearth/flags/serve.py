@@ -9,6 +9,7 @@ from typing import Any
 
 from hearth.config import SPECULATIVE_METHODS, EngineConfig
 from hearth.api.edge import DoorwayConfig
+from hearth.api.harmony_prompt import CHAT_FORMATS
 from hearth.server.reasoning_parsers import REASONING_PARSERS
 from hearth.server.server_config import ServerConfig
 from hearth.flags.options import (Option, _add_groups, _bytes_to_mb, _comma_list, _default_configs,
@@ -180,12 +181,18 @@ SERVER_OPTIONS = (("server", (
                 "--api-key-file)",
            file_help="read the API key from this file"),
     Option("--tool-call-parser", "server.tool_call_parser",
-           help="auto (by the chat template: its tool-call markers, Llama 3 headers) | hermes | "
-                "llama3_json | kimi_k2 | deepseek_v3 | deepseek_v31"),
+           help="auto (by the chat template: harmony channels, its tool-call markers, Llama 3 "
+                "headers) | hermes | llama3_json | kimi_k2 | deepseek_v3 | deepseek_v31 | openai "
+                "(gpt-oss's harmony)"),
     Option("--reasoning-parser", "server.reasoning_parser", choices=REASONING_PARSERS,
            help="return <think> reasoning apart from content (reasoning_content, reasoning "
                 "items, thinking blocks): deepseek_r1 (output starts inside the block) | qwen3 "
-                "(a block where the output opens one); default: none"),
+                "(a block where the output opens one) | openai_gptoss (alias harmony: gpt-oss's "
+                "analysis channel); default: none, openai_gptoss under the harmony format"),
+    Option("--chat-format", "server.chat_format", choices=CHAT_FORMATS,
+           help="how chat prompts are written: auto (harmony where the model's chat template "
+                "writes harmony channels, as gpt-oss's does; else the template) | template | "
+                "harmony (hearth's own renderer; reasoning_effort goes in its system message)"),
     _off_switch("--no-guided-auto-tools", "server.guided_auto_tools",
                 "do not constrain tool-call arguments under tool_choice=auto"),
     Option("--max-body-mb", "server.max_body_bytes", float, "larger request bodies get 413",

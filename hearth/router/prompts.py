@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable
 
 from hearth.router.health import ModelInfo
-from hearth.api.chat_prompt import render_chat_prompt
+from hearth.api.harmony_prompt import render_prompt, resolve_chat_format
 from hearth.api.edge import CpuPool, longest_token_chars
 from hearth.api.protocol import ChatCompletionRequest, CompletionRequest, bad_request
 
@@ -39,8 +39,10 @@ class PromptTokens:
         return self.tokenizer.encode(text)
 
     def _render_and_encode(self, request: ChatCompletionRequest, tools: list | None) -> list[int] | None:
-        prompt = render_chat_prompt(self.tokenizer, request.messages, tools,
-                                    request.add_generation_prompt, request.chat_template_kwargs)
+        chat_format = resolve_chat_format("auto", getattr(self.tokenizer, "chat_template", None))
+        prompt = render_prompt(self.tokenizer, chat_format, request.messages, tools,
+                               request.add_generation_prompt, request.chat_template_kwargs,
+                               request.reasoning_effort)
         return self._encode(prompt)
 
     async def chat(self, request: ChatCompletionRequest, raw: dict, ask: AskWorker) -> list[int] | None:

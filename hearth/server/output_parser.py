@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Union
 
 from hearth.api.reasoning import ReasoningDelta
-from hearth.server.reasoning_parsers import ThinkReasoningParser
+from hearth.server.reasoning_parsers import ReasoningParser
 from hearth.server.tool_parsers import Event, ToolParser
 from hearth.server.tool_parsers.parser_base import append_content
 
@@ -21,7 +21,7 @@ OutputEvent = Union[Event, ReasoningDelta]
 
 
 class OutputParser:
-    def __init__(self, reasoning: ThinkReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
 

@@ -19,6 +19,9 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # auto (by model family) | one of tool_parsers.TOOL_PARSERS
     # <think> blocks -> reasoning (reasoning_parsers.REASONING_PARSERS); None: all output is content
     reasoning_parser: str | None = None
+    # how chat prompts are written: auto (harmony where the model's template writes harmony
+    # channels, else the template) | template | harmony (hearth/api/harmony_prompt.py)
+    chat_format: str = "auto"
     guided_auto_tools: bool = True  # constrain tool-call arguments also under tool_choice "auto"
     cpu_threads: int = 2  # threads for rendering/tokenizing off the event loop (edge.CpuPool)
     log_level: str = "info"

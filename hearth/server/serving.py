@@ -23,7 +23,8 @@ from hearth.engine.sampling_params import GuidedSpec, SamplingParams
 from hearth.api.edge import CpuPool
 from hearth.server.engine_client import EngineClient, EngineDeadError, EngineRejectedError
 from hearth.server.worker_metrics import ServerMetrics
-from hearth.api.protocol import APIError, ResponseFormat, bad_request, model_not_found
+from hearth.api.protocol import (APIError, ResponseFormat, StructuredOutputs, bad_request,
+                                 model_not_found)
 from hearth.api.chat_chunks import TokenTexts, Usage
 from hearth.server.server_config import ServerConfig
 
@@ -45,6 +46,10 @@ class ServerState:
     max_token_chars: int  # the longest token's text (bounds the characters of a fitting prompt)
     role: Role = Role.BOTH  # which kv_transfer hops it serves (see hearth/server/pd.py)
     aliases: tuple[str, ...] = ()  # more names `model` may give (--served-model-name A B C)
+    chat_format: str = "template"  # template | harmony: --chat-format, resolved for the model
+    # the reasoning parser every unguided choice gets (--reasoning-parser; the harmony format's
+    # own when it is in use); None: all output is content
+    reasoning_parser: str | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -106,6 +111,16 @@ def response_format_guidance(response_format: ResponseFormat | None) -> GuidedSp
         raise bad_request("response_format.json_schema.schema is required",
                           param="response_format.json_schema")
     return GuidedSpec("json_schema", json.dumps(spec.schema_))
+
+
+def structured_outputs_guidance(spec: StructuredOutputs) -> GuidedSpec:
+    """vLLM's `structured_outputs` extension: exactly one of a regex or a grammar."""
+    if (spec.regex is None) == (spec.grammar is None):
+        raise bad_request("structured_outputs: give exactly one of regex, grammar",
+                          param="structured_outputs")
+    if spec.regex is not None:
+        return GuidedSpec("regex", spec.regex)
+    return GuidedSpec("grammar", spec.grammar or "")
 
 
 def sampling_params(state: ServerState, request: Any, num_prompt_tokens: int, max_tokens: int | None,

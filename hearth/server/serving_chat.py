@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from hearth.engine.request import Logprob, RequestOutput
-from hearth.api.chat_prompt import render_chat_prompt, uses_builtin_tool_format
+from hearth.api.chat_prompt import uses_builtin_tool_format
+from hearth.api.harmony_prompt import render_prompt
 from hearth.api.chat_output import ChatEvent, ChatEvents, Failed, Finished
 from hearth.server.pd import Hop, first_token_text, hop_result, parse_hop
 from hearth.api.protocol import ChatCompletionRequest, bad_request, new_id
@@ -39,10 +40,12 @@ from hearth.server.serving import (
     response_format_guidance,
     sampling_params,
     stop_string,
+    structured_outputs_guidance,
 )
 from hearth.api.reasoning import ReasoningDelta
 from hearth.api.chat_chunks import Usage
 from hearth.server.output_parser import OutputEvent, OutputParser, assemble_reasoning
+from hearth.server.reasoning_parsers import PARSER_CLASSES as REASONING_CLASSES
 from hearth.server.reasoning_parsers import make_reasoning_parser
 from hearth.server.tool_grammar import tool_choice_guidance
 from hearth.server.tool_parsers import (
@@ -99,19 +102,17 @@ class ChatChoice:
     def reasoning_tokens(self) -> int | None:
         """Output tokens that were reasoning (its markup included); None without a reasoning
         parser. A delta's tokens count with the side where the delta began (one token per delta
-        but for speculative steps); before the block is decided they count as reasoning."""
+        but for speculative steps), as the parser's `is_reasoning_at` tells."""
         reasoning = self.output.reasoning if self.output is not None else None
         if reasoning is None:
             return None
-        end = reasoning.reasoning_end
-        return sum(num for start, num in self._delta_spans
-                   if end is None or start < end)
+        return sum(num for start, num in self._delta_spans if reasoning.is_reasoning_at(start))
 
 
 def with_reasoning_tokens(state: ServerState, usage: Usage, choices: list[ChatChoice]) -> Usage:
     """`usage` with its reasoning tokens, where the server has a reasoning parser (0 for a
     guided request, which has none)."""
-    if state.config.reasoning_parser is None:
+    if state.reasoning_parser is None:
         return usage
     return replace(usage, reasoning_tokens=sum(c.reasoning_tokens or 0 for c in choices))
 
@@ -130,12 +131,15 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
     tools = request.tools or None
     tool_choice = request.tool_choice or ("auto" if tools else "none")
     active_tools = tools if tool_choice != "none" else None
+    harmony = state.chat_format == "harmony"
     parser = None
     if active_tools:
-        builtin = uses_builtin_tool_format(state.tokenizer, request.messages, active_tools)
+        builtin = not harmony and uses_builtin_tool_format(state.tokenizer, request.messages,
+                                                           active_tools)
         parser = "hermes" if builtin else state.tool_parser
-    prompt = render_chat_prompt(state.tokenizer, request.messages, active_tools,
-                                request.add_generation_prompt, request.chat_template_kwargs)
+    prompt = render_prompt(state.tokenizer, state.chat_format, request.messages, active_tools,
+                           request.add_generation_prompt, request.chat_template_kwargs,
+                           request.reasoning_effort)
     if hop and hop.prompt_token_ids is not None:  # exactly as the first worker tokenized it
         prompt_ids = hop.prompt_token_ids
     else:
@@ -148,7 +152,16 @@ def _plan(state: ServerState, request: ChatCompletionRequest, hop: Hop | None,
         raise bad_request("tool_choice requires tools", param="tool_choice")
     if guided is None:
         guided = response_format_guidance(request.response_format)
-    reasoning = state.config.reasoning_parser if guided is None else None
+    if request.structured_outputs is not None:
+        if guided is not None:
+            raise bad_request("structured_outputs cannot be combined with response_format or a "
+                              "forced tool call", param="structured_outputs")
+        guided = structured_outputs_guidance(request.structured_outputs)
+    # A <think> block cannot open inside guided output; harmony's channels are in the grammar.
+    reasoning = state.reasoning_parser if guided is None or harmony else None
+    content_parser = REASONING_CLASSES[reasoning].content_parser if reasoning else None
+    if parser is None and content_parser is not None:  # it reads the format's markup
+        parser = content_parser
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
     top = request.top_logprobs or 0
@@ -245,7 +258,7 @@ async def _collect(state: ServerState, request: ChatCompletionRequest, run: Requ
         raise_if_failed(run.choices[index])
         content, calls = assemble([e for e in choice.events if not isinstance(e, ReasoningDelta)])
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-        if state.config.reasoning_parser is not None:
+        if state.reasoning_parser is not None:
             message["reasoning_content"] = assemble_reasoning(choice.events)
         if calls:
             message["tool_calls"] = [tool_call_message(c) for c in calls]

@@ -11,6 +11,8 @@ The call text the grammar allows is exactly what `tool_parsers` parses:
 
     hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
     llama3_json  {"name": "f", "parameters": {...}}
+    openai       <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>
+                 (harmony; a forced call is the first message, with no analysis before it)
     kimi_k2, deepseek_v3, deepseek_v31
                  section_begin call... section_end, each call as its `SectionMarkup` writes it
                  (tool_parsers/section_parser.py); a Kimi K2 call's index (`functions.f:N`)
@@ -53,6 +55,29 @@ def _call_tag(tool: Tool, parser: str) -> dict:
                 "end": "}"}
     return {"type": "tag", "begin": '<tool_call>\n{"name": ' + name + ', "arguments": ',
             "content": content, "end": "}\n</tool_call>"}
+
+
+HARMONY_CALL_BEGIN = "<|channel|>commentary to=functions."  # what the openai parser reads
+
+
+def _harmony_call(tool: Tool) -> dict:
+    """A harmony call message after the prompt's `<|start|>assistant` (openai_parser.py)."""
+    return {"type": "tag",
+            "begin": HARMONY_CALL_BEGIN + tool.function.name + " <|constrain|>json<|message|>",
+            "content": _arguments(tool), "end": "<|call|>"}
+
+
+def _harmony_format(tools: list[Tool], tool_choice: str | NamedToolChoice,
+                    parallel_tool_calls: bool) -> dict:
+    """Forced: the call from the first token (no analysis before it). auto: free messages; a
+    call message, once its header begins, names a tool and holds to its schema."""
+    if isinstance(tool_choice, NamedToolChoice):
+        return _harmony_call(find_tool(tools, tool_choice.function.name))
+    calls = [_harmony_call(t) for t in tools]
+    if tool_choice == "required":
+        return {"type": "or", "elements": calls}
+    return {"type": "triggered_tags", "triggers": [HARMONY_CALL_BEGIN], "tags": calls,
+            "stop_after_first": not parallel_tool_calls}
 
 
 def _trigger(parser: str) -> str:
@@ -109,7 +134,9 @@ def tool_choice_guidance(
         if isinstance(tool_choice, NamedToolChoice) or tool_choice == "required":
             raise bad_request("tool_choice requires tools", param="tool_choice")
         return None
-    if parser in SECTION_MARKUPS:
+    if parser == "openai":
+        fmt = _harmony_format(tools, tool_choice, parallel_tool_calls)
+    elif parser in SECTION_MARKUPS:
         fmt = _section_format(tools, tool_choice, parallel_tool_calls, SECTION_MARKUPS[parser])
     elif isinstance(tool_choice, NamedToolChoice):
         fmt = _call_tag(find_tool(tools, tool_choice.function.name), parser)

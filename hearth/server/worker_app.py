@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hearth.config import EngineConfig
-from hearth.api.chat_prompt import render_chat_prompt
+from hearth.api.harmony_prompt import render_prompt, resolve_chat_format
 from hearth.api.edge import SSE_HEADERS, CpuPool, check_api_key, longest_token_chars, read_json
 from hearth.server.engine_client import CoreProcess, EngineClient, EngineDeadError
 from hearth.api.errors import install_error_handlers
@@ -52,7 +52,7 @@ from hearth.server.server_config import ServerConfig
 from hearth.server.serving import ClientGone, ServerState, check_model, check_prompt_chars, check_token_ids
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completions import create_completion
-from hearth.server.reasoning_parsers import check_reasoning_parser
+from hearth.server.reasoning_parsers import HARMONY_REASONING, PARSER_CLASSES, check_reasoning_parser
 from hearth.server.tool_parsers import TOOL_PARSERS, tool_parser_for_template
 
 log = logging.getLogger("hearth.server")
@@ -70,11 +70,31 @@ def load_tokenizer(engine_config: EngineConfig):
     return Tokenizer.from_source(load_tokenizer_source(engine_config.model.model))
 
 
-def resolve_tool_parser(name: str, tokenizer: Any) -> str:
+def resolve_tool_parser(name: str, tokenizer: Any, chat_format: str = "template") -> str:
+    """`--tool-call-parser`: auto -> the format the chat template writes (the harmony format's
+    own under --chat-format harmony, which only it can read)."""
+    if chat_format == "harmony":
+        if name not in ("auto", "openai"):
+            raise ValueError(f"--tool-call-parser {name} cannot read the harmony format's calls "
+                             "(--chat-format harmony): use openai or auto")
+        return "openai"
     if name == "auto":
         return tool_parser_for_template(getattr(tokenizer, "chat_template", None))
     if name not in TOOL_PARSERS:
         raise ValueError(f"--tool-call-parser: unknown {name!r}; one of auto, {', '.join(TOOL_PARSERS)}")
+    return name
+
+
+def resolve_reasoning_parser(name: str | None, chat_format: str) -> str | None:
+    """The harmony format's output always has channels: its parser unless another one is named
+    (which cannot read them: an error at startup)."""
+    if chat_format != "harmony":
+        return name
+    if name is None:
+        return HARMONY_REASONING
+    if PARSER_CLASSES[name] is not PARSER_CLASSES[HARMONY_REASONING]:
+        raise ValueError(f"--reasoning-parser {name} cannot read the harmony format's output "
+                         f"(--chat-format harmony): use {HARMONY_REASONING} or leave it out")
     return name
 
 
@@ -117,6 +137,13 @@ class Worker:
             log.exception("tokenizer failed to load")
             self._fail(f"tokenizer failed to load: {exc}")
             return
+        try:
+            chat_format = resolve_chat_format(self.config.chat_format, tokenizer.chat_template)
+            reasoning_parser = resolve_reasoning_parser(self.config.reasoning_parser, chat_format)
+            tool_parser = resolve_tool_parser(self.config.tool_call_parser, tokenizer, chat_format)
+        except ValueError as exc:
+            self._fail(str(exc))
+            return
         names = self.config.served_model_names or (info.model_name,)
         name = names[0]
         self.state = ServerState(
@@ -124,10 +151,11 @@ class Worker:
             metrics=ServerMetrics(name, block_size=info.block_size,
                                   num_blocks=info.stats.num_total_blocks),
             model_name=name, max_model_len=info.max_model_len,
-            tool_parser=resolve_tool_parser(self.config.tool_call_parser, tokenizer),
+            tool_parser=tool_parser,
             token_texts=TokenTexts(tokenizer), cpu=self.cpu,
             max_token_chars=await asyncio.to_thread(longest_token_chars, tokenizer),
             role=self.engine_config.kv_transfer.role, aliases=tuple(names[1:]),
+            chat_format=chat_format, reasoning_parser=reasoning_parser,
         )
         self.state.metrics.set_engine_stats(info.stats)
         log.info("serving %s on http://%s:%d", " | ".join(names), self.config.host,
@@ -289,7 +317,8 @@ def _tokenizer_and_load_routes(worker: Worker) -> APIRouter:
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     """(on the CPU pool) The request's token ids."""
     if body.messages is not None:
-        text = render_chat_prompt(state.tokenizer, body.messages, body.tools, body.add_generation_prompt)
+        text = render_prompt(state.tokenizer, state.chat_format, body.messages, body.tools,
+                             body.add_generation_prompt)
         param = "messages"
     else:
         text, param = body.prompt, "prompt"

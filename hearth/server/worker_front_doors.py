@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from hearth.api.front_doors import (ChatBackend, count_message_tokens, create_message,
                                     create_response, respond)
-from hearth.api.chat_prompt import render_chat_prompt
+from hearth.api.harmony_prompt import render_prompt
 from hearth.api.chat_output import ChatEvents
 from hearth.api.edge import read_json
 from hearth.api.protocol import ChatCompletionRequest, TokenizeRequest, parse_request
@@ -31,7 +31,7 @@ def worker_backend(state: ServerState, request: Request) -> ChatBackend:
 
 def _count_tokens(state: ServerState, body: TokenizeRequest) -> int:
     """(on the CPU pool) The prompt's token count, rendered as a chat request renders it."""
-    text = render_chat_prompt(state.tokenizer, body.messages or [], body.tools, True)
+    text = render_prompt(state.tokenizer, state.chat_format, body.messages or [], body.tools, True)
     check_prompt_chars(state, text, "messages")
     return len(state.tokenizer.encode(text))
 

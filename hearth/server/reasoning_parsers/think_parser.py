@@ -43,6 +43,7 @@ class ThinkReasoningParser:
     """Base of the `<think>` formats; `starts_in_reasoning` is what sets them apart."""
 
     starts_in_reasoning = False
+    content_parser: str | None = None  # the content is plain text: any tool parser reads it
 
     def __init__(self) -> None:
         self._state = _OPENING
@@ -62,6 +63,11 @@ class ThinkReasoningParser:
         the block was never closed."""
         return self._reasoning_end
 
+    def is_reasoning_at(self, offset: int) -> bool:
+        """Whether the output's character at `offset` is reasoning (markup included); before
+        the block is decided, everything counts as reasoning."""
+        return self._reasoning_end is None or offset < self._reasoning_end
+
     def feed(self, text: str) -> list[ReasoningEvent]:
         self._num_seen += len(text)
         self._pending += text
@@ -75,10 +81,10 @@ class ThinkReasoningParser:
         if self._state == _OPENING:
             self._state = _REASONING if self.starts_in_reasoning else _CONTENT
         if self._state == _REASONING:
-            _append(events, ReasoningDelta(pending))
+            append_event(events, ReasoningDelta(pending))
             self._reasoning_end = self._num_seen
         elif self._state == _CONTENT:
-            _append(events, pending)
+            append_event(events, pending)
         if self._reasoning_end is None:
             self._reasoning_end = 0
         return events  # _AFTER: only whitespace was held, and it is dropped
@@ -100,10 +106,10 @@ class ThinkReasoningParser:
             if end < 0:
                 keep = partial_suffix(self._pending, END_TAG)
                 cut = len(self._pending) - keep
-                _append(events, ReasoningDelta(self._pending[:cut]))
+                append_event(events, ReasoningDelta(self._pending[:cut]))
                 self._pending = self._pending[cut:]
                 return
-            _append(events, ReasoningDelta(self._pending[:end]))
+            append_event(events, ReasoningDelta(self._pending[:end]))
             self._pending = self._pending[end + len(END_TAG):]
             self._reasoning_end = self._num_seen - len(self._pending)
             self._state = _AFTER
@@ -114,11 +120,11 @@ class ThinkReasoningParser:
                 return
             self._pending, self._state = stripped, _CONTENT
         if self._state == _CONTENT:
-            _append(events, self._pending)
+            append_event(events, self._pending)
             self._pending = ""
 
 
-def _append(events: list[ReasoningEvent], event: ReasoningEvent) -> None:
+def append_event(events: list[ReasoningEvent], event: ReasoningEvent) -> None:
     """Add `event`, merged into the last one when both are content or both are reasoning."""
     text = event.text if isinstance(event, ReasoningDelta) else event
     if not text:

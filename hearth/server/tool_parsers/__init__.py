@@ -9,6 +9,7 @@ One module per format, a base they all build on, a registry that names them:
     section_parser.py      SectionToolParser: calls in a section of marker tokens
     kimi_k2_parser.py      kimi_k2      (Kimi K2)
     deepseek_parser.py     deepseek_v3, deepseek_v31  (DeepSeek V3 / V3.1)
+    openai_parser.py       openai       harmony messages to=functions.NAME  (gpt-oss)
     parser_registry.py     name -> class; `--tool-call-parser NAME` and `auto`
 
 Formats import only parser_base (section formats also section_parser), never each other; the

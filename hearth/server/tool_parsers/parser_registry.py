@@ -14,6 +14,7 @@ from hearth.server.tool_parsers.deepseek_parser import DeepSeekV3ToolParser, Dee
 from hearth.server.tool_parsers.hermes_parser import HermesToolParser
 from hearth.server.tool_parsers.kimi_k2_parser import KimiK2ToolParser
 from hearth.server.tool_parsers.llama3_json_parser import Llama3JsonToolParser
+from hearth.server.tool_parsers.openai_parser import OpenAIToolParser
 from hearth.server.tool_parsers.parser_base import ToolParser
 from hearth.server.tool_parsers.section_parser import SectionMarkup, SectionToolParser
 
@@ -23,9 +24,10 @@ PARSER_CLASSES: dict[str, type[ToolParser]] = {
     "kimi_k2": KimiK2ToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
+    "openai": OpenAIToolParser,  # gpt-oss's harmony messages (vLLM's name)
 }
 TOOL_PARSERS = tuple(PARSER_CLASSES)
-AUTO_ORDER = ("kimi_k2", "deepseek_v3", "deepseek_v31", "llama3_json")  # else hermes
+AUTO_ORDER = ("openai", "kimi_k2", "deepseek_v3", "deepseek_v31", "llama3_json")  # else hermes
 # Formats whose markup is special tokens in their models' vocabularies: the output text must keep
 # special tokens (the parser reads the markup and keeps it out of content).
 SPECIAL_TOKEN_PARSERS = tuple(name for name, cls in PARSER_CLASSES.items() if cls.special_tokens)
@@ -41,8 +43,9 @@ def make_tool_parser(name: str, make_call_id: Callable[[], str] = random_call_id
 
 
 def tool_parser_for_template(chat_template: str | None) -> str:
-    """The format a model family's chat template writes (`--tool-call-parser auto`): the markers
-    of Kimi K2 or DeepSeek V3 / V3.1, Llama 3's headers -> llama3_json, else hermes."""
+    """The format a model family's chat template writes (`--tool-call-parser auto`): harmony's
+    channels -> openai, the markers of Kimi K2 or DeepSeek V3 / V3.1, Llama 3's headers ->
+    llama3_json, else hermes."""
     if chat_template:
         for name in AUTO_ORDER:
             if PARSER_CLASSES[name].writes_template(chat_template):
