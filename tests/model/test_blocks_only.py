@@ -223,7 +223,10 @@ def test_auto_takes_8_bit_activations_on_q4_k_files_where_the_build_reads_them_f
     fast = formats.kernels.kquant_superblock_act()
     assert formats.quantization == ("gguf-a8" if fast else "gguf")
     runner = runner_for(files[mix], "auto")
-    assert runner.model.layers[0].self_attn.o_proj.qweight.int8_act == fast
+    o_proj = runner.model.layers[0].self_attn.o_proj
+    assert o_proj.qweight.int8_act == fast
+    # the 40-row prompt step runs the integer tiles too where they beat decoded float tiles
+    assert o_proj.qlinear_max_rows == (128 if fast else 32) >= (PROMPT_LEN if fast else 0)
     builtin = make_engine_config("smollm2-135m-instruct", dtype="float32")
     default = resolve_formats(builtin, load_checkpoint(str(resolve_builtin("smollm2-135m-instruct"))))
     assert default.quantization == "gguf"
