@@ -115,6 +115,26 @@ def test_logits_equal_transformers(hf_gpt_oss, long_cache, use_kernels):
         torch.testing.assert_close(got, want, atol=parity.ATOL, rtol=0)
 
 
+def test_quantization_packs_the_linears_but_leaves_the_experts_float(hf_gpt_oss):
+    """The expert kernel has no biases or clamped SwiGLU: q8_0 packs attention and the head,
+    never gpt-oss's experts (which keep running the torch op)."""
+    from hearth.models.quant import quantize_model
+    from hearth.models.weights import build_model
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels("auto")
+    if kernels is None:
+        pytest.skip("hearth's CPU kernels are not built here")
+    _, folder = hf_gpt_oss
+    checkpoint = HFCheckpoint(folder)
+    model = build_model(checkpoint, torch.float32)
+    model.use_kernels(kernels)
+    counts = quantize_model(model, checkpoint, "q8_0", kernels)
+    assert counts == {"q8_0": 2 * 3 + 1, "none": 3}  # qkv and o per layer, the head; experts
+    assert all(layer.mlp.experts.qw13 is None for layer in model.layers)
+    assert model.layers[0].self_attn.qkv_proj.qweight is not None
+
+
 def test_sinks_windows_and_clamps_each_change_the_logits(hf_gpt_oss, long_cache):
     """The parity above holds only with each of them: without the sinks, without the windows,
     or with a limit that never cuts, the same weights give logits transformers does not."""

@@ -55,21 +55,27 @@ def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> tor
 
 
 def expert_weight(loader: WeightLoader, e: str, part: str, want: tuple[int, int, int],
-                  names: set[str]) -> torch.Tensor:
-    """An expert stack as nn.Linear rows, [E, out, in]: gate_up [E, 2I, H] (interleaved rows),
-    down [E, H, I]; from the float tensor (stored [E, in, out]) or the MXFP4 blocks."""
+                  mine: slice, names: set[str]) -> torch.Tensor:
+    """This rank's experts (`mine`) of an expert stack as nn.Linear rows, [E_local, out, in]:
+    gate_up [.., 2I, H] (interleaved rows), down [.., H, I]; from the float tensor (stored
+    [E, in, out]) or the MXFP4 blocks (only this rank's experts dequantized). `want`: the whole
+    stack's [E, out, in]."""
     name = e + part
     if name in names:
         value = loader.get(name).transpose(1, 2)
+        stored = tuple(value.shape)
     elif name + "_blocks" in names and name + "_scales" in names:
-        value = mxfp4_to_float(loader.get(name + "_blocks"), loader.get(name + "_scales"), name)
+        blocks, scales = loader.get(name + "_blocks"), loader.get(name + "_scales")
+        stored = (*blocks.shape[:-2], blocks.shape[-2] * 32)
     else:
         raise ValueError(f"checkpoint has no tensor {name} (nor MXFP4 {name}_blocks with "
                          f"{name}_scales)")
-    if tuple(value.shape) != want:
+    if stored != want:
         raise ValueError(f"shape mismatch loading {name}: checkpoint (as [E, out, in]) "
-                         f"{tuple(value.shape)}, model expects {want}")
-    return value
+                         f"{stored}, model expects {want}")
+    if name in names:
+        return value[mine]
+    return mxfp4_to_float(blocks[mine], scales[mine], name)
 
 
 def load_experts(loader: WeightLoader, experts, e: str) -> None:
@@ -80,20 +86,21 @@ def load_experts(loader: WeightLoader, experts, e: str) -> None:
     full = inter if experts.expert_parallel else inter * experts.group.size
     lo = 0 if experts.expert_parallel else experts.group.rank * inter  # this rank's slice of I
     num_experts, hidden = experts.num_experts, experts.w13.shape[2]
-    gate_up = expert_weight(loader, e, "gate_up_proj", (num_experts, 2 * full, hidden), names)
-    down = expert_weight(loader, e, "down_proj", (num_experts, hidden, full), names)
+    mine = slice(first, first + local)
+    gate_up = expert_weight(loader, e, "gate_up_proj", (num_experts, 2 * full, hidden), mine,
+                            names)
+    down = expert_weight(loader, e, "down_proj", (num_experts, hidden, full), mine, names)
     gate_up_bias, down_bias = loader.get(e + "gate_up_proj_bias"), loader.get(e + "down_proj_bias")
     for name, value, want in ((e + "gate_up_proj_bias", gate_up_bias, (num_experts, 2 * full)),
                               (e + "down_proj_bias", down_bias, (num_experts, hidden))):
         if tuple(value.shape) != want:
             raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(value.shape)}, "
                              f"model expects {want}")
-    mine = slice(first, first + local)
     rows = slice(2 * lo, 2 * (lo + inter))  # this rank's interleaved gate/up rows
     w13, b13 = experts.w13.data, experts.b13.data  # [E_local, 2 I_loc, H], [E_local, 2 I_loc]
-    w13[:, :inter].copy_(gate_up[mine, rows][:, 0::2])
-    w13[:, inter:].copy_(gate_up[mine, rows][:, 1::2])
+    w13[:, :inter].copy_(gate_up[:, rows][:, 0::2])
+    w13[:, inter:].copy_(gate_up[:, rows][:, 1::2])
     b13[:, :inter].copy_(gate_up_bias[mine, rows][:, 0::2])
     b13[:, inter:].copy_(gate_up_bias[mine, rows][:, 1::2])
-    experts.w2.data.copy_(down[mine, :, lo:lo + inter])
+    experts.w2.data.copy_(down[:, :, lo:lo + inter])
     experts.b2.data.copy_(down_bias[mine])

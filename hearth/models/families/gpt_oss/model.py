@@ -15,7 +15,8 @@ experts (`GptOssExperts`) have biases on gate/up and down and a clamped SwiGLU
 The checkpoint interleaves gate and up columns; the loader stores them as hearth's [gate | up]
 rows. hearth's expert kernel (`moe_experts`) has neither biases nor this activation, so these
 experts always run the torch path here (`gpt_oss_experts_torch`), kernels or not, and are never
-packed for the kernel's quantized path. No layer takes the fused Llama decode kernel.
+packed for the kernel's quantized path (`FusedMoE.packable`). No layer takes the fused Llama
+decode kernel.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def gpt_oss_experts_torch(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor,
 class GptOssExperts(FusedMoE):
     """FusedMoE's stacked experts (same sharding, [gate | up] rows) with gpt-oss's biases:
     b13 [E_local, 2 I_local] cut as w13's rows, b2 [E_local, H] whole. Cut along I (no expert
-    parallelism), each rank's down output is a partial sum: only rank 0 adds b2."""
+    parallelism), each rank's down output is a partial sum: only rank 0 adds b2. Never packed
+    for the kernel (`packable`): its quantized experts have neither biases nor this SwiGLU."""
+
+    packable = False
 
     def __init__(self, arch: ModelArch, tp: ParallelGroup, expert_parallel: bool) -> None:
         moe, spec = arch.moe, arch.family_spec
@@ -95,9 +99,6 @@ class GptOssExperts(FusedMoE):
         self.b2 = nn.Parameter(torch.empty(self.num_local, arch.hidden_size), requires_grad=False)
         self.adds_down_bias = expert_parallel or tp.rank == 0
         self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
-
-    def set_quantized_experts(self, qw13, qw2, kernels, blocks_only: bool = False) -> None:
-        """Kept float: the kernel's quantized experts have no biases nor the clamped SwiGLU."""
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
