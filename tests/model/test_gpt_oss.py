@@ -1,7 +1,7 @@
 """gpt-oss (tiny) against transformers' own GptOssForCausalLM.
 
 The checkpoint is built by transformers from a GptOssConfig (no hub) with every feature where it
-matters: 3 layers (sliding, full, sliding) with a 12-token window (shorter than the prompts, not
+matters: 3 layers (sliding, full, full) with a 12-token window (shorter than the prompts, not
 a multiple of any cache block), learned sinks per head, q/k/v/o biases, YaRN RoPE, a MoE in
 every layer (4 biased experts, top 2, a biased router) whose SwiGLU limit is low enough that the
 clamps cut. Compared: the model's logits over a paged cache (whole prompt, chunks over a cached
@@ -13,6 +13,7 @@ experts are MXFP4 blocks as OpenAI releases them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 import tests.model.test_hf_parity as parity
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
+from hearth.models.families.gpt_oss.arch_fields import hf_fields
 from hearth.models.families.gpt_oss.loading import FP4_VALUES
 from hearth.models.hf_loader import HFCheckpoint
 from hearth.models.random_checkpoint import _write_word_tokenizer
@@ -38,6 +40,9 @@ SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_la
              max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
              num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
              swiglu_limit=LIMIT,
+             # not transformers' default alternation: pipeline stage 2 (layer 2) then differs
+             # from the model's layer 0, so a stage reading its local index would be caught
+             layer_types=["sliding_attention", "full_attention", "full_attention"],
              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                               "original_max_position_embeddings": 32})
@@ -84,13 +89,18 @@ def test_the_config_becomes_the_arch(hf_gpt_oss):
     spec = arch.family_spec
     assert arch.architecture == "gpt_oss"
     assert arch.attention_bias and arch.attention_out_bias and not arch.qk_norm
-    assert spec.sliding_layers == (True, False, True) and spec.sliding_window == WINDOW
+    assert spec.sliding_layers == (True, False, False) and spec.sliding_window == WINDOW
     assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.702, LIMIT)
     moe = arch.moe
     assert (moe.num_experts, moe.num_experts_per_tok, moe.expert_intermediate_size,
             moe.dense_layers) == (4, 2, 32, ())
     assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_theta == 150000.0
     assert arch.rope_scaling["truncate"] is False
+    # without layer_types, transformers' default: sliding on even layers
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+              if k != "layer_types"}
+    assert hf_fields(config, "gpt_oss", folder)["family_spec"].sliding_layers == (
+        True, False, True)
 
 
 def test_bad_layer_types_are_refused(tmp_path):
@@ -187,11 +197,13 @@ def test_engine_greedy_tokens_and_logprobs_equal_transformers(hf_gpt_oss):
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
-                                      dict(tensor_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "ep2"])
-def test_tensor_and_expert_parallel_equal_one_process(hf_gpt_oss, parallel):
+                                      dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                      dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "ep2", "pp2"])
+def test_tensor_expert_and_pipeline_parallel_equal_one_process(hf_gpt_oss, parallel):
     """TP cuts heads (and their sinks) and each expert's width (the down bias added once); EP
-    puts 2 whole experts, biases and all, on each rank."""
+    puts 2 whole experts, biases and all, on each rank; PP's second stage holds layer 2 only,
+    a full layer by its index in the whole model (layer 0 of the model is sliding)."""
     _, folder = hf_gpt_oss
     runs = []
     for settings in ({}, parallel):
