@@ -233,7 +233,8 @@ def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_path, long_cache):
-    """A folder storing the experts as `*_blocks` + `*_scales` (as OpenAI releases gpt-oss):
+    """A folder storing the experts as `*_blocks` + `*_scales`, its config in the older form
+    (as OpenAI releases gpt-oss):
     hearth's logits equal transformers' model holding transformers' own dequantization of the
     same blocks (integrations.mxfp4.convert_moe_packed_tensors)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -250,7 +251,18 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_pat
             weights[name + "_blocks"], weights[name + "_scales"] = blocks, scales
             state[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
     save_file(weights, str(out / "model.safetensors"))
-    (out / "config.json").write_text((folder / "config.json").read_text())
+    # the config as OpenAI's folders write it: rope_scaling and rope_theta (transformers 4),
+    # experts_per_token, the quantization config (hearth reads the tensors' names instead)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope,
+                  experts_per_token=config.pop("num_experts_per_tok"),
+                  quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                      "model.layers.*.self_attn", "model.layers.*.mlp.router",
+                      "model.embed_tokens", "lm_head"]})
+    (out / "config.json").write_text(json.dumps(config))
+    assert HFCheckpoint(out).arch == HFCheckpoint(folder).arch
+    assert HFCheckpoint(out).arch.rope_scaling == HFCheckpoint(folder).arch.rope_scaling
     quantized = transformers.GptOssForCausalLM(model.config).to(torch.float32).eval()
     quantized.load_state_dict(state)
     gate_up = "model.layers.0.mlp.experts.gate_up_proj"
@@ -261,6 +273,6 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_pat
     weights.pop("model.layers.1.mlp.experts.down_proj_scales")
     save_file(weights, str(out / "model.safetensors"))
     from hearth.models.weights import build_model
-    with pytest.raises(ValueError, match=r"no tensor model.layers.1.mlp.experts.down_proj "
-                                         r"\(nor MXFP4 model.layers.1.mlp.experts.down_proj_blocks"):
+    down = r"model.layers.1.mlp.experts.down_proj"
+    with pytest.raises(ValueError, match=rf"no tensor {down} \(nor MXFP4 {down}_blocks"):
         build_model(HFCheckpoint(out), torch.float32)
