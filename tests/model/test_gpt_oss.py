@@ -101,6 +101,8 @@ def test_the_config_becomes_the_arch(hf_gpt_oss):
               if k != "layer_types"}
     assert hf_fields(config, "gpt_oss", folder)["family_spec"].sliding_layers == (
         True, False, True)
+    with pytest.raises(ValueError, match="sliding_attention layers need a sliding_window"):
+        hf_fields({**config, "sliding_window": None}, "gpt_oss", folder)
 
 
 def test_bad_layer_types_are_refused(tmp_path):
