@@ -100,7 +100,8 @@ def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool 
     architectures = config.get("architectures") or [None]
     family, architecture = hf_family(architectures[0], folder)
     max_positions = int(config["max_position_embeddings"])
-    _reject_sliding_window(config, folder, max_positions)
+    if not family.sliding_window:
+        _reject_sliding_window(config, folder, max_positions)
     num_heads = int(config["num_attention_heads"])
     # transformers v5 moved rope_theta/rope_scaling into one rope_parameters dict
     rope = dict(config.get("rope_parameters") or {})
@@ -137,7 +138,8 @@ def arch_from_hf_config(config: dict[str, Any], folder: Path, has_lm_head: bool 
 
 
 def _reject_sliding_window(config: dict[str, Any], folder: Path, max_positions: int) -> None:
-    """hearth's attention is full causal; a window smaller than the context would change outputs."""
+    """A family without windowed layers attends full causal; a window smaller than the context
+    would change outputs."""
     window = config.get("sliding_window")
     if config.get("use_sliding_window") is False:  # Qwen2 carries a window it does not use
         return

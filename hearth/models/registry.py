@@ -12,13 +12,14 @@ ask it for the family's code. Nothing else names architectures. Importing it imp
 
 from __future__ import annotations
 
-from hearth.models.families import Family, deepseek, llama, llama4, moe_llama
+from hearth.models.families import Family, deepseek, gpt_oss, llama, llama4, moe_llama
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     moe_llama.FAMILY,
     deepseek.FAMILY,
     llama4.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

@@ -43,6 +43,7 @@ def test_every_family_name_resolves_to_its_family_and_code():
     assert classes["mixtral"] == classes["qwen3_moe"] == "MoeLlamaForCausalLM"
     assert classes["deepseek_v2"] == classes["deepseek_v3"] == "DeepseekV3ForCausalLM"
     assert classes["llama4"] == "Llama4ForCausalLM"
+    assert classes["gpt_oss"] == "GptOssForCausalLM"
     # Llama 4's published checkpoints are the multimodal model: its text model is served
     assert hf_family("Llama4ForConditionalGeneration", "f")[1] == "llama4"
     # llama.cpp's "llama" holds Llama and (with experts) Mixtral: the experts pick the family
@@ -60,9 +61,11 @@ def test_every_family_name_resolves_to_its_family_and_code():
 
 def test_the_arch_tables_are_derived_from_the_families():
     assert SUPPORTED_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "mixtral",
-                                       "qwen3_moe", "deepseek_v2", "deepseek_v3", "llama4")
+                                       "qwen3_moe", "deepseek_v2", "deepseek_v3", "llama4",
+                                       "gpt_oss")
     assert MOE_ARCHITECTURES == tuple(a for f in FAMILIES if f.is_moe for a in f.architectures)
-    assert MOE_ARCHITECTURES == ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "llama4")
+    assert MOE_ARCHITECTURES == ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "llama4",
+                                 "gpt_oss")
     assert MLA_ARCHITECTURES == ("deepseek_v2", "deepseek_v3")
     for name in ("SUPPORTED_ARCHITECTURES", "MOE_ARCHITECTURES", "MLA_ARCHITECTURES"):
         assert not hasattr(hearth.models.arch, name)  # one source: the registry

@@ -69,6 +69,9 @@ class Family:
     load_weights: str = "loading:load_weights"  # "module:function(model, WeightLoader)"
     is_moe: bool = False  # every ModelArch of the family has a MoeSpec (and no other has)
     uses_mla: bool = False  # every ModelArch of the family has an MlaSpec (and no other has)
+    # its hf_fields reads config.json's sliding_window and its attention applies it (gpt-oss);
+    # every other family refuses a window shorter than the context (hf_loader)
+    sliding_window: bool = False
     # GGUF names whose Q/K rows llama.cpp's converter permuted for interleaved RoPE
     gguf_permuted_qk: tuple[str, ...] = ()
     # GGUF block tensor names of this family beyond the Llama set -> HF names under a layer
