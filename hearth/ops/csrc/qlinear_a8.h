@@ -73,6 +73,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int layout, int8_t* q, 
   }
 }
 
+// The offset terms of a weight row against an activation row: sum_b m_b dx_b sum(qx_b), m_b
+// from row_scales (Q4_1's m, Q4_0's -8 d, Q4_K's -dmin mn), a.xs = dx sum(qx) per block.
+inline float offset_term(const float* smr, const QAct& a, int64_t row) {
+  const float* xs = a.xs + row * a.nb;
+  float m = 0;
+#pragma omp simd reduction(+ : m)
+  for (int64_t b = 0; b < a.nb; ++b) m += smr[b] * xs[b];
+  return m;
+}
+
 #if defined(__AVX512VNNI__)
 // Q4_0/Q4_1 weights: 4 blocks (64 bytes) per load, low and high nibbles against the two halves
 // of the quad-ordered activations; lane l of the sum belongs to block l / 4.
@@ -168,14 +178,8 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i) {
-      const float* smr = sm + r * nb;
-      const float* xs = a.xs + (i0 + i) * nb;
-      float m = 0;
-#pragma omp simd reduction(+ : m)
-      for (int64_t b = 0; b < nb; ++b) m += smr[b] * xs[b];
-      out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) + m;
-    }
+    for (int i = 0; i < MT; ++i)
+      out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) + offset_term(sm + r * nb, a, i0 + i);
 }
 #elif defined(__AVX2__)
 // Q4_K with 8-bit activations on AVX2 (llama.cpp's Q4_K x Q8_K): a super-block's activations
@@ -250,14 +254,8 @@ void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAc
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i) {
-      const float* smr = sm + r * nb;
-      const float* xs = a.xs + (i0 + i) * nb;
-      float m = 0;
-#pragma omp simd reduction(+ : m)
-      for (int64_t b = 0; b < nb; ++b) m += smr[b] * xs[b];
-      out[i * ldo + r] = reduce_add8(acc[r][i]) + m;
-    }
+    for (int i = 0; i < MT; ++i)
+      out[i * ldo + r] = reduce_add8(acc[r][i]) + offset_term(sm + r * nb, a, i0 + i);
 }
 
 // Q6_K with 8-bit activations on AVX2, as Q4_K above: one activation scale per super-block, the
@@ -368,16 +366,8 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i) {
-      float m = 0;
-      if (!q8) {
-        const float* smr = sm + r * nb;
-        const float* xs = a.xs + (i0 + i) * nb;
-#pragma omp simd reduction(+ : m)
-        for (int64_t b = 0; b < nb; ++b) m += smr[b] * xs[b];
-      }
-      out[i * ldo + r] = reduce_add8(acc[r][i]) + m;
-    }
+    for (int i = 0; i < MT; ++i)
+      out[i * ldo + r] = reduce_add8(acc[r][i]) + (q8 ? 0.0f : offset_term(sm + r * nb, a, i0 + i));
 }
 #else
 template <int NR, int MT>
