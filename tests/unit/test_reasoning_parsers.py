@@ -1,4 +1,4 @@
-"""Reasoning parsers (`--reasoning-parser deepseek_r1 | qwen3`): the reasoning and content of a
+"""Reasoning parsers (`--reasoning-parser deepseek_r1 | qwen3 | kimi_k2`): the reasoning and content of a
 model's output never depend on how the text is split into deltas (every split point, every delta
 size), a block cut off or malformed never raises, and a tool call after the reasoning is parsed by
 the tool parser while markup inside the reasoning is not a call."""
@@ -40,6 +40,12 @@ CASES = [
     ("qwen3", "<th", None, "<th"),
     ("qwen3", "  ", None, "  "),
     ("qwen3", "", None, None),
+    ("kimi_k2", "Let me think.</think>\n\nThe answer is 4.", "Let me think.", "The answer is 4."),
+    ("kimi_k2", "no end tag", "no end tag", None),
+    # a tool-call section ends the reasoning without </think>, and stays for the tool parser
+    ("kimi_k2", "Weather first.<|tool_calls_section_begin|>x", "Weather first.",
+     "<|tool_calls_section_begin|>x"),
+    ("kimi_k2", "<|tool_calls_section_begi", "<|tool_calls_section_begi", None),
 ]
 
 
@@ -134,6 +140,21 @@ def test_a_tool_call_after_the_reasoning_is_a_call(name, prefix):
     assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
     kinds = [type(e) for e in merged(whole)]
     assert kinds[0] is ReasoningDelta and ToolCallDelta in kinds
+
+
+def test_a_kimi_tool_section_ends_the_reasoning_and_is_a_call():
+    """Kimi K2 Thinking may open its tool-call section straight from the reasoning (no
+    </think>): the reasoning ends there and the section is parsed as calls, at every split."""
+    from tests.unit.test_tool_parsers_kimi_deepseek import K_SEC, K_SEC_END, kimi
+    text = "Check the weather." + K_SEC + kimi("get_weather", '{"city": "Paris"}') + K_SEC_END
+    whole = run("kimi_k2", [text], tools="kimi_k2")
+    for pieces in splits(text):
+        assert answer(run("kimi_k2", pieces, tools="kimi_k2")) == answer(whole), pieces
+    assert assemble_reasoning(whole) == "Check the weather."
+    content, calls = assemble([e for e in whole if not isinstance(e, ReasoningDelta)])
+    assert not content
+    [call] = calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
 
 
 def test_a_call_inside_the_reasoning_is_reasoning():

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from hearth.server.reasoning_parsers.harmony_parser import HarmonyReasoningParser
 from hearth.server.reasoning_parsers.think_parser import (DeepSeekR1ReasoningParser,
+                                                          KimiK2ReasoningParser,
                                                           Qwen3ReasoningParser, ReasoningEvent)
 
 
@@ -31,6 +32,7 @@ class ReasoningParser(Protocol):
 PARSER_CLASSES: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    "kimi_k2": KimiK2ReasoningParser,
     "openai_gptoss": HarmonyReasoningParser,  # vLLM's name for gpt-oss's harmony channels
     "harmony": HarmonyReasoningParser,
 }

@@ -7,6 +7,9 @@ next, when there is one). `finish()` flushes what is held back at the end of the
     output:   [ws] [<think>] reasoning... </think> [ws] content...
     deepseek_r1: the template opened the block, so output starts inside it; a leading <think>
                  (R1-0528 writes one again) is dropped. No </think>: all of it is reasoning.
+    kimi_k2:     as deepseek_r1 (Kimi K2 Thinking), and a tool-call section
+                 (<|tool_calls_section_begin|>) also ends the reasoning: the section and what
+                 follows are content, for the kimi_k2 tool parser.
     qwen3:       a block only where the output starts with <think> (after whitespace), else all
                  of it is content.
 
@@ -44,6 +47,8 @@ class ThinkReasoningParser:
 
     starts_in_reasoning = False
     content_parser: str | None = None  # the content is plain text: any tool parser reads it
+    # markup that ends the reasoning but belongs to the content (read by the tool parser)
+    content_markers: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._state = _OPENING
@@ -102,17 +107,20 @@ class ThinkReasoningParser:
             else:
                 self._state, self._reasoning_end = _CONTENT, 0
         if self._state == _REASONING:
-            end = self._pending.find(END_TAG)
-            if end < 0:
-                keep = partial_suffix(self._pending, END_TAG)
+            ends = [(i, tag) for tag in (END_TAG, *self.content_markers)
+                    if (i := self._pending.find(tag)) >= 0]
+            if not ends:
+                keep = max(partial_suffix(self._pending, tag)
+                           for tag in (END_TAG, *self.content_markers))
                 cut = len(self._pending) - keep
                 append_event(events, ReasoningDelta(self._pending[:cut]))
                 self._pending = self._pending[cut:]
                 return
+            end, tag = min(ends)
             append_event(events, ReasoningDelta(self._pending[:end]))
-            self._pending = self._pending[end + len(END_TAG):]
+            self._pending = self._pending[end + (len(tag) if tag == END_TAG else 0):]
             self._reasoning_end = self._num_seen - len(self._pending)
-            self._state = _AFTER
+            self._state = _AFTER if tag == END_TAG else _CONTENT
         if self._state == _AFTER:
             stripped = self._pending.lstrip()
             self._pending = ""
@@ -148,3 +156,11 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     """qwen3: a block only where the output opens one (enable_thinking off: none)."""
 
     starts_in_reasoning = False
+
+
+class KimiK2ReasoningParser(ThinkReasoningParser):
+    """kimi_k2: Kimi K2 Thinking, output begins inside the block, and a tool-call section may
+    end it without </think> (vLLM's kimi_k2 reasoning parser does the same)."""
+
+    starts_in_reasoning = True
+    content_markers = ("<|tool_calls_section_begin|>",)
