@@ -6,13 +6,17 @@ tests' setup, call and teardown phases (module fixtures included), as pytest mea
 pytest-xdist (`make test` runs two workers) that sum is over both workers, so it exceeds the wall.
 
 `HEARTH_TEST_TIMES=FILE` appends one line per phase as it ends (`seconds phase outcome nodeid
-rss_mb`: the resident memory of the process that ran it, after the phase), so even an interrupted
-run says where its time and memory went (`sort -rn FILE | head`).
+rss_mb cpu_s`: the resident memory of the process that ran it, after the phase, and the CPU
+seconds the phase cost: user+sys of the pytest process and of the child processes it waited for
+in that phase, such as servers a fixture stopped), so even an interrupted run says where its time,
+memory and CPU went (`sort -k6 -rn FILE | head`: on the 2-core box the CPU is what a test costs,
+since the wall of a test beside another worker is noisy).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from collections import defaultdict
 
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
@@ -36,21 +40,46 @@ def _rss_mb() -> int:
         return -1
 
 
+def _cpu_seconds() -> float:
+    """User+sys seconds of this process and of its children that have been waited for."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 if _TIMES_FILE:
     import pytest
+
+    _PHASE_START_CPU = "_hearth_phase_start_cpu"
+
+    def _mark_phase_start(item) -> None:
+        setattr(item, _PHASE_START_CPU, _cpu_seconds())
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item):
+        _mark_phase_start(item)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(item):
+        _mark_phase_start(item)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(item, nextitem):
+        _mark_phase_start(item)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item, call):
         outcome = yield
-        outcome.get_result().user_properties.append(("rss_mb", _rss_mb()))
+        cpu = _cpu_seconds() - getattr(item, _PHASE_START_CPU, _cpu_seconds())
+        outcome.get_result().user_properties += [("rss_mb", _rss_mb()), ("cpu_s", round(cpu, 3))]
 
 
 def pytest_runtest_logreport(report) -> None:
     if _TIMES_FILE and not _IN_WORKER:
-        rss = dict(report.user_properties).get("rss_mb", -1)
+        props = dict(report.user_properties)
         with open(_TIMES_FILE, "a") as f:
             f.write(f"{report.duration:9.3f} {report.when:8} {report.outcome:7} {report.nodeid} "
-                    f"{rss}\n")
+                    f"{props.get('rss_mb', -1)} {props.get('cpu_s', -1):.3f}\n")
     tier = _tier(report.nodeid)
     _TIER_SECONDS[tier] += report.duration
     if report.when == "call":
