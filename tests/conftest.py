@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 from collections import defaultdict
+
+import pytest
 
 _TIER_SECONDS: dict[str, float] = defaultdict(float)
 _TIER_TESTS: dict[str, int] = defaultdict(int)
@@ -27,6 +30,27 @@ def _tier(nodeid: str) -> str:
     parts = nodeid.split("/")
     return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
 
+
+def _threads_per_worker() -> int | None:
+    """Under pytest-xdist, the cores each worker may keep busy (None: one process, all of them)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers <= 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+# `make test` runs one worker per core. Each worker's torch (and every server it starts, which
+# inherits the environment) would otherwise run a thread per core too: twice as many busy threads
+# as cores, and a parallel region ends at a barrier that waits for a preempted thread (a step
+# beside a busy neighbour took ~60x longer on two threads than on one: thread_tuner.py). So a
+# worker and its children get their share of the cores. Results do not depend on the count;
+# tests of the threaded paths themselves ask for every core with `all_threads`. An explicit
+# OMP_NUM_THREADS wins.
+WORKER_THREADS = _threads_per_worker()
+if WORKER_THREADS is not None and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(WORKER_THREADS)
+    if "torch" in sys.modules:  # imported before this file (a plugin): its pool is sized already
+        sys.modules["torch"].set_num_threads(WORKER_THREADS)
 
 _TIMES_FILE = os.environ.get("HEARTH_TEST_TIMES")
 _IN_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # the controller writes each report once
@@ -48,8 +72,6 @@ def _cpu_seconds() -> float:
 
 
 if _TIMES_FILE:
-    import pytest
-
     _PHASE_START_CPU = "_hearth_phase_start_cpu"
 
     def _mark_phase_start(item) -> None:
@@ -93,3 +115,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for tier in sorted(_TIER_SECONDS, key=_TIER_SECONDS.get, reverse=True):
         terminalreporter.write_line(f"{tier:>8}: {_TIER_SECONDS[tier]:7.1f} s over "
                                     f"{_TIER_TESTS[tier]} tests")
+
+
+@pytest.fixture
+def all_threads():
+    """Torch threads for every core of the machine for the test (restored after): for tests of
+    the kernels' and the thread tuner's multi-threaded paths, whatever the worker's share."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    yield torch.get_num_threads()
+    torch.set_num_threads(saved)
