@@ -37,7 +37,9 @@ serve: setup
 
 # One pytest worker per core (pytest-xdist), a whole test file at a time per worker (--dist
 # loadfile: a file's module-scoped servers and models are built once; split test by test, the
-# two workers built them both and ran 2-4x slower). TEST_WORKERS=0: one process.
+# two workers built them both and ran 2-4x slower). Each worker, and every server it starts, keeps
+# to its share of the cores (one torch thread each here: tests/conftest.py). TEST_WORKERS=0: one
+# process.
 TEST_WORKERS ?= logical
 TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadfile
 

@@ -8,9 +8,10 @@ pytest-xdist (`make test` runs two workers) that sum is over both workers, so it
 `HEARTH_TEST_TIMES=FILE` appends one line per phase as it ends (`seconds phase outcome nodeid
 rss_mb cpu_s`: the resident memory of the process that ran it, after the phase, and the CPU
 seconds the phase cost: user+sys of the pytest process and of the child processes it waited for
-in that phase, such as servers a fixture stopped), so even an interrupted run says where its time,
-memory and CPU went (`sort -k6 -rn FILE | head`: on the 2-core box the CPU is what a test costs,
-since the wall of a test beside another worker is noisy).
+in that phase, such as servers a fixture stopped; not a server still running, nor Ray's
+processes), so even an interrupted run says where its time,
+memory and CPU went (`awk '{print $NF, $0}' FILE | sort -rn | head`: on the 2-core box the CPU is
+what a test costs, since the wall of a test beside another worker is noisy).
 """
 
 from __future__ import annotations
