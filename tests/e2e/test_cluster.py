@@ -215,6 +215,14 @@ class Load:
         for t in self._threads:
             t.join(timeout=300)
 
+    def wait_done(self, more: int, timeout: float = 120.0) -> None:
+        """Until `more` further requests have finished (a failure ends the wait: the test
+        asserts there are none)."""
+        want, deadline = self.done + more, time.monotonic() + timeout
+        while self.done < want and not self.failures:
+            assert time.monotonic() < deadline, (self.done, want)
+            time.sleep(0.05)
+
     def _run(self, i: int) -> None:
         client = self.make_client()
         n = 0
@@ -241,13 +249,13 @@ class Load:
 def test_scale_decode_2_3_1_under_load_loses_nothing(stack):
     stack.scale(decode=2)
     with Load(stack.client) as load:
-        time.sleep(2)
+        load.wait_done(2)  # requests flow at 2 decode workers, ...
         status = stack.scale(decode=3)
         assert sum(w["role"] == "decode" for w in status["workers"]) == 3
-        time.sleep(2)
+        load.wait_done(2)  # ... at 3, ...
         status = stack.scale(decode=1)
         assert sum(w["role"] == "decode" for w in status["workers"]) == 1
-        time.sleep(2)
+        load.wait_done(2)  # ... and at 1 after the drain
     assert load.failures == [] and load.done >= 6, (load.failures, load.done)
     assert "draining worker" in stack.log()
     decode = [e for e in httpx.get(stack.url + "/load", timeout=10).json()["endpoints"]
@@ -451,7 +459,7 @@ def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(s
                 blockers.append(group)
         with Load(stack.client) as load:
             status = stack.scale(prefill=2)
-            time.sleep(2.0)  # requests through both prefill workers (the load keeps going)
+            load.wait_done(3)  # requests through both prefill workers (the load keeps going)
         for group in blockers:
             remove_placement_group(group)
     finally:
