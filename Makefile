@@ -47,8 +47,10 @@ test: setup
 	$(BIN)/python -m pytest $(TEST_FLAGS) tests
 
 # The unit tier in one process: two workers' start-up costs more than they save there (48 s vs 40 s).
+# One torch thread, as each of make test's workers (tests/conftest.py): the tier's tensors are
+# small, and beside a busy neighbour two threads cost test_cpu_kernels.py 53 CPU-seconds against 33.
 test-unit: setup
-	$(BIN)/python -m pytest -q tests/unit
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests/unit
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py

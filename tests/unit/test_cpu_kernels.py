@@ -958,7 +958,6 @@ def decode_layer_by_ops(ops, x, residual, has_residual, w: LlamaLayerWeights,
     return out, residual
 
 
-@ALL_THREADS
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("int8_act", [False, True])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
@@ -966,11 +965,13 @@ def decode_layer_by_ops(ops, x, residual, has_residual, w: LlamaLayerWeights,
 @pytest.mark.parametrize("query_lens,context_lens", [([1], [7]), ([1, 1, 1], [3, 40, 700]),
                                                      ([3, 1, 5], [9, 1200, 20])])
 def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cache_dtype,
-                                                 has_residual, query_lens, context_lens):
+                                                 has_residual, query_lens, context_lens, request):
     """One fused decoder layer (`decode_layers` over one layer) computes what its kernels give,
     run one after another: same output, same residual, same K/V written to the cache. (It
     guards a rewrite of the layer's threading, such as one parallel region for all its
     phases.)"""
+    if threads > 1:
+        request.getfixturevalue("all_threads")  # the threaded path needs torch's threads
     gen = torch.Generator().manual_seed(sum(context_lens) + 7 * len(query_lens))
     H, KVH, D, hidden, inter, block_size, num_blocks = 9, 3, 64, 192, 320, 16, 160
     T = sum(query_lens)
