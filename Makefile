@@ -37,7 +37,9 @@ serve: setup
 
 # One pytest worker per core (pytest-xdist), a whole test file at a time per worker (--dist
 # loadfile: a file's module-scoped servers and models are built once; split test by test, the
-# two workers built them both and ran 2-4x slower). TEST_WORKERS=0: one process.
+# two workers built them both and ran 2-4x slower). Each worker, and every server it starts, keeps
+# to its share of the cores (one torch thread each here: tests/conftest.py). TEST_WORKERS=0: one
+# process.
 TEST_WORKERS ?= logical
 TEST_FLAGS := -q -n $(TEST_WORKERS) --dist loadfile
 
@@ -45,8 +47,10 @@ test: setup
 	$(BIN)/python -m pytest $(TEST_FLAGS) tests
 
 # The unit tier in one process: two workers' start-up costs more than they save there (48 s vs 40 s).
+# One torch thread, as each of make test's workers (tests/conftest.py): the tier's tensors are
+# small, and beside a busy neighbour two threads cost test_cpu_kernels.py 53 CPU-seconds against 33.
 test-unit: setup
-	$(BIN)/python -m pytest -q tests/unit
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests/unit
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py

@@ -33,7 +33,14 @@ from tests.e2e.conftest import EXACT_FLAGS, MODEL, free_port
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from hearth.cluster.cluster_config import ClusterConfig  # noqa: E402
+
 STORE = 80 * 2**20
+# One compute thread per worker process (each rank of a TP / PP worker too): the nodes are this
+# machine's few cores, shared by up to six workers and the test run; torch's default of a thread
+# per core had each parallel region wait at its barrier for a thread another worker preempted.
+THREADS = 1
+ONE_THREAD = dict(threads_per_worker=THREADS)
 SERVE_FLAGS = ("--num-kv-blocks=512", *EXACT_FLAGS)
 WORKER_ARGS = [f"--worker-arg={flag}" for flag in SERVE_FLAGS]
 WORKER_KEY = "cluster-test-worker-key"  # so the tests can read each worker's own /load
@@ -91,7 +98,8 @@ def stack(cluster, tmp_path_factory):
         process = subprocess.Popen(
             [sys.executable, "-m", "hearth.cli", "up", "--cluster", cluster.address,
              "--prefill", "1", "--decode", "2", "--workers", "1", "--workers-tp", "3",
-             "--port", str(port), "--show-worker-urls", *WORKER_ARGS],
+             "--port", str(port), "--show-worker-urls", "--threads-per-worker", str(THREADS),
+             *WORKER_ARGS],
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "HEARTH_WORKER_API_KEY": WORKER_KEY})
     stack = Stack(process, f"http://127.0.0.1:{port}", cluster.address, log_path)
@@ -207,6 +215,14 @@ class Load:
         for t in self._threads:
             t.join(timeout=300)
 
+    def wait_done(self, more: int, timeout: float = 120.0) -> None:
+        """Until `more` further requests have finished (a failure ends the wait: the test
+        asserts there are none)."""
+        want, deadline = self.done + more, time.monotonic() + timeout
+        while self.done < want and not self.failures:
+            assert time.monotonic() < deadline, (self.done, want)
+            time.sleep(0.05)
+
     def _run(self, i: int) -> None:
         client = self.make_client()
         n = 0
@@ -233,13 +249,13 @@ class Load:
 def test_scale_decode_2_3_1_under_load_loses_nothing(stack):
     stack.scale(decode=2)
     with Load(stack.client) as load:
-        time.sleep(2)
+        load.wait_done(2)  # requests flow at 2 decode workers, ...
         status = stack.scale(decode=3)
         assert sum(w["role"] == "decode" for w in status["workers"]) == 3
-        time.sleep(2)
+        load.wait_done(2)  # ... at 3, ...
         status = stack.scale(decode=1)
         assert sum(w["role"] == "decode" for w in status["workers"]) == 1
-        time.sleep(2)
+        load.wait_done(2)  # ... and at 1 after the drain
     assert load.failures == [] and load.done >= 6, (load.failures, load.done)
     assert "draining worker" in stack.log()
     decode = [e for e in httpx.get(stack.url + "/load", timeout=10).json()["endpoints"]
@@ -339,7 +355,8 @@ def test_python_api_deploys_answers_scales_and_leaves_nothing(cluster):
     import hearth
 
     with hearth.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
-                       name="api-test", worker_args=SERVE_FLAGS) as deployment:
+                       name="api-test", worker_args=SERVE_FLAGS,
+                       cluster=ClusterConfig(**ONE_THREAD)) as deployment:
         assert ray.is_initialized()  # deploy() connected this process ...
         reply = api_client(deployment).chat.completions.create(
             model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
@@ -392,6 +409,7 @@ def test_autoscaler_follows_load_up_and_drains_back(cluster):
     try:
         with hearth.deploy(model=MODEL, prefill=0, decode=1, address=cluster.address,
                            name="autoscale-test", worker_args=SERVE_FLAGS,
+                           cluster=ClusterConfig(**ONE_THREAD),
                            autoscale={"decode": (1, 2)}, autoscale_target_requests=1,
                            autoscale_upscale_delay=1.0,
                            autoscale_downscale_delay=3.0) as deployment:
@@ -441,7 +459,7 @@ def test_prefill_on_a_node_that_joined_later_is_trusted_by_every_decode_worker(s
                 blockers.append(group)
         with Load(stack.client) as load:
             status = stack.scale(prefill=2)
-            time.sleep(2.0)  # requests through both prefill workers (the load keeps going)
+            load.wait_done(3)  # requests through both prefill workers (the load keeps going)
         for group in blockers:
             remove_placement_group(group)
     finally:
@@ -466,7 +484,6 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
     the second stage's rank dies, the worker ends (its driver exits, not a server that only
     answers errors) and the controller replaces it."""
     import hearth
-    from hearth.cluster.cluster_config import ClusterConfig
     from hearth.engine.llm import LLM, make_engine_config
     from hearth.engine.sampling_params import SamplingParams
 
@@ -478,7 +495,7 @@ def test_pipeline_stages_on_two_nodes_answer_as_one_process_and_a_lost_stage_is_
     engine = make_engine_config(MODEL, pipeline_parallel_size=2)
     with hearth.deploy(prefill=0, decode=0, workers=1, address=cluster.address,
                        name="pp-test", engine=engine,
-                       cluster=ClusterConfig(stage_strategy="STRICT_SPREAD"),
+                       cluster=ClusterConfig(stage_strategy="STRICT_SPREAD", **ONE_THREAD),
                        worker_args=SERVE_FLAGS) as deployment:
         (worker,) = deployment.status()["workers"]
         assert len(worker["stage_nodes"]) == 2 and len(set(worker["stage_nodes"])) == 2, worker

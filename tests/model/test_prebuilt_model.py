@@ -38,7 +38,8 @@ def assert_same(got, want) -> None:
         assert max(abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
 
 
-def test_engines_sharing_a_model_equal_one_that_builds_its_own(tiny):
+def test_engines_sharing_a_model_equal_one_that_builds_its_own(tiny, all_threads):
+    # all_threads: a runner tunes its kernels' threads only where torch has more than one
     config = make_engine_config(tiny, num_blocks=6, max_num_batched_tokens=16)  # preempts
     want = generate(LLM(config=config))
     checkpoint = load_checkpoint(tiny)

@@ -37,6 +37,11 @@ def test_some_build_is_usable():
 # One build per process (torch.ops holds one library named `hearth`): this process tests the
 # best build; `test_other_builds_in_a_child_process` runs this file again for each other one.
 TESTED = os.environ.get("HEARTH_TEST_KERNEL_VARIANT") or (VARIANTS[0] if VARIANTS else None)
+# The kernels split work over torch's threads (`threads` <= their count). A `make test` worker
+# keeps to its share of the cores (tests/conftest.py: one thread on the 2-core box), so the
+# tests of the multi-threaded paths ask for every core (`all_threads`) and the rest run on the
+# calling thread.
+ALL_THREADS = pytest.mark.usefixtures("all_threads")
 
 
 @pytest.fixture(scope="module")
@@ -519,6 +524,7 @@ def masked_attention_reference(q, kc, vc, table, context_len, scale):
                                                   (10, 2, 64)])
 # (cached prefix, chunk, block size): fresh prompts of 1 token, under and over one key tile;
 # chunks whose query tiles straddle key tiles; a prefix longer than the chunk; tiny blocks.
+@ALL_THREADS
 @pytest.mark.parametrize("prefix, q_len, block_size", [(0, 1, 16), (0, 5, 16), (0, 64, 16),
                                                        (0, 150, 16), (40, 77, 16), (63, 65, 16),
                                                        (300, 20, 4), (17, 3, 8)])
@@ -566,6 +572,7 @@ def needs_amx(kernels):
 # fresh prompts of 1, 17 (one query block + 1) and 100 tokens; chunks after a prefix that ends
 # inside a 32-key block and one longer than the chunk; tiny blocks; a context packed in several
 # tasks per kv head (more than 16 groups of 32 keys)
+@ALL_THREADS
 @pytest.mark.parametrize("prefix, q_len, block_size", [(0, 1, 16), (0, 17, 16), (0, 100, 16),
                                                        (40, 77, 16), (63, 33, 16), (300, 20, 4),
                                                        (17, 3, 8), (1000, 45, 16)])
@@ -961,11 +968,13 @@ def decode_layer_by_ops(ops, x, residual, has_residual, w: LlamaLayerWeights,
 @pytest.mark.parametrize("query_lens,context_lens", [([1], [7]), ([1, 1, 1], [3, 40, 700]),
                                                      ([3, 1, 5], [9, 1200, 20])])
 def test_decode_layer_equals_its_ops_in_sequence(kernels, threads, int8_act, cache_dtype,
-                                                 has_residual, query_lens, context_lens):
+                                                 has_residual, query_lens, context_lens, request):
     """One fused decoder layer (`decode_layers` over one layer) computes what its kernels give,
     run one after another: same output, same residual, same K/V written to the cache. (It
     guards a rewrite of the layer's threading, such as one parallel region for all its
     phases.)"""
+    if threads > 1:
+        request.getfixturevalue("all_threads")  # the threaded path needs torch's threads
     gen = torch.Generator().manual_seed(sum(context_lens) + 7 * len(query_lens))
     H, KVH, D, hidden, inter, block_size, num_blocks = 9, 3, 64, 192, 320, 16, 160
     T = sum(query_lens)
@@ -1048,6 +1057,7 @@ def test_short_queries_over_one_wide_latent_head_equal_torch(kernels, width, cac
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@ALL_THREADS
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [200, 300, 16])
 def test_one_wide_request_splits_across_threads(kernels, cache_dtype, ctx):
@@ -1073,6 +1083,7 @@ def test_one_wide_request_splits_across_threads(kernels, cache_dtype, ctx):
         torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)
 
 
+@ALL_THREADS
 def test_many_rows_over_many_splits_take_fewer_longer_splits(kernels):
     """A verify step of 16 tokens x 64 heads over one wide latent row with 16-token splits
     would keep 128 splits' partial results (169 MB); the kernel takes fewer, longer splits

@@ -10,7 +10,7 @@ from hearth.models.moe import fused_experts_torch, route_softmax
 from hearth.models.quant import quantize_q8_0
 from hearth.models.dequant import dequantize
 from hearth.ops.cpu_kernels import QTYPE_IDS, pack_ggml
-from tests.unit.test_cpu_kernels import kernels, make_q4_blocks  # noqa: F401 (fixture)
+from tests.unit.test_cpu_kernels import ALL_THREADS, kernels, make_q4_blocks  # noqa: F401
 
 E, H, I = 6, 64, 96
 
@@ -34,6 +34,7 @@ def test_router_is_softmax_then_top_k_then_renormalised():
     torch.testing.assert_close(weights, probs[:, [1, 2]] / probs[:, [1, 2]].sum())
 
 
+@ALL_THREADS  # the experts split over threads
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (3, 1), (17, 4), (40, 6)])
 def test_float_path_equals_reference(kernels, num_tokens, top_k):
     x, w13, w2, weights, ids = make_case(num_tokens, top_k)
@@ -84,6 +85,7 @@ def packed(fmt: str, w: torch.Tensor, gen, int8_act: bool = False):
             dequantize(blocks.reshape(-1), qtype, (rows, k)))
 
 
+@ALL_THREADS
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (5, 3), (16, 2)])
 def test_quantized_path_equals_reference_on_dequantized_weights(kernels, fmt, num_tokens, top_k):
