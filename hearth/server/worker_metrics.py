@@ -4,6 +4,15 @@
     hearth:inter_token_latency_seconds      histogram   between consecutive output tokens
     hearth:e2e_request_latency_seconds      histogram   arrival -> finish
     hearth:request_queue_time_seconds       histogram   arrival -> first scheduled (engine-side)
+    hearth:request_prompt_chunks_seconds    histogram   first scheduled -> start of the step that
+                                                        samples its first token (earlier chunks)
+    hearth:request_first_step_seconds       histogram   that step: its last prompt chunk, 1st token
+    hearth:request_first_step_tokens        histogram   tokens that step computed (every request's)
+    hearth:request_ttft_outside_engine_seconds  histogram  TTFT minus the engine's three parts:
+                                                        HTTP, tokenizing, the step in flight when
+                                                        it came, the way back
+        (queue + prompt chunks + first step + outside engine = TTFT; observed at finish for
+        requests that got a first token; docs/api.md, "Metrics")
     hearth:request_prompt_tokens            histogram   per finished request
     hearth:request_generation_tokens        histogram   per finished request
     hearth:prompt_tokens_total              counter
@@ -59,6 +68,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hearth.engine.request import RequestOutput
 from hearth.engine.stats import EngineStats
 
 PREFIX = "hearth:"
@@ -121,6 +131,18 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
                                     LATENCY_BUCKETS)
+        self.prompt_chunks_time = histogram(
+            "request_prompt_chunks_seconds", "First scheduled -> start of the step that samples "
+            "the first token (the earlier prompt chunks).", LATENCY_BUCKETS)
+        self.first_step_time = histogram(
+            "request_first_step_seconds", "The step that computes the last prompt chunk and "
+            "samples the first token.", LATENCY_BUCKETS)
+        self.first_step_tokens = histogram(
+            "request_first_step_tokens", "Tokens computed in a request's first-token step (every "
+            "request's).", TOKEN_BUCKETS)
+        self.outside_engine_time = histogram(
+            "request_ttft_outside_engine_seconds", "TTFT minus queue, prompt chunks and first "
+            "step: HTTP, tokenizing, the step in flight on arrival, the way back.", LATENCY_BUCKETS)
         self.prompt_tokens_hist = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                             TOKEN_BUCKETS)
         self.generation_tokens_hist = histogram("request_generation_tokens",
@@ -193,6 +215,16 @@ class ServerMetrics:
         self._m(self.generation_tokens_hist).observe(num_output_tokens)
         if queue_seconds is not None:
             self._m(self.queue_time).observe(queue_seconds)
+
+    def observe_ttft_breakdown(self, ttft_seconds: float, output: RequestOutput) -> None:
+        """Where a finished request's TTFT went (nothing if the engine reports no breakdown)."""
+        if output.first_step_seconds is None or output.queue_seconds is None:
+            return
+        engine = output.queue_seconds + output.prompt_chunks_seconds + output.first_step_seconds
+        self._m(self.prompt_chunks_time).observe(output.prompt_chunks_seconds)
+        self._m(self.first_step_time).observe(output.first_step_seconds)
+        self._m(self.first_step_tokens).observe(output.first_step_tokens)
+        self._m(self.outside_engine_time).observe(max(0.0, ttft_seconds - engine))
 
     def observe_rejected(self, reason: str) -> None:
         self._m(self.rejected, reason=reason).inc()
