@@ -82,6 +82,11 @@ class SchedulerConfig:
     # A waiting request whose prompt is mostly cached (a session's next turn) is admitted
     # before colder ones ahead of it, each of which it may pass this many times (0: FIFO).
     next_turn_max_bypass: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens_while_decoding", "itl_target_ms", "next_turn_max_bypass"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: off), got {getattr(self, name)}")
     # (the bound on queued requests is the server's: ServerConfig.max_waiting)
 
 

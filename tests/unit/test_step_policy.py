@@ -1,6 +1,8 @@
 """Step policy: the prompt budget beside decodes, a cached next turn ahead of cold prompts with
 bounded bypass, the cost model; and the scheduler keeping them (exact grants, blocks released)."""
 
+import pytest
+
 from hearth.config import SchedulerConfig
 from hearth.engine.kv.block_pool import BlockPool
 from hearth.engine.kv.cache import KVCacheManager
@@ -74,6 +76,12 @@ def test_prompt_budget_is_whole_without_decodes_and_bounded_with_them():
     tiny = StepCost(prior_prompt_tokens=3)
     assert prompt_token_budget(config(target=40), tiny, 1) == MIN_PROMPT_TOKENS  # prompts progress
     assert prompt_token_budget(config(target=40, budget=32), tiny, 1) == 32  # never above the budget
+
+
+def test_negative_policy_settings_are_refused_naming_the_field():
+    for name in ("max_prompt_tokens_while_decoding", "itl_target_ms", "next_turn_max_bypass"):
+        with pytest.raises(ValueError, match=name):
+            SchedulerConfig(**{name: -1})
 
 
 def test_a_warm_turn_is_picked_unless_one_ahead_was_passed_enough():
