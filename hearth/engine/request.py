@@ -134,9 +134,11 @@ class RequestOutput:
     num_transferred_tokens: int = 0  # decode hop: prompt tokens received instead of computed
     num_transferred_blocks: int = 0
     num_transferred_bytes: int = 0
-    # At finish, where its time to first token went in the engine (None: no first token here).
-    # The three add up to arrival -> first token; the server's TTFT adds what came before the
-    # engine queued it (HTTP, tokenizing, the step in flight when it came) and the way back.
+    # At finish, where its time to first token went in the engine: the queue time of any
+    # request that was scheduled, the other three only where it got a first token here (a
+    # decode hop's chunk time includes its KV import). Queue, chunks and first step add up to
+    # arrival -> first token; the server's TTFT adds what came before the engine queued it
+    # (HTTP, tokenizing, the step in flight when it came) and the way back.
     queue_seconds: float | None = None  # arrival -> first scheduled (queue time)
     prompt_chunks_seconds: float | None = None  # first scheduled -> the first-token step starts
     first_step_seconds: float | None = None  # that step: its last prompt chunk, first sample
