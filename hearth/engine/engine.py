@@ -39,7 +39,7 @@ from hearth.engine.step import Executor, StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
-from hearth.engine.step_policy import PRIOR_PROMPT_TOKENS, StepCost
+from hearth.engine.step_policy import PRIOR_PROMPT_TOKENS, StepCost, prompt_token_budget
 
 log = logging.getLogger("hearth.engine")
 
@@ -415,6 +415,10 @@ class LLMEngine:
             num_forced_tokens=self.counters.forced,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             moe_expert_tokens=self.executor.expert_load() if expert_load else {},
+            prompt_tokens_while_decoding=prompt_token_budget(self.config.scheduler,
+                                                             self.step_cost, num_decoding=1),
+            decode_step_seconds=self.step_cost.decode_step_seconds(),
+            prompt_token_seconds=self.step_cost.prompt_token_seconds(),
             **self._spec_stats(),
         )
 

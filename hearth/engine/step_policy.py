@@ -61,12 +61,16 @@ class StepCost:
     def decode_step_seconds(self) -> float:
         return statistics.median(self.decode_seconds) if self.decode_seconds else 0.0
 
+    def prompt_token_seconds(self) -> float:
+        """The median measured cost of one prompt token (0.0 before any prompt step)."""
+        return statistics.median(self.token_seconds) if self.token_seconds else 0.0
+
     def prompt_tokens_within(self, target_seconds: float) -> int:
         """Prompt tokens that fit in a step of `target_seconds` beside the decode rows (the
         prior until MIN_COST_SAMPLES prompt steps were measured)."""
         if len(self.token_seconds) < MIN_COST_SAMPLES:
             return self.prior_prompt_tokens
-        per_token = statistics.median(self.token_seconds)
+        per_token = self.prompt_token_seconds()
         room = target_seconds - self.decode_step_seconds()
         if per_token <= 0:
             return 1 << 30

@@ -27,6 +27,9 @@
     hearth:num_prefill_tokens_inflight      gauge       uncached prompt tokens not yet computed
     hearth:num_decode_tokens_active         gauge       context tokens of running decodes
     hearth:num_free_kv_blocks               gauge
+    hearth:step_prompt_tokens_while_decoding gauge      the step policy's prompt budget beside decodes
+    hearth:step_decode_seconds              gauge       median recent pure-decode step (measured)
+    hearth:step_prompt_token_seconds        gauge       median measured cost of one prompt token
     hearth:kv_tier_<counter>                gauge       label tier: host|disk|shared (docs/kv_tiers.md):
         hit_blocks, read_bytes, stored_blocks, written_bytes, evicted_blocks, write_errors,
         corrupt_blocks (counters since start), blocks, bytes (held now)
@@ -159,6 +162,15 @@ class ServerMetrics:
         self.prefill_inflight = gauge("num_prefill_tokens_inflight", "Uncached prompt tokens not yet computed.")
         self.decode_active = gauge("num_decode_tokens_active", "Context tokens of running decodes.")
         self.free_blocks = gauge("num_free_kv_blocks", "Free KV-cache blocks.")
+        self.policy_gauges = {
+            "prompt_tokens_while_decoding": gauge(
+                "step_prompt_tokens_while_decoding",
+                "Prompt tokens a step may carry while any request decodes (the step policy)."),
+            "decode_step_seconds": gauge("step_decode_seconds",
+                                         "Median of recent pure-decode step times."),
+            "prompt_token_seconds": gauge("step_prompt_token_seconds",
+                                          "Median measured cost of one prompt token."),
+        }
         self.tier_gauges = {
             key: Gauge(PREFIX + "kv_tier_" + name, doc, labels + ["tier"], registry=self.registry)
             for key, (name, doc) in TIER_COUNTERS.items()}
@@ -236,6 +248,8 @@ class ServerMetrics:
         self._m(self.prefill_inflight).set(stats.num_prefill_tokens_inflight)
         self._m(self.decode_active).set(stats.num_decode_tokens_active)
         self._m(self.free_blocks).set(stats.num_free_blocks)
+        for field, metric in self.policy_gauges.items():
+            self._m(metric).set(getattr(stats, field))
         for name, (field, _) in MSP_GAUGES.items():
             self._m(self.msp_gauges[name]).set(getattr(stats, field))
         self.lora_info.set(time.time())

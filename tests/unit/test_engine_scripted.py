@@ -311,3 +311,5 @@ def test_step_policy_keeps_outputs_and_reports_where_the_first_token_went(tokeni
     cold = finished["cold"]
     parts = (cold.queue_seconds, cold.prompt_chunks_seconds, cold.first_step_seconds)
     assert all(p is not None and p >= 0 for p in parts)
+    stats = engine.stats()  # the policy's figures, as /load and /metrics carry them
+    assert stats.prompt_tokens_while_decoding == 64

@@ -48,3 +48,15 @@ def test_quantile_and_the_agent_figures_later_turn_rows():
     assert "| agent replay, ITL p90 | lower | 3x |" in text
     assert ("TTFT parts (mean, all turns): queue 100 ms, prompt chunks 200 ms, first step 300 ms, "
             "outside engine 50 ms, first step 900 tokens") in text
+
+
+def test_the_step_policy_gauges_carry_the_engines_figures():
+    from hearth.engine.stats import EngineStats
+
+    metrics = ServerMetrics("m", block_size=16, num_blocks=8)
+    metrics.set_engine_stats(EngineStats(prompt_tokens_while_decoding=192,
+                                         decode_step_seconds=0.02, prompt_token_seconds=0.0005))
+    text = metrics.render().decode()
+    assert 'hearth:step_prompt_tokens_while_decoding{model_name="m"} 192.0' in text
+    assert 'hearth:step_decode_seconds{model_name="m"} 0.02' in text
+    assert 'hearth:step_prompt_token_seconds{model_name="m"} 0.0005' in text
