@@ -14,7 +14,7 @@ without a clock:
   of it; each request it passes counts a bypass, and a request passed `max_bypass` times is
   never passed again, so no cold prompt waits forever.
 
-`StepCost` is the cost model: the engine feeds it each step's prompt tokens, rows and seconds;
+`StepCost` is the cost model: the engine feeds it each step's prompt and draft tokens and seconds;
 it keeps the median of the last few pure-decode step times and of the per-prompt-token cost
 of steps that computed prompts (a median: one stall, a neighbour's time slice, moves no
 median). Until it has measured enough it answers with a prior per CPU kind.
