@@ -16,10 +16,13 @@ output length pinned with max_tokens + ignore_eos). Figures (--figures, all by d
              untimed unless decode6k or turn sent it last, not prefilllong, whose fresh long
              prompts may evict it) + an assistant reply + a new user turn of
              --turn-words, max_tokens=1 -- ~1k tokens of work plus attention over the prefix
-  batch8     8 concurrent streams, short distinct prompts: total output tokens / wall
+  batch8     8 concurrent streams, short distinct prompts: total output tokens / wall; ITL p50, p90
   batch32    the same with 32
   agent      real agent sessions from ../shared/traces replayed 8 at once (hearth/bench/agent_replay.py
-             for the scaling): wall, output tok/s, cached_tokens hit ratio vs the infinite-cache ceiling
+             for the scaling): wall, output tok/s, cached_tokens hit ratio vs the infinite-cache
+             ceiling, TTFT p50/p90 of later turns (a session's every turn but its first), ITL p90
+             (between content chunks); on hearth also where a TTFT went (queue, earlier prompt
+             chunks, the first-token step, outside the engine: means off /metrics)
   neighbour  decode100 while a spinning python process is pinned (taskset) to the last core
 
 Every figure is measured --repeats times with distinct prompts (--rounds N: every server N times
@@ -93,6 +96,16 @@ def decode_rate(result: RequestResult) -> float:
     return (result.output_tokens - 1) / span if span > 0 else float("nan")
 
 
+async def ttft_part_totals(url: str) -> dict[str, tuple[float, float]]:
+    """hearth's TTFT-part histograms (sum, count) off /metrics; empty for a peer or on error."""
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            response = await client.get(url + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    return peer_report.histogram_totals(response.text) if response.status_code == 200 else {}
+
+
 class Bench:
     """The figures of one running server; each method returns one repeat's record."""
 
@@ -150,8 +163,10 @@ class Bench:
         wall = time.perf_counter() - start
         for r in results:
             checked(r, f"batch{width}")
+        itls = [x for r in results for x in r.itls]
         return {"value": sum(r.output_tokens for r in results) / wall, "wall_s": wall,
-                "itl_median_ms": 1000 * statistics.median(x for r in results for x in r.itls)}
+                "itl_median_ms": 1000 * statistics.median(itls),
+                "itl_p90_ms": 1000 * peer_report.quantile(itls, 0.9)}
 
     async def batch8(self, rep: int) -> dict:
         return await self.batch(rep, 8)
@@ -163,14 +178,18 @@ class Bench:
         sessions = agent_replay.load_sessions(self.args.traces, self.args.replay, salt=f"{self.name}-{rep}")
         sent: list[agent_replay.ReplayRequest] = []  # send order, for the ceiling
         results: list[RequestResult] = []
+        later: list[float] = []  # TTFT of every turn but a session's first
 
         async def session(requests: list[agent_replay.ReplayRequest]) -> None:
             for request in requests:
                 await asyncio.sleep(request.think_seconds)
                 sent.append(request)
                 messages = [{"role": "user", "content": request.prompt}]
-                results.append(await self.chat(messages, request.max_tokens))
+                results.append(result := await self.chat(messages, request.max_tokens))
+                if request.index > 0 and result.ok:
+                    later.append(result.ttft)
 
+        parts_before = await ttft_part_totals(self.url)
         start = time.perf_counter()
         await asyncio.gather(*(session(s) for s in sessions))
         wall = time.perf_counter() - start
@@ -178,12 +197,18 @@ class Bench:
         if failed:
             raise RuntimeError(f"agent: {len(failed)} of {len(results)} failed, e.g. {failed[0].error}")
         prompt_tokens = sum(r.prompt_tokens for r in results)
+        itls = [x for r in results for x in r.itls]
         return {"value": wall, "num_requests": len(results),
                 "output_tok_s": sum(r.output_tokens for r in results) / wall,
                 "prompt_tokens": prompt_tokens,
                 "hit_ratio": sum(r.cached_tokens for r in results) / max(1, prompt_tokens),
                 "hit_ceiling": agent_replay.hit_ceiling(sent),
-                "ttft_median_s": statistics.median(r.ttft for r in results)}
+                "ttft_median_s": statistics.median(r.ttft for r in results),
+                "later_ttft_p50_s": statistics.median(later) if later else float("nan"),
+                "later_ttft_p90_s": peer_report.quantile(later, 0.9),
+                "itl_p90_ms": 1000 * peer_report.quantile(itls, 0.9),
+                # hearth only: where a TTFT went, mean per request of this replay (all turns)
+                **peer_report.ttft_part_means(parts_before, await ttft_part_totals(self.url))}
 
     async def neighbour(self, rep: int) -> dict:
         spinner = start_busy_neighbour(os.cpu_count() - 1)

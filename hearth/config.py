@@ -73,6 +73,20 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one engine step
     max_num_seqs: int = 64  # cap on running requests
+    # While any request decodes, a step's prompt tokens are bounded so its streams' next tokens
+    # do not wait behind a long chunk (hearth/engine/step_policy.py): by this count (0: no cap
+    # of its own) and by what fits a step of `itl_target_ms` at the measured cost per prompt
+    # token (0: off; `hearth serve` sets it).
+    max_prompt_tokens_while_decoding: int = 0
+    itl_target_ms: float = 0.0
+    # A waiting request whose prompt is mostly cached (a session's next turn) is admitted
+    # before colder ones ahead of it, each of which it may pass this many times (0: FIFO).
+    next_turn_max_bypass: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens_while_decoding", "itl_target_ms", "next_turn_max_bypass"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: off), got {getattr(self, name)}")
     # (the bound on queued requests is the server's: ServerConfig.max_waiting)
 
 

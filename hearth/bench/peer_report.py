@@ -27,6 +27,23 @@ FIGURE_INFO = {
     "agent": ("agent replay wall", "s", False),
     "neighbour": ("decode beside busy core", "tok/s", True),
 }
+# (figure, key of its repeats) -> (label, unit, higher is better): a second number of a figure,
+# tabled and divided like the figures' own values (issue 44's latency goals)
+SUB_FIGURES = {
+    ("agent", "later_ttft_p50_s"): ("agent replay, later-turn TTFT p50", "s", False),
+    ("agent", "later_ttft_p90_s"): ("agent replay, later-turn TTFT p90", "s", False),
+    ("agent", "itl_p90_ms"): ("agent replay, ITL p90", "ms", False),
+    ("batch8", "itl_p90_ms"): ("8 streams, ITL p90", "ms", False),
+    ("batch32", "itl_p90_ms"): ("32 streams, ITL p90", "ms", False),
+}
+# hearth's TTFT parts on /metrics (docs/api.md, "Where a TTFT goes") -> the key of their mean
+TTFT_PARTS = {
+    "request_queue_time_seconds": "queue_s",
+    "request_prompt_chunks_seconds": "prompt_chunks_s",
+    "request_first_step_seconds": "first_step_s",
+    "request_ttft_outside_engine_seconds": "outside_engine_s",
+    "request_first_step_tokens": "first_step_tokens",
+}
 CPU_FLAG_PREFIXES = ("avx2", "avx512", "amx", "avx_vnni", "fma", "f16c")
 
 
@@ -96,6 +113,39 @@ def format_header(h: dict) -> str:
     return "\n".join(lines)
 
 
+def quantile(samples: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile (NaN for no samples)."""
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def histogram_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each TTFT-part histogram in a hearth worker's /metrics text (summed over
+    label sets); empty for a server that has none (a peer)."""
+    totals: dict[str, list[float]] = {}
+    for line in metrics_text.splitlines():
+        name, _, rest = line.partition("{")
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            metric = name.removeprefix("hearth:").removesuffix(suffix)
+            if name.startswith("hearth:") and name.endswith(suffix) and metric in TTFT_PARTS:
+                totals.setdefault(metric, [0.0, 0.0])[slot] += float(rest.rsplit(" ", 1)[-1])
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def ttft_part_means(before: dict, after: dict) -> dict[str, float]:
+    """The mean of each TTFT part over the requests that finished between two readings of
+    `histogram_totals` (keys of TTFT_PARTS' values; empty when there were none)."""
+    means = {}
+    for metric, key in TTFT_PARTS.items():
+        total, count = after.get(metric, (0.0, 0.0))
+        total0, count0 = before.get(metric, (0.0, 0.0))
+        if count > count0:
+            means[key] = (total - total0) / (count - count0)
+    return means
+
+
 def values(runs: list[dict], key: str = "value") -> list[float]:
     return [r[key] for r in runs if key in r and isinstance(r[key], (int, float)) and not math.isnan(r[key])]
 
@@ -117,6 +167,11 @@ def _notes(figure: str, runs: list[dict]) -> str:
     if figure == "agent" and values(runs):
         notes.append(f"hit {median(runs, 'hit_ratio'):.3f} of ceiling {median(runs, 'hit_ceiling'):.3f}, "
                      f"{median(runs, 'output_tok_s'):.1f} out tok/s, {median(runs, 'num_requests'):.0f} req")
+        if values(runs, "first_step_s"):  # hearth: where a TTFT went, mean per request
+            notes.append("TTFT parts (mean, all turns): " + ", ".join(
+                f"{key[:-2].replace('_', ' ')} {median(runs, key) * 1000:.0f} ms"
+                for key in ("queue_s", "prompt_chunks_s", "first_step_s", "outside_engine_s"))
+                + f", first step {median(runs, 'first_step_tokens'):.0f} tokens")
     elif figure in ("prefill", "decode100", "decode6k", "prefilllong", "turn", "neighbour") and values(runs):
         notes.append(f"{median(runs, 'prompt_tokens'):.0f} prompt tokens")
     elif figure.startswith("batch") and values(runs):
@@ -136,6 +191,11 @@ def server_table(name: str, record: dict) -> str:
         v = values(runs)
         rows.append(f"| {label} | {unit} | {len(v)} | {_fmt(min(v)) if v else '-'} | "
                     f"{_fmt(median(runs))} | {_notes(figure, runs)} |")
+        for (of, key), (label, unit, _) in SUB_FIGURES.items():
+            v = values(runs, key) if of == figure else []
+            if v:
+                rows.append(f"| {label} | {unit} | {len(v)} | {_fmt(min(v))} | "
+                            f"{_fmt(median(runs, key))} | |")
     figures = record.get("figures", {})
     if "decode100" in figures and "decode6k" in figures:
         rows.append(f"| decode step 6k / 100 ctx | x | | | "
@@ -155,13 +215,23 @@ def ratio_table(servers: dict) -> str:
     figures = [f for f in FIGURE_INFO if any(f in servers[n]["figures"] for n in mine + peers)]
     for figure in figures:
         label, _, higher = FIGURE_INFO[figure]
-        cells = []
-        for h, p in pairs:
-            a = median(servers[h]["figures"].get(figure, []))
-            b = median(servers[p]["figures"].get(figure, []))
-            cells.append(_fmt(a / b) + "x" if b and not math.isnan(a / b) else "-")
+        cells = _ratios(servers, pairs, figure, "value")
         rows.append(f"| {label} | {'higher' if higher else 'lower'} | " + " | ".join(cells) + " |")
+        for (of, key), (label, _, higher) in SUB_FIGURES.items():
+            cells = _ratios(servers, pairs, figure, key) if of == figure else []
+            if any(c != "-" for c in cells):
+                rows.append(f"| {label} | {'higher' if higher else 'lower'} | "
+                            + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _ratios(servers: dict, pairs: list[tuple[str, str]], figure: str, key: str) -> list[str]:
+    cells = []
+    for h, p in pairs:
+        a = median(servers[h]["figures"].get(figure, []), key)
+        b = median(servers[p]["figures"].get(figure, []), key)
+        cells.append(_fmt(a / b) + "x" if b and not math.isnan(a / b) else "-")
+    return cells
 
 
 def format_report(report: dict) -> str:

@@ -30,7 +30,7 @@ from hearth.engine.kv.tiers import KVTierDriver, store_namespace
 from hearth.engine.kv.transfer import KVTransferDriver
 from hearth.engine.refusals import Rejection, RequestRejected
 from hearth.engine.request import Request, RequestOutput, RequestStatus
-from hearth.engine.executor import BuiltModel, RankFailedError, make_executor
+from hearth.engine.executor import BuiltModel, RankFailedError, amx_usable, make_executor
 from hearth.engine.speculative.speculator import make_speculator
 from hearth.engine.stats import EngineCounters, EngineStats
 from hearth.engine.stops import check_resume
@@ -39,6 +39,7 @@ from hearth.engine.step import Executor, StepBuilder, StepTokens, to_step_tokens
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.scheduler import Scheduler, SchedulerOutput
+from hearth.engine.step_policy import PRIOR_PROMPT_TOKENS, StepCost, prompt_token_budget
 
 log = logging.getLogger("hearth.engine")
 
@@ -77,7 +78,12 @@ class LLMEngine:
         self.block_size = cc.block_size
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # Prompt tokens a step may carry beside decodes follow the measured step costs
+        # (hearth/engine/step_policy.py), from a prior per CPU kind until they are measured.
+        self.step_cost = StepCost(PRIOR_PROMPT_TOKENS["amx" if amx_usable() else "other"])
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.step_cost)
+        self._step_start = 0.0  # when the running step began, and its tokens (stamped on a
+        self._step_tokens = 0  # request whose first token it samples)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._aborted: list[Request] = []
@@ -263,6 +269,7 @@ class LLMEngine:
             self._num_steps += 1
             if self._num_steps % 256 == 0:  # aborted and failed requests leave state behind
                 self.speculator.forget_missing(self.scheduler.requests)
+        self._step_start = time.monotonic()
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             self.counters.preemptions += 1
@@ -282,7 +289,10 @@ class LLMEngine:
             elif len(self.grammars):
                 self.grammars.wait(0.005)  # only compiles are in flight
             return outputs
+        t0 = time.monotonic()
         sampled = self._execute_isolated(sched, outputs)
+        self.step_cost.observe(sched.num_prompt_tokens,
+                               sum(len(d) for d in sched.drafts.values()), time.monotonic() - t0)
         outputs += self._apply_step(sched, sampled)
         return outputs
 
@@ -323,6 +333,7 @@ class LLMEngine:
         """The one place a step's results reach its requests: advance each request by what it
         computed and kept (`Scheduler.commit`), then stop checks, detokenizing and outputs."""
         by_req = {s.request.request_id: s for s in sampled}
+        self._step_tokens = sched.num_batched_tokens
         outputs = []
         for req, num_new in sched.scheduled:
             if req.is_finished:
@@ -349,6 +360,7 @@ class LLMEngine:
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+            req.first_step_start, req.first_step_tokens = self._step_start, self._step_tokens
             self.counters.prompt += req.num_prompt_tokens
             self.counters.cached += max(0, req.num_cached_tokens)
         checked = self.outputs.check(req, s.token_ids)
@@ -403,6 +415,10 @@ class LLMEngine:
             num_forced_tokens=self.counters.forced,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             moe_expert_tokens=self.executor.expert_load() if expert_load else {},
+            prompt_tokens_while_decoding=prompt_token_budget(self.config.scheduler,
+                                                             self.step_cost, num_decoding=1),
+            decode_step_seconds=self.step_cost.decode_step_seconds(),
+            prompt_token_seconds=self.step_cost.prompt_token_seconds(),
             **self._spec_stats(),
         )
 

@@ -8,7 +8,7 @@ detokenizer exists from `open` until the request's finished output is made (or `
 
 from __future__ import annotations
 
-from hearth.engine.request import Logprob, Request, RequestOutput
+from hearth.engine.request import Logprob, Request, RequestOutput, ttft_breakdown
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.stops import Checked, check_resumed, check_tokens
 from hearth.engine.text.detokenizer import IncrementalDetokenizer
@@ -67,8 +67,10 @@ class OutputProcessor:
                logprobs: list[Logprob] | None = None) -> RequestOutput:
         """The delta to report; a finished request's detokenizer goes with its last output."""
         finished = req.is_finished
+        breakdown = None
         if finished:
             self._detok.pop(req.request_id, None)
+            breakdown = ttft_breakdown(req)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=tokens, new_text=text, finished=finished,
             finish_reason=req.status.value if finished else None,
@@ -81,6 +83,9 @@ class OutputProcessor:
             num_transferred_bytes=req.num_transferred_bytes,
             queue_seconds=(req.first_scheduled_time - req.arrival_time
                            if finished and req.first_scheduled_time is not None else None),
+            prompt_chunks_seconds=breakdown[1] if breakdown else None,
+            first_step_seconds=breakdown[2] if breakdown else None,
+            first_step_tokens=req.first_step_tokens if breakdown else 0,
         )
 
     def finished_output(self, req: Request) -> RequestOutput:

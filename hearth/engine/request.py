@@ -79,9 +79,13 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        self.num_bypassed = 0  # times a request behind it in the queue was admitted first
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # the step that sampled its first token: when it started, and its tokens (all requests')
+        self.first_step_start: float | None = None
+        self.first_step_tokens = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         # The guided decoder's matcher (a seeded request's generator lives in the RowSampler).
@@ -130,4 +134,24 @@ class RequestOutput:
     num_transferred_tokens: int = 0  # decode hop: prompt tokens received instead of computed
     num_transferred_blocks: int = 0
     num_transferred_bytes: int = 0
-    queue_seconds: float | None = None  # at finish: arrival to first scheduled (queue time)
+    # At finish, where its time to first token went in the engine: the queue time of any
+    # request that was scheduled, the other three only where it got a first token here (a
+    # decode hop's chunk time includes its KV import). Queue, chunks and first step add up to
+    # arrival -> first token; the server's TTFT adds what came before the engine queued it
+    # (HTTP, tokenizing, the step in flight when it came) and the way back.
+    queue_seconds: float | None = None  # arrival -> first scheduled (queue time)
+    prompt_chunks_seconds: float | None = None  # first scheduled -> the first-token step starts
+    first_step_seconds: float | None = None  # that step: its last prompt chunk, first sample
+    first_step_tokens: int = 0  # tokens that step computed, every request's
+
+
+def ttft_breakdown(req: Request) -> tuple[float, float, float] | None:
+    """(queue, prompt chunks, first step) seconds of a request that got its first token here:
+    arrival -> first scheduled -> start of the step that sampled its first token -> that token.
+    A request first scheduled in that very step has no chunk time (the scheduler stamps its
+    admission just after the engine stamps the step's start)."""
+    if req.first_token_time is None or req.first_scheduled_time is None:
+        return None
+    step_start = max(req.first_step_start or req.first_scheduled_time, req.first_scheduled_time)
+    return (req.first_scheduled_time - req.arrival_time, step_start - req.first_scheduled_time,
+            req.first_token_time - step_start)

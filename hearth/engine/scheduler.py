@@ -1,10 +1,16 @@
 """The phase-free scheduler.
 
 Every step grants each request up to its remaining uncomputed tokens within one token budget:
-running requests first (decodes get their one token; a chunked prompt gets what is left of the
-budget), then waiting ones while the running set has room. A prefix-cache hit is simply tokens
-that are already computed. When the pool runs out of blocks, the most recently admitted running
-request is preempted (its blocks freed, to be recomputed later; its prefix stays cached).
+decoding requests first (each its one token, or the tokens a grammar forced), then running
+prompts' next chunks, then waiting requests while the running set has room. Prompt tokens
+(chunks and new prompts alike) also stay within the step policy's prompt budget, which is
+smaller while anyone decodes, so no stream's next token waits behind a long chunk; and the
+waiting request admitted next is the step policy's pick: a session's next turn, whose prompt
+is mostly cached, may pass colder ones a bounded number of times (hearth/engine/step_policy.py).
+A prefix-cache hit is simply tokens that are already computed. When the pool runs out of
+blocks, the most recently admitted running request is preempted (its blocks freed, to be
+recomputed later; its prefix stays cached); a prompt chunk never preempts a request already
+granted in the same step (it waits: a decode that needs a block makes the newest give way).
 
 Contract with the runner: `SchedulerOutput.scheduled` lists (request, num_new_tokens); the runner
 computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens) of each request and
@@ -23,11 +29,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from itertools import islice
+from typing import Callable, Iterator
 
 from hearth.config import SchedulerConfig
 from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request, RequestStatus
+from hearth.engine.step_policy import (StepCost, WaitingView, is_warm, pick_next_waiting,
+                                       prompt_token_budget)
+
+ADMIT_SCAN = 16  # waiting requests looked at for a warm next turn, from the head
 
 
 @dataclass
@@ -38,6 +49,7 @@ class SchedulerOutput:
     kv_loads: list[Request] = field(default_factory=list)  # admitted to wait for a KV tier load
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request_id -> draft tokens granted
     num_batched_tokens: int = 0
+    num_prompt_tokens: int = 0  # of those, granted to requests still computing their prompt
 
     @property
     def empty(self) -> bool:
@@ -45,8 +57,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 cost: StepCost | None = None) -> None:
+        """`cost`: the measured step costs the prompt budget follows (with
+        `config.itl_target_ms`); None: only `max_prompt_tokens_while_decoding` bounds it."""
         self.config = config
+        self.cost = cost
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -70,7 +86,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         # A step that will compute prompt tokens (a running prompt's next chunk, or a waiting
         # request with a free seat) verifies no drafts: their rows (up to 8 per decoding
         # request, each attending over its whole context) would lengthen the step a new agent
@@ -81,31 +96,59 @@ class Scheduler:
         prompt_step = any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running) or (
             bool(self.waiting)
             and len(self.running) + len(self.importing) < self.config.max_num_seqs)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        decoding = [r for r in self.running if is_decoding(r)]
+        prompts = [r for r in self.running if not is_decoding(r)]
+        budget = self.config.max_num_batched_tokens
+        prompt_budget = prompt_token_budget(self.config, self.cost, len(decoding))
+        stalled = False  # a request preempted itself: nothing more fits this step
+        for req in decoding:
+            if budget <= 0 or stalled:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted by an earlier one in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = [] if prompt_step else self._grantable_drafts(req, num_new, budget)
-            if drafts and not self.kv.allocate(req, num_new + len(drafts)):
-                drafts = []  # blocks are short: drop the drafts before preempting anyone
-            while not drafts and not self.kv.allocate(req, num_new):
-                victim = self.running[-1]  # the newest request gives way
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append((req, num_new))
-                if drafts:
-                    out.drafts[req.request_id] = drafts
-                budget -= num_new + len(drafts)
-                i += 1
+            granted = self._grant(out, req, num_new, drafts)
+            stalled = granted is None
+            budget -= granted or 0
+        for req in prompts:
+            if budget <= 0 or prompt_budget <= 0 or stalled:
+                break
+            if req.status is not RequestStatus.RUNNING:
                 continue
-            break  # the request itself was preempted: nothing more fits this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, prompt_budget)
+            granted = self._grant(out, req, num_new, [])
+            if granted == 0:
+                break  # its blocks would come from a request granted this step: it waits
+            stalled = granted is None
+            budget -= granted or 0
+            prompt_budget -= granted or 0
+            out.num_prompt_tokens += granted or 0
         if not out.preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, prompt_budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _grant(self, out: SchedulerOutput, req: Request, num_new: int,
+               drafts: list[int]) -> int | None:
+        """Give a running request `num_new` tokens (and `drafts` if blocks allow), preempting
+        the newest running requests while blocks are short. The tokens granted; 0 if the
+        newest is already granted this step (nothing preempted); None if `req` itself was
+        the newest and gave way."""
+        if drafts and not self.kv.allocate(req, num_new + len(drafts)):
+            drafts = []  # blocks are short: drop the drafts before preempting anyone
+        while not drafts and not self.kv.allocate(req, num_new):
+            victim = self.running[-1]  # the newest request gives way
+            if any(r is victim for r, _ in out.scheduled):
+                return 0
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return None
+        out.scheduled.append((req, num_new))
+        if drafts:
+            out.drafts[req.request_id] = drafts
+        return num_new + len(drafts)
 
     def _grantable_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts that fit: only for a decode (one uncomputed token), within the
@@ -128,34 +171,54 @@ class Scheduler:
         req.num_computed_tokens += num_new + accepted
         self.kv.register_computed_blocks(req)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while (self.waiting and budget > 0
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_budget: int) -> int:
+        while (self.waiting and budget > 0 and prompt_budget > 0
                and len(self.running) + len(self.importing) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            hits = self.kv.find_cached_prefix(req)
+            req, hits = self._next_waiting()
             if req.kv_import is not None:  # its prompt's KV comes over the wire, not from compute
                 if not self._admit_import(req, hits, out):
                     break
                 continue
             num_stored = self.store_lookup(req, len(hits)) if self.store_lookup else 0
             if num_stored and self.store_ready and self.store_ready(req, len(hits), num_stored):
-                left = self._admit_filled(req, hits, num_stored, out, budget)
+                cap = min(budget, prompt_budget)
+                left = self._admit_filled(req, hits, num_stored, out, cap)
                 if left is None:
                     break
-                budget = left
+                out.num_prompt_tokens += cap - left
+                budget, prompt_budget = budget - (cap - left), prompt_budget - (cap - left)
                 continue
             if num_stored:  # its prefix continues in a lower tier: load it, don't recompute
                 if not self._admit_load(req, hits, num_stored, out):
                     break
                 continue
-            num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+            num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget, prompt_budget)
             if not self.kv.allocate(req, num_new, hits):
                 break  # wait for blocks; admission order is kept (no overtaking)
             self._take_waiting(req, hits, RequestStatus.RUNNING)
             self.running.append(req)
             out.scheduled.append((req, num_new))
+            out.num_prompt_tokens += num_new
             budget -= num_new
+            prompt_budget -= num_new
         return budget
+
+    def _next_waiting(self) -> tuple[Request, list]:
+        """The waiting request to admit next (the step policy's pick among the first
+        ADMIT_SCAN) and its prefix-cache hits."""
+        hits_of: dict[int, list] = {}
+
+        def views() -> Iterator[WaitingView]:
+            for i, req in enumerate(islice(self.waiting, ADMIT_SCAN)):
+                hits_of[i] = hits = self.kv.find_cached_prefix(req)
+                warm = req.kv_import is None and is_warm(len(hits) * self.kv.block_size,
+                                                         req.num_tokens)
+                yield WaitingView(warm, req.num_bypassed)
+
+        index = pick_next_waiting(views(), self.config.next_turn_max_bypass)
+        req = self.waiting[index]
+        hits = hits_of[index] if index in hits_of else self.kv.find_cached_prefix(req)
+        return req, hits
 
     def _admit_import(self, req: Request, hits: list, out: SchedulerOutput) -> bool:
         """Adopt the local prefix hits, allocate blocks for the rest of the prompt and park the
@@ -196,9 +259,14 @@ class Scheduler:
         return True
 
     def _take_waiting(self, req: Request, hits: list, status: RequestStatus) -> None:
-        """Move the head of the waiting queue on; its first admission fixes its cache-hit count
-        and queue time (a preempted request keeps them)."""
-        self.waiting.popleft()
+        """Move a waiting request on (each one ahead of it counts a bypass); its first
+        admission fixes its cache-hit count and queue time (a preempted request keeps them)."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            for ahead in islice(self.waiting, self.waiting.index(req)):
+                ahead.num_bypassed += 1
+            self.waiting.remove(req)
         if req.num_cached_tokens < 0:  # prompt tokens only (a resumed output's may hit too)
             req.num_cached_tokens = min(len(hits) * self.kv.block_size, req.num_prompt_tokens)
         if req.first_scheduled_time is None:
@@ -246,3 +314,8 @@ class Scheduler:
     def num_decode_tokens_active(self) -> int:
         """Context tokens of running requests past their prompt (the router's decode load)."""
         return sum(r.num_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+
+
+def is_decoding(req: Request) -> bool:
+    """Past its prompt: its uncomputed tokens are its latest sampled (or grammar-forced) ones."""
+    return req.num_computed_tokens >= req.num_prompt_tokens

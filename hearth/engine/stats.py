@@ -63,3 +63,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # KV tiers below the pool: tier name ("host", "disk", "shared") -> counters, and
     # "offload" -> the writer queue and loads (docs/kv_tiers.md); empty without tiers
     kv_tiers: dict[str, dict[str, float]] = {}
+    # the step policy (hearth/engine/step_policy.py): the prompt tokens a step may carry beside
+    # decodes now, and the measured costs it follows (medians of recent steps; 0: none yet)
+    prompt_tokens_while_decoding: int = 0
+    decode_step_seconds: float = 0.0
+    prompt_token_seconds: float = 0.0

@@ -17,6 +17,10 @@ from hearth.flags.options import (Option, _add_groups, _bytes_to_mb, _comma_list
                                   _names_flag, _off_switch, _options, _rope_scaling_json)
 
 SERVE_SPECULATIVE_METHOD = "suffix"  # `hearth serve` and `hearth up` workers; EngineConfig: off
+# The step-time target of `hearth serve` and `hearth up` workers (SchedulerConfig's: 0, off, so
+# the library's batches keep whole chunks): below the ~45 ms p90 inter-token latency vLLM-CPU
+# had at 8 streams on a 2-core EPYC (issue 44), with room for the step's own overhead.
+SERVE_ITL_TARGET_MS = 40.0
 
 
 # ---- hearth serve: the engine's options, then the HTTP server's -----------------------------
@@ -61,6 +65,18 @@ ENGINE_OPTIONS = (("engine", (
     _off_switch("--no-prefix-caching", "engine.cache.enable_prefix_caching"),
     Option("--max-num-batched-tokens", "engine.scheduler.max_num_batched_tokens", int),
     Option("--max-num-seqs", "engine.scheduler.max_num_seqs", int),
+    Option("--itl-target-ms", "engine.scheduler.itl_target_ms", float, default=SERVE_ITL_TARGET_MS,
+           help="while any request decodes, a step carries only the prompt tokens that fit a "
+                "step of this many ms at the measured cost per prompt token (at least 64), so "
+                "streams' next tokens do not wait behind long prompt chunks; 0: off, prompts "
+                "fill --max-num-batched-tokens (default: %(default)s)"),
+    Option("--max-prompt-tokens-while-decoding", "engine.scheduler.max_prompt_tokens_while_decoding",
+           int, "a fixed cap on a step's prompt tokens while any request decodes (0: none; "
+           "with --itl-target-ms the smaller bound applies)"),
+    Option("--next-turn-max-bypass", "engine.scheduler.next_turn_max_bypass", int,
+           "a waiting request whose prompt is mostly cached (a session's next turn) is admitted "
+           "before colder ones ahead of it, each of which it may pass this many times (0: "
+           "first come, first served)"),
     Option("--max-waiting", "server.max_waiting", int,
            "requests queued beyond the running ones before the server answers 429"),
     Option("--tensor-parallel-size", "engine.parallel.tensor_parallel_size", int, aliases=("-tp",)),

@@ -294,6 +294,8 @@ class RequestRun:
             metrics.observe_finish(output.finish_reason or "stop", now - choice.arrival,
                                    choice.num_prompt_tokens, choice.num_output_tokens,
                                    output.queue_seconds)
+            if choice.first_token_at is not None:
+                metrics.observe_ttft_breakdown(choice.first_token_at - choice.arrival, output)
             metrics.set_engine_stats(self.state.engine.stats)
 
     def abort_unfinished(self) -> None:

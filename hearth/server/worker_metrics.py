@@ -4,6 +4,15 @@
     hearth:inter_token_latency_seconds      histogram   between consecutive output tokens
     hearth:e2e_request_latency_seconds      histogram   arrival -> finish
     hearth:request_queue_time_seconds       histogram   arrival -> first scheduled (engine-side)
+    hearth:request_prompt_chunks_seconds    histogram   first scheduled -> start of the step that
+                                                        samples its first token (earlier chunks)
+    hearth:request_first_step_seconds       histogram   that step: its last prompt chunk, 1st token
+    hearth:request_first_step_tokens        histogram   tokens that step computed (every request's)
+    hearth:request_ttft_outside_engine_seconds  histogram  TTFT minus the engine's three parts:
+                                                        HTTP, tokenizing, the step in flight when
+                                                        it came, the way back
+        (queue + prompt chunks + first step + outside engine = TTFT; observed at finish for
+        requests that got a first token; docs/api.md, "Metrics")
     hearth:request_prompt_tokens            histogram   per finished request
     hearth:request_generation_tokens        histogram   per finished request
     hearth:prompt_tokens_total              counter
@@ -18,6 +27,9 @@
     hearth:num_prefill_tokens_inflight      gauge       uncached prompt tokens not yet computed
     hearth:num_decode_tokens_active         gauge       context tokens of running decodes
     hearth:num_free_kv_blocks               gauge
+    hearth:step_prompt_tokens_while_decoding gauge      the step policy's prompt budget beside decodes
+    hearth:step_decode_seconds              gauge       median recent pure-decode step (measured)
+    hearth:step_prompt_token_seconds        gauge       median measured cost of one prompt token
     hearth:kv_tier_<counter>                gauge       label tier: host|disk|shared (docs/kv_tiers.md):
         hit_blocks, read_bytes, stored_blocks, written_bytes, evicted_blocks, write_errors,
         corrupt_blocks (counters since start), blocks, bytes (held now)
@@ -59,6 +71,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hearth.engine.request import RequestOutput
 from hearth.engine.stats import EngineStats
 
 PREFIX = "hearth:"
@@ -121,6 +134,18 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
                                     LATENCY_BUCKETS)
+        self.prompt_chunks_time = histogram(
+            "request_prompt_chunks_seconds", "First scheduled -> start of the step that samples "
+            "the first token (the earlier prompt chunks).", LATENCY_BUCKETS)
+        self.first_step_time = histogram(
+            "request_first_step_seconds", "The step that computes the last prompt chunk and "
+            "samples the first token.", LATENCY_BUCKETS)
+        self.first_step_tokens = histogram(
+            "request_first_step_tokens", "Tokens computed in a request's first-token step (every "
+            "request's).", TOKEN_BUCKETS)
+        self.outside_engine_time = histogram(
+            "request_ttft_outside_engine_seconds", "TTFT minus queue, prompt chunks and first "
+            "step: HTTP, tokenizing, the step in flight on arrival, the way back.", LATENCY_BUCKETS)
         self.prompt_tokens_hist = histogram("request_prompt_tokens", "Prompt tokens per request.",
                                             TOKEN_BUCKETS)
         self.generation_tokens_hist = histogram("request_generation_tokens",
@@ -137,6 +162,15 @@ class ServerMetrics:
         self.prefill_inflight = gauge("num_prefill_tokens_inflight", "Uncached prompt tokens not yet computed.")
         self.decode_active = gauge("num_decode_tokens_active", "Context tokens of running decodes.")
         self.free_blocks = gauge("num_free_kv_blocks", "Free KV-cache blocks.")
+        self.policy_gauges = {
+            "prompt_tokens_while_decoding": gauge(
+                "step_prompt_tokens_while_decoding",
+                "Prompt tokens a step may carry while any request decodes (the step policy)."),
+            "decode_step_seconds": gauge("step_decode_seconds",
+                                         "Median of recent pure-decode step times."),
+            "prompt_token_seconds": gauge("step_prompt_token_seconds",
+                                          "Median measured cost of one prompt token."),
+        }
         self.tier_gauges = {
             key: Gauge(PREFIX + "kv_tier_" + name, doc, labels + ["tier"], registry=self.registry)
             for key, (name, doc) in TIER_COUNTERS.items()}
@@ -194,6 +228,16 @@ class ServerMetrics:
         if queue_seconds is not None:
             self._m(self.queue_time).observe(queue_seconds)
 
+    def observe_ttft_breakdown(self, ttft_seconds: float, output: RequestOutput) -> None:
+        """Where a finished request's TTFT went (nothing if the engine reports no breakdown)."""
+        if output.first_step_seconds is None or output.queue_seconds is None:
+            return
+        engine = output.queue_seconds + output.prompt_chunks_seconds + output.first_step_seconds
+        self._m(self.prompt_chunks_time).observe(output.prompt_chunks_seconds)
+        self._m(self.first_step_time).observe(output.first_step_seconds)
+        self._m(self.first_step_tokens).observe(output.first_step_tokens)
+        self._m(self.outside_engine_time).observe(max(0.0, ttft_seconds - engine))
+
     def observe_rejected(self, reason: str) -> None:
         self._m(self.rejected, reason=reason).inc()
 
@@ -204,6 +248,8 @@ class ServerMetrics:
         self._m(self.prefill_inflight).set(stats.num_prefill_tokens_inflight)
         self._m(self.decode_active).set(stats.num_decode_tokens_active)
         self._m(self.free_blocks).set(stats.num_free_blocks)
+        for field, metric in self.policy_gauges.items():
+            self._m(metric).set(getattr(stats, field))
         for name, (field, _) in MSP_GAUGES.items():
             self._m(self.msp_gauges[name]).set(getattr(stats, field))
         self.lora_info.set(time.time())

@@ -68,6 +68,24 @@ def test_health_and_metrics(server, client):
     assert f'model_name="{MODEL}"' in text
 
 
+def test_metrics_say_where_each_ttft_went(server, client):
+    """A finished request adds one sample to each part of its TTFT (docs/api.md)."""
+    parts = ("request_prompt_chunks_seconds", "request_first_step_seconds",
+             "request_first_step_tokens", "request_ttft_outside_engine_seconds")
+
+    def counts() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        samples = {s.name: s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples}
+        return {name: samples.get(f"hearth:{name}_count", 0.0) for name in parts}
+
+    before = counts()
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                   max_tokens=2)
+    after = counts()
+    assert all(after[name] >= before[name] + 1 for name in parts), (before, after)
+
+
 def test_metrics_gateway_inference_extension_names(server, client):
     """The model server protocol's vLLM names carry the same values as hearth's gauges."""
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000, temperature=0,

@@ -79,3 +79,41 @@ def test_under_preemption(models):
     for case, out in zip(CASES, outs):
         assert_matches(case, out.token_ids)
     assert llm.engine.kv_pool_is_whole()
+
+
+def test_under_the_servers_step_policy(models):
+    # `hearth serve`'s step policy: decodes granted first, prompt tokens bounded beside them,
+    # and a prompt already cached (an agent's next turn) admitted before cold ones queued
+    # earlier. Prompts arrive while others decode; every output is still the reference's.
+    llm = models.llm(itl_target_ms=40.0, max_prompt_tokens_while_decoding=64, max_num_seqs=3)
+    engine = llm.engine
+    requests, outputs = {}, {}
+
+    def add(rid, case):
+        requests[rid] = (engine.add_request(rid, case["prompt_ids"], GREEDY), case)
+        outputs[rid] = []
+
+    def step():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+
+    add("first0", CASES[0])
+    add("first1", CASES[1])
+    for _ in range(3):
+        step()
+    for i in range(2, 8):  # more than the free seat: the rest queue
+        add(f"cold{i}", CASES[i])
+    while not requests["first0"][0].is_finished:
+        step()
+    add("again0", CASES[0])  # the same prompt again: all but its last block cached
+    while engine.has_unfinished():
+        step()
+    for rid, (req, case) in requests.items():
+        assert_matches(case, outputs[rid])
+    again = requests["again0"][0]
+    assert again.num_cached_tokens == (len(CASES[0]["prompt_ids"]) - 1) // 16 * 16 > 0
+    # it passed the cold prompts that were still queued when it came
+    passed = [req for rid, (req, _) in requests.items() if rid.startswith("cold")
+              and req.first_scheduled_time > again.first_scheduled_time]
+    assert passed and all(req.num_bypassed >= 1 for req in passed)
+    assert engine.kv_pool_is_whole()

@@ -262,3 +262,54 @@ def test_close_closes_the_executor(tokenizer_folder):
     engine = make_engine(tokenizer_folder)
     engine.close()
     assert engine.executor.closed
+
+
+def test_step_policy_keeps_outputs_and_reports_where_the_first_token_went(tokenizer_folder):
+    """Prompt chunks beside decodes stay within the step's prompt cap and a cached next turn
+    passes a cold prompt; every answer is still each request's own (greedy output unchanged),
+    and the finished outputs say where each TTFT went."""
+    engine = make_engine(tokenizer_folder, num_blocks=256, executor=ScriptedExecutor(256),
+                         max_num_batched_tokens=256, max_prompt_tokens_while_decoding=64,
+                         max_num_seqs=3)
+    first = prompt_of(7, 40)
+    requests = {"turn1": (first, greedy(2))}
+    results = run(engine, requests)
+    session = first + results["turn1"]["tokens"]
+    prompts = {"d0": prompt_of(1, 6), "d1": prompt_of(2, 6), "cold": prompt_of(3, 200),
+               "turn2": session + prompt_of(9, 6)}
+    engine.executor.commands.clear()
+    engine.add_request("d0", prompts["d0"], greedy(30))
+    engine.add_request("d1", prompts["d1"], greedy(30))
+    outputs = {rid: [] for rid in prompts}
+    finished = {}
+
+    def step():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out
+
+    step()
+    engine.add_request("cold", prompts["cold"], greedy(4))
+    engine.add_request("turn2", prompts["turn2"], greedy(4))
+    while engine.has_unfinished():
+        step()
+    assert engine.kv_pool_is_whole()
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == expected_tokens(prompt, len(outputs[rid]))
+        assert finished[rid].finish_reason == "length"
+    # the cached turn took the free seat first; the cold prompt then ran in chunks of at most 64
+    # prompt tokens beside the two decodes (decode rows have one token each: no drafts here)
+    # turn2 (48 tokens, 40 of them cached) took the one free seat before the cold prompt that
+    # came first; the cold prompt then ran in chunks of at most 64 tokens beside the two decodes
+    steps = [c.query_lens for c in engine.executor.commands]
+    assert steps[:9] == [[6, 6], [1, 1, 8], [1, 1, 1], [1, 1, 1], [1, 1, 1],
+                         [1, 1, 64], [1, 1, 64], [1, 1, 64], [1, 1, 8]]
+    assert finished["turn2"].num_cached_tokens == 40
+    # the step that gave each its first token: its last prompt tokens beside the two decodes
+    assert finished["turn2"].first_step_tokens == finished["cold"].first_step_tokens == 10
+    cold = finished["cold"]
+    parts = (cold.queue_seconds, cold.prompt_chunks_seconds, cold.first_step_seconds)
+    assert all(p is not None and p >= 0 for p in parts)
+    stats = engine.stats()  # the policy's figures, as /load and /metrics carry them
+    assert stats.prompt_tokens_while_decoding == 64
