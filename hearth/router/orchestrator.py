@@ -138,9 +138,11 @@ class Orchestrator:
                 # its 4xx can still be the client's status.
                 opened = await self._open_local(job, ticket)
             else:
+                if job.prompt_ids is not None:  # before the hop: a refusal leaves no lease
+                    self._check_room(job, len(job.prompt_ids))
                 prefill = await self._prefill(job, decision, ticket)
                 if prefill is not None:
-                    self._check_room(job, prefill)
+                    self._check_room(job, prefill.first.num_prompt_tokens)
                 else:
                     opened = await self._open_local(job, ticket)
         except BaseException:
@@ -159,12 +161,13 @@ class Orchestrator:
             await chunks.aclose()
         return stitcher.body()
 
-    def _check_room(self, job: Job, prefill: PrefillDone) -> None:
-        """The prefill hop ran with max_tokens=1, so the client's max_tokens was not checked
-        against the context yet; a decode worker's 400 would arrive after the first byte."""
+    def _check_room(self, job: Job, num_prompt: int) -> None:
+        """The prefill hop runs with max_tokens=1, so the client's max_tokens is checked against
+        the context here: before the hop on the router's tokenization (so a refused request
+        holds no KV lease on the prefill worker), and again on the prefill worker's count; a
+        decode worker's 400 would arrive after the first byte."""
         max_tokens = job.raw.get("max_completion_tokens") or job.raw.get("max_tokens")
         limit = self.model.max_model_len
-        num_prompt = prefill.first.num_prompt_tokens
         if isinstance(max_tokens, int) and limit and max_tokens > limit - num_prompt:
             raise WorkerRejected(400, bad_request(
                 f"this model's maximum context length is {limit} tokens; the prompt has "

@@ -51,8 +51,8 @@ def pd(stack, server):
     decode = workers(stack)["decode"]
     before = load(decode)["num_transferred_tokens"]
     yield stack, lambda: load(decode)["num_transferred_tokens"] - before
-    # (a refused decode hop's lease expires in 15 s: short, but not so short that a decode hop
-    # slowed by `make test`'s other worker finds its lease gone and recomputes the prompt)
+    # (a lease left by a decode hop that never came expires in 15 s: short, but not so short
+    # that a decode hop slowed by `make test`'s other worker finds it gone and recomputes)
     for worker in workers(stack).values():
         wait_for(lambda: idle_and_whole(load(worker)), "worker idle, pool whole", stack.log_path, 60)
 
@@ -118,6 +118,8 @@ def test_errors_through_the_stack_keep_each_apis_shape(pd):
     too_long = httpx.post(stack.url + "/v1/messages", headers=headers, timeout=30, json={
         "model": MODEL, "max_tokens": 100000, "messages": [{"role": "user", "content": "Hi"}]})
     assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+    # refused before the prefill hop (on the router's tokenization): no KV lease left behind
+    assert load(workers(stack)["prefill"])["num_leases_active"] == 0
     wrong_key = httpx.post(stack.url + "/v1/messages", headers={**headers, "x-api-key": "wrong"},
                            timeout=30, json={"model": MODEL, "max_tokens": 5,
                                              "messages": [{"role": "user", "content": "Hi"}]})
