@@ -100,36 +100,50 @@ class Eagle3Proposer:
 
     # ---- the target's rows -------------------------------------------------------------------
     @torch.inference_mode()
-    def computed(self, requests: list[Request], query_lens: list[int],
-                 context_lens: list[int]) -> None:
+    def computed(self, requests: list[Request], query_lens: list[int], context_lens: list[int],
+                 skip: set[str] = frozenset()) -> list[str]:
         """The runner just computed `query_lens[i]` tokens of `requests[i]` ending at
-        `context_lens[i]`: file their captured rows."""
+        `context_lens[i]`: file their captured rows (but not those of the requests in `skip`).
+        Returns the ids of the requests whose rows could not be filed (state dropped)."""
         aux = self.runner.aux_hidden  # [num_tokens, 3H]
         if aux is None:
-            return
-        offset = 0
+            return []
+        failed, offset = [], 0
         for req, q, end in zip(requests, query_lens, context_lens):
-            rows, offset = aux[offset : offset + q], offset + q
-            start = end - q
-            state = self.states.get(req.request_id)
-            if state is not None and (start > state.end or not state.cut(start)):
-                state = None  # a gap, or recomputed from before the head's first position
-            if state is None:
-                s = self.head.spec
-                empty = torch.empty(64, s.num_kv_heads, s.head_dim)
-                state = self.states[req.request_id] = _HeadState(start, empty, empty.clone(),
-                                                                 rows=[], num_rows=0)
-            state.rows.append(rows)
-            state.num_rows += q
-            if state.num_rows > FOLD_ROWS and start > state.rows_start:
-                # rows before this step's are the request's computed tokens: feed them now
-                self._feed(state, req.all_token_ids, start)
+            if req.request_id in skip:
+                offset += q
+                continue
+            try:
+                self.file_rows(req, aux[offset : offset + q], end - q)
+            except Exception:
+                log.exception("eagle3: filing the hidden states of %s failed", req.request_id)
+                self.drop(req.request_id)
+                failed.append(req.request_id)
+            offset += q
+        return failed
+
+    def file_rows(self, req: Request, rows: torch.Tensor, start: int) -> None:
+        """`rows` [q, 3H]: the target's hidden states of `req` at positions [start, start + q)."""
+        state = self.states.get(req.request_id)
+        if state is not None and (start > state.end or not state.cut(start)):
+            state = None  # a gap, or recomputed from before the head's first position
+        if state is None:
+            s = self.head.spec
+            empty = torch.empty(64, s.num_kv_heads, s.head_dim)
+            state = self.states[req.request_id] = _HeadState(start, empty, empty.clone(),
+                                                             rows=[], num_rows=0)
+        state.rows.append(rows)
+        state.num_rows += rows.shape[0]
+        if state.num_rows > FOLD_ROWS and start > state.rows_start:
+            # rows before this step's are the request's computed tokens: feed them now
+            self._feed(state, req.all_token_ids, start)
 
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_many(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
         return [self.propose(req, k) for req, k in wants]
 
+    @torch.inference_mode()
     def propose(self, req: Request, k: int) -> list[int]:
         state = self.states.get(req.request_id)
         m = req.num_computed_tokens

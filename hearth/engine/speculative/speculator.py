@@ -122,18 +122,21 @@ class Speculator:
     def computed(self, requests: list[Request], query_lens: list[int],
                  context_lens: list[int]) -> None:
         """The executor computed `query_lens[i]` tokens of `requests[i]` up to `context_lens[i]`
-        (for a proposer that reads the target's hidden states; the others ignore it). Where
-        that fails, the step's requests decode without drafts from then on."""
+        (for a proposer that reads the target's hidden states; the others ignore it). A
+        request whose part of it fails decodes without drafts from then on."""
         computed = getattr(self.proposer, "computed", None)
         if computed is None:
             return
         try:
-            computed(requests, query_lens, context_lens)
+            skip = {r.request_id for r in requests
+                    if r.request_id in self._states and self._states[r.request_id].failed}
+            failed = computed(requests, query_lens, context_lens, skip)
         except Exception:
             log.exception("%s: filing a step's hidden states failed; its %d requests decode "
                           "without drafts", self.method, len(requests))
-            for req in requests:
-                self._fail(req.request_id)
+            failed = [req.request_id for req in requests]
+        for request_id in failed:
+            self._fail(request_id)
 
     def _draft_len(self, req: Request, state: _State) -> int:
         if state.failed:
