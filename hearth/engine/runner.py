@@ -107,8 +107,8 @@ class ModelRunner:
         if self.thread_tuner is None:
             hidden, _ = self.model(input_ids, positions, meta, self.kv_cache, **kw)
         else:
-            hidden, _ = self.thread_tuner.run(
-                meta.num_tokens, lambda: self.model(input_ids, positions, meta, self.kv_cache, **kw))
+            hidden, _ = self.thread_tuner.run(meta.num_tokens, lambda: self.model(
+                input_ids, positions, meta, self.kv_cache, **kw))
         if self.aux_layers:
             self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         return self.sample_from_hidden(cmd, hidden, step.samples)

@@ -201,13 +201,11 @@ SERVE_OPTIONS = _options(ENGINE_OPTIONS + SERVER_OPTIONS)  # every flag of `hear
 
 
 # --speculative-config (vLLM's form): its keys -> SpeculativeConfig fields. vLLM's names, then
-# hearth's own settings under their field names. The JSON wins over the separate flags.
+# hearth's own settings under their field names: only fields a --speculative-* flag carries too
+# (serve_argv hands workers those flags). The JSON wins over the separate flags.
 SPECULATIVE_JSON_KEYS = {"method": "method", "model": "draft_model",
                          "num_speculative_tokens": "num_speculative_tokens",
-                         "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
-                         "max_batch": "max_batch", "draft_num_blocks": "draft_num_blocks",
-                         "min_confidence": "min_confidence",
-                         "suffix_global_tokens": "suffix_global_tokens"}
+                         "max_batch": "max_batch", "draft_num_blocks": "draft_num_blocks"}
 SPECULATIVE_JSON_METHODS = {"draft_model": "draft"}  # vLLM's method names where hearth's differ
 
 

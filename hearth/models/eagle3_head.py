@@ -199,7 +199,8 @@ def load_head(folder: str | Path, target: ModelArch, target_embed: nn.Module) ->
                                   take(m + "self_attn.k_proj.weight", (kv, 2 * h)),
                                   take(m + "self_attn.v_proj.weight", (kv, 2 * h))]))
         head.o_proj.copy_(take(m + "self_attn.o_proj.weight", (h, q)))
-        head.post_attention_layernorm.weight.copy_(take(m + "post_attention_layernorm.weight", (h,)))
+        head.post_attention_layernorm.weight.copy_(
+            take(m + "post_attention_layernorm.weight", (h,)))
         inter = s.intermediate_size
         head.gate_up.copy_(torch.cat([take(m + "mlp.gate_proj.weight", (inter, h)),
                                       take(m + "mlp.up_proj.weight", (inter, h))]))
