@@ -89,6 +89,9 @@ def read_spec(folder: Path, target: ModelArch) -> Eagle3Spec:
         max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
         aux_layer_ids=tuple(int(i) for i in aux) if aux else default_aux_layers(target.num_layers),
         norm_before_residual=bool(c.get("norm_before_residual", False)))
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError(f"speculative_config.model: num_key_value_heads {spec.num_kv_heads} "
+                         f"does not divide num_attention_heads {spec.num_heads}")
     if spec.hidden_size != target.hidden_size:
         raise ValueError(f"speculative_config.model: hidden_size {spec.hidden_size}, the target's "
                          f"is {target.hidden_size}")
@@ -251,7 +254,7 @@ def write_random_head(folder: str | Path, target: ModelArch, draft_vocab_size: i
     d = h // heads
     inter = intermediate_size or target.intermediate_size
     draft_vocab = draft_vocab_size or target.vocab_size
-    config = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": h,
+    config = {"architectures": [ARCHITECTURE], "hidden_size": h,
               "intermediate_size": inter, "num_attention_heads": heads,
               "num_key_value_heads": kv_heads, "head_dim": d, "num_hidden_layers": 1,
               "vocab_size": target.vocab_size, "draft_vocab_size": draft_vocab,

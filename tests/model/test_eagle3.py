@@ -135,7 +135,7 @@ def _retensor(folder, name: str, value: torch.Tensor) -> None:
     save_file(tensors, f"{folder}/model.safetensors")
 
 
-@pytest.mark.parametrize("where", ["propose", "file_rows"])
+@pytest.mark.parametrize("where", ["propose_many", "file_rows"])
 def test_a_drafter_that_raises_leaves_the_request_undrafted(tiny, tmp_path, where):
     """Fault injection: the head raises for one request (drafting, or filing its hidden
     states); that request goes on without drafts to the same tokens, the others keep
@@ -149,11 +149,12 @@ def test_a_drafter_that_raises_leaves_the_request_undrafted(tiny, tmp_path, wher
     calls = {"victim": 0}
     real = getattr(proposer, where)
 
-    def flaky(req, *args):
-        if req.request_id == "victim":
+    def flaky(first, *args):  # propose_many(wants) or file_rows(req, rows, start)
+        reqs = [r for r, _ in first] if where == "propose_many" else [first]
+        if any(r.request_id == "victim" for r in reqs):
             calls["victim"] += 1
             raise RuntimeError("injected")
-        return real(req, *args)
+        return real(first, *args)
 
     setattr(proposer, where, flaky)
     try:

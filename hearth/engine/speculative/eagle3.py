@@ -5,18 +5,21 @@ token it computes (`ModelRunner.capture_aux_hidden`; nothing is captured with an
 method); `computed` files those rows per request by position. Before the next step, `propose`
 feeds the head the rows of every position the request has since computed (the rows of
 rejected drafts are cut off first), appending the head's K/V for them to the request's own
-head KV, and chains k - 1 more single-token head steps on its own pre-norm output, whose K/V
-are thrown away afterwards. Verification is the engine's usual one (hearth/engine/step.py):
-the drafts are greedy, so the output is the target's.
+head KV. Then it chains k - 1 single-token head steps on the head's own pre-norm output (all
+requests batched), whose K/V are written past the kept ones and overwritten later. The drafts
+are greedy and verified by the engine's usual step (hearth/engine/step.py), so the output is
+the target's.
 
-    position:        ...  m-2     m-1  |  m      m+1      (m = the request's computed tokens)
-    head input:      h_{m-2}+x_{m-1}  h_{m-1}+x_m  |  h'+d_1  h'+d_2 ...
-    predicts:        x_m      d_1      |  d_2    d_3
+    position p:   ...   m-2          m-1        |  m            m+1
+    head reads:   ...   h(m-2),x(m-1) h(m-1),x(m) |  h'(m-1),d1   h'(m),d2
+    predicts:     ...   x(m)         d1         |  d2           d3
 
-The head's KV lives here, one growable [positions, kv_heads, head_dim] pair per request (it
-shares nothing with the target's pool). Positions the target never computed here (a prefix
-cache hit, KV imported from a prefill worker) have no hidden states: the head then attends
-only from the first position it saw. That costs acceptance, never exactness.
+(m: the request's computed tokens, x(m) its newest token; h: the target's captured rows, h':
+the head's pre-norm output of the row before.) The head's KV is one growable
+[positions, kv_heads, head_dim] pair per request, apart from the target's pool. Positions the
+target never computed here (a prefix-cache hit, KV imported from a prefill worker) have no
+hidden states, so the head attends only from the first position it saw: less acceptance,
+never a different output.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class _HeadState:
     to the head (positions [start + n, start + n + len(rows)))."""
 
     start: int
-    k: torch.Tensor  # [capacity, kv_heads, head_dim]
+    # [capacity, kv_heads, head_dim]: rows [0, n) hold positions [start, start + n); rows past
+    # n the last chain of drafts' K/V, overwritten by the next
+    k: torch.Tensor
     v: torch.Tensor
     n: int = 0
     rows: list[torch.Tensor] | None = None  # [q_i, 3H] pieces, in position order
@@ -66,20 +71,24 @@ class _HeadState:
             self.rows, self.num_rows = [joined], keep
         return True
 
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` positions of K/V (the committed ones kept)."""
+        if rows > self.k.shape[0]:
+            cap = max(rows, 2 * self.k.shape[0])
+            self.k = _grown(self.k, cap, self.n)
+            self.v = _grown(self.v, cap, self.n)
+
     def append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         need = self.n + k.shape[0]
-        if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0])
-            self.k = _grown(self.k, cap)
-            self.v = _grown(self.v, cap)
+        self.reserve(need)
         self.k[self.n : need] = k
         self.v[self.n : need] = v
         self.n = need
 
 
-def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+def _grown(t: torch.Tensor, rows: int, keep: int) -> torch.Tensor:
     out = t.new_empty((rows, *t.shape[1:]))
-    out[: t.shape[0]] = t
+    out[:keep] = t[:keep]
     return out
 
 
@@ -141,30 +150,50 @@ class Eagle3Proposer:
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_many(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
-        return [self.propose(req, k) for req, k in wants]
-
-    @torch.inference_mode()
-    def propose(self, req: Request, k: int) -> list[int]:
-        state = self.states.get(req.request_id)
-        m = req.num_computed_tokens
-        if state is None or not state.cut(m) or state.end < m or state.num_rows == 0:
-            return []  # no hidden states for the request's last computed token
-        normed, prenorm = self._feed(state, req.all_token_ids, m)
-        token = self.head.draft_ids(normed)
-        drafts = [int(token)]
-        k_tmp, v_tmp = [], []
-        for j in range(1, k):
-            q, kj, vj, residual = self.head.qkv_of(token, prenorm,
-                                                   torch.tensor([m - 1 + j]))
-            k_tmp.append(kj)
-            v_tmp.append(vj)
-            keys = torch.cat([state.k[: state.n], *k_tmp])
-            values = torch.cat([state.v[: state.n], *v_tmp])
-            normed, prenorm = self.head.after_attention(self._attend(q, keys, values, None),
-                                                        residual)
-            token = self.head.draft_ids(normed)
-            drafts.append(int(token))
+        """Each request's pending rows through the head (one forward per request: their
+        lengths differ), then the k - 1 chained steps of all requests batched (attention per
+        request, over its own head KV)."""
+        drafts: list[list[int]] = [[] for _ in wants]
+        live = []  # (index in wants, state, k, m)
+        normed_rows, prenorm_rows = [], []
+        for i, (req, k) in enumerate(wants):
+            state = self.states.get(req.request_id)
+            m = req.num_computed_tokens
+            if (state is None or not state.cut(m) or state.end < m or state.num_rows == 0
+                    or m + k > self.head.spec.max_position_embeddings):
+                continue  # no hidden states for the request's last computed token
+            normed, prenorm = self._feed(state, req.all_token_ids, m)
+            live.append((i, state, k, m))
+            normed_rows.append(normed)
+            prenorm_rows.append(prenorm)
+        if not live:
+            return drafts
+        tokens = self.head.draft_ids(torch.cat(normed_rows))  # [B]
+        prenorm = torch.cat(prenorm_rows)  # [B, H]
+        for j in range(1, max(k for _, _, k, _ in live) + 1):
+            for (i, _, _, _), token in zip(live, tokens.tolist()):
+                drafts[i].append(token)  # draft j
+            keep = [b for b, (_, _, k, _) in enumerate(live) if k > j]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                live = [live[b] for b in keep]
+                tokens, prenorm = tokens[keep], prenorm[keep]
+            # draft j sits at position m - 1 + j; its K/V go past the request's committed ones
+            positions = torch.tensor([m - 1 + j for _, _, _, m in live])
+            q, k_new, v_new, residual = self.head.qkv_of(tokens, prenorm, positions)
+            attn = []
+            for b, (_, state, _, _) in enumerate(live):
+                end = state.n + j
+                state.reserve(end)
+                state.k[end - 1], state.v[end - 1] = k_new[b], v_new[b]
+                attn.append(self._attend(q[b : b + 1], state.k[:end], state.v[:end], None))
+            normed, prenorm = self.head.after_attention(torch.cat(attn), residual)
+            tokens = self.head.draft_ids(normed)
         return drafts
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.propose_many([(req, k)])[0]
 
     def _feed(self, state: _HeadState, tokens: list[int], upto: int):
         """Run the head over the pending rows of positions [rows_start, upto), keeping their
