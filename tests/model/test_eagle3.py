@@ -178,3 +178,103 @@ def test_a_drafter_that_raises_leaves_the_request_undrafted(tiny, tmp_path, wher
         assert engine.kv_pool_is_whole() and not proposer.states
     finally:
         engine.close()
+
+
+def test_a_target_split_over_ranks_is_refused():
+    """The head reads the target's hidden states in the engine's process: a rank set's
+    executor (no `capture_aux_hidden`) is refused before anything loads."""
+    from hearth.engine.parallel.parallel_executor import ParallelExecutor
+    from hearth.engine.speculative.eagle3 import Eagle3Proposer
+
+    assert not hasattr(ParallelExecutor, "capture_aux_hidden")
+    config = SpeculativeConfig(method="eagle3", draft_model="/nowhere")
+    with pytest.raises(ValueError, match="tensor and pipeline parallel size 1"):
+        Eagle3Proposer(config, ParallelExecutor.__new__(ParallelExecutor))
+
+
+def reference_drafts(model, head, tokens: list[int], k: int) -> list[int]:
+    """vLLM's EAGLE-3 drafting, recomputed from scratch: the target's hidden states from
+    transformers (`model`; `hidden_states[i]`: the stream entering layer i), then the head over
+    every position with full causal attention, k times, each time one row longer."""
+    config = json.loads((head / "config.json").read_text())
+    layers = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        states = model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+    w = load_file(f"{head}/model.safetensors")
+    embed = model.model.embed_tokens.weight.detach()
+    eps, heads, kv_heads = config["rms_norm_eps"], config["num_attention_heads"], \
+        config["num_key_value_heads"]
+    d = config["head_dim"]
+    inv_freq = 1.0 / (config["rope_theta"] ** (torch.arange(0, d, 2).float() / d))
+
+    def rms(x, name):
+        return w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, positions):  # [T, n, d], HF rotate-half
+        angles = positions[:, None].float() * inv_freq[None, :]
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def layer(ids, hidden):
+        m, n = "midlayer.", len(ids)
+        x = torch.cat([rms(embed[ids], m + "input_layernorm.weight"),
+                       rms(hidden, m + "hidden_norm.weight")], -1)
+        positions = torch.arange(n)
+        q = rope((x @ w[m + "self_attn.q_proj.weight"].T).view(n, heads, d), positions)
+        key = rope((x @ w[m + "self_attn.k_proj.weight"].T).view(n, kv_heads, d), positions)
+        v = (x @ w[m + "self_attn.v_proj.weight"].T).view(n, kv_heads, d)
+        key, v = (t.repeat_interleave(heads // kv_heads, 1) for t in (key, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), key.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        r = hidden + o.transpose(0, 1).reshape(n, -1) @ w[m + "self_attn.o_proj.weight"].T
+        h = rms(r, m + "post_attention_layernorm.weight")
+        mlp = (torch.nn.functional.silu(h @ w[m + "mlp.gate_proj.weight"].T)
+               * (h @ w[m + "mlp.up_proj.weight"].T)) @ w[m + "mlp.down_proj.weight"].T
+        return rms(mlp + r, "norm.weight"), mlp + r
+
+    hidden = torch.cat([states[i][0] for i in layers], -1) @ w["fc.weight"].T
+    ids, drafts = list(tokens[1:]), []
+    for _ in range(k):
+        normed, prenorm = layer(torch.tensor(ids), hidden)
+        draft = int((normed[-1] @ w["lm_head.weight"].T).argmax())
+        drafts.append(draft + int(w["d2t"][draft]))
+        ids.append(drafts[-1])
+        hidden = torch.cat([hidden, prenorm[-1:]])
+    return drafts
+
+
+def test_drafts_match_a_from_scratch_reference(tiny, tmp_path):
+    """The head's own KV, filed step by step (chunked prefill, verify steps with rejected
+    drafts), gives the drafts a from-scratch recomputation over the whole sequence gives."""
+    import transformers
+
+    target, arch = tiny
+    head = write_random_head(tmp_path / "head", arch, draft_vocab_size=100,
+                             aux_layer_ids=(1, 3, 4))
+    # sharp attention that outweighs the residual, so a wrong key or position shows
+    _retensor(head, "midlayer.self_attn.q_proj.weight",
+              4 * load_file(f"{head}/model.safetensors")["midlayer.self_attn.q_proj.weight"])
+    _retensor(head, "midlayer.self_attn.o_proj.weight",
+              8 * load_file(f"{head}/model.safetensors")["midlayer.self_attn.o_proj.weight"])
+    model = transformers.LlamaForCausalLM.from_pretrained(target, torch_dtype=torch.float32)
+    llm = make_llm(target, head, max_num_batched_tokens=16, kv_cache_dtype="model")
+    engine = llm.engine
+    proposer = engine.speculator.proposer
+    try:
+        for i, ids in enumerate(PROMPTS[1:]):
+            engine.add_request(f"r{i}", ids, GREEDY)
+        checked, step = 0, 0
+        while engine.has_unfinished():
+            engine.step()
+            running = [r for r in engine.scheduler.running
+                       if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens]
+            for req in running if step % 2 else []:  # the engine drafts on the other steps
+                tokens = list(req.all_token_ids)
+                assert proposer.propose(req, 4) == reference_drafts(model, head, tokens, 4)
+                checked += 1
+            step += 1
+        assert checked >= 20 and engine.speculator.counters.num_draft_tokens > 0
+        assert engine.kv_pool_is_whole() and not proposer.states
+    finally:
+        engine.close()

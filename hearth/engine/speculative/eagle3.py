@@ -187,7 +187,7 @@ class Eagle3Proposer:
                 end = state.n + j
                 state.reserve(end)
                 state.k[end - 1], state.v[end - 1] = k_new[b], v_new[b]
-                attn.append(self._attend(q[b : b + 1], state.k[:end], state.v[:end], None))
+                attn.append(self._attend(q[b : b + 1], state.k[:end], state.v[:end]))
             normed, prenorm = self.head.after_attention(torch.cat(attn), residual)
             tokens = self.head.draft_ids(normed)
         return drafts
@@ -197,7 +197,9 @@ class Eagle3Proposer:
 
     def _feed(self, state: _HeadState, tokens: list[int], upto: int):
         """Run the head over the pending rows of positions [rows_start, upto), keeping their
-        K/V; returns the last row's (normed, pre-norm) outputs, [1, H] each."""
+        K/V; returns the last row's (normed, pre-norm) outputs, [1, H] each. One layer: a
+        row's K/V depend on its inputs only, so only the last row attends (over every kept
+        position, all at or before its own) and goes through the MLP."""
         first = state.rows_start
         num = upto - first
         rows = torch.cat(state.rows)
@@ -205,23 +207,17 @@ class Eagle3Proposer:
         ids = torch.tensor(tokens[first + 1 : upto + 1])  # the token after each position
         positions = torch.arange(first, upto)
         q, k, v, residual = self.head.qkv_of(ids, self.head.combine(pending), positions)
-        prior = state.n
         state.append_kv(k, v)
         state.rows, state.num_rows = [rest], rest.shape[0]
-        # query i (position first + i) sees the head's keys up to its own position
-        mask = (torch.arange(state.n)[None, :] <= (prior + torch.arange(num))[:, None])
-        normed, prenorm = self.head.after_attention(
-            self._attend(q, state.k[: state.n], state.v[: state.n], mask), residual)
-        return normed[-1:], prenorm[-1:]
+        return self.head.after_attention(
+            self._attend(q[-1:], state.k[: state.n], state.v[: state.n]), residual[-1:])
 
-    def _attend(self, q, keys, values, mask) -> torch.Tensor:
-        """q [T, heads, D], keys/values [S, kv_heads, D] -> [T, heads * D]."""
-        s = self.head.spec
-        group = s.num_heads // s.num_kv_heads
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, D]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    def _attend(self, q, keys, values) -> torch.Tensor:
+        """q [1, heads, D] (at or after every key's position), keys/values [S, kv_heads, D]
+        -> [1, heads * D]."""
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask)  # [heads, T, D]
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            enable_gqa=True)  # [heads, 1, D]
         return out.transpose(0, 1).reshape(q.shape[0], -1)
 
     # ---- lifetime ----------------------------------------------------------------------------
