@@ -178,7 +178,9 @@ def load_head(folder: str | Path, target: ModelArch, target_embed: nn.Module) ->
     tensors = {}
     for f in files:
         tensors.update(load_file(str(f)))
-    tensors = {n.removeprefix("model."): t for n, t in tensors.items()}
+    # SpecForge writes the decoder layer as `midlayer.`, some exports as `layers.0.` (vLLM
+    # reads both)
+    tensors = {_midlayer(n.removeprefix("model.")): t for n, t in tensors.items()}
     head = Eagle3Head(spec)
     h, s = spec.hidden_size, spec
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -234,6 +236,10 @@ def load_head(folder: str | Path, target: ModelArch, target_embed: nn.Module) ->
     else:
         head.embed_tokens = target_embed
     return head.eval()
+
+
+def _midlayer(name: str) -> str:
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
 
 def write_random_head(folder: str | Path, target: ModelArch, draft_vocab_size: int | None = None,

@@ -278,3 +278,18 @@ def test_drafts_match_a_from_scratch_reference(tiny, tmp_path):
         assert engine.kv_pool_is_whole() and not proposer.states
     finally:
         engine.close()
+
+
+def test_a_head_exported_with_layers_0_names_loads_the_same(tiny, tmp_path):
+    """`model.layers.0.*` (some exports) and `midlayer.*` (SpecForge) name the same layer."""
+    from hearth.models.eagle3_head import load_head
+
+    _, arch = tiny
+    head = write_random_head(tmp_path / "a", arch, draft_vocab_size=100)
+    other = write_random_head(tmp_path / "b", arch, draft_vocab_size=100)
+    tensors = load_file(f"{head}/model.safetensors")
+    save_file({("model.layers.0." + n[len("midlayer."):] if n.startswith("midlayer.") else n): t
+               for n, t in tensors.items()}, f"{other}/model.safetensors")
+    embed = torch.nn.Embedding(arch.vocab_size, arch.hidden_size)
+    a, b = load_head(head, arch, embed).state_dict(), load_head(other, arch, embed).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
