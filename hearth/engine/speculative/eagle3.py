@@ -24,6 +24,7 @@ never a different output.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -101,6 +102,9 @@ class Eagle3Proposer:
             raise ValueError("speculative_method eagle3: needs the model in this process "
                              "(tensor and pipeline parallel size 1)")
         model = executor.model
+        if "aux" not in inspect.signature(model.forward).parameters:
+            raise ValueError(f"speculative_method eagle3: {type(model).__name__} cannot hand "
+                             f"out its hidden states (its forward takes no `aux`)")
         self.head = load_head(config.draft_model, model.arch, model.embed_tokens)
         capture(self.head.spec.aux_layer_ids)
         self.runner = executor
