@@ -195,7 +195,7 @@ class KVOffloadConfig:
         return self.shared or self.mooncake_master is not None
 
 
-SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "draft", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -203,14 +203,17 @@ class SpeculativeConfig:
     """Speculative decoding (hearth/engine/speculative; docs/speculative.md): drafts proposed from the
     request's own context are verified in the same step as everything else."""
 
-    method: str = "off"  # off | ngram (prompt lookup) | suffix (request + recent outputs) | draft
+    # off | ngram (prompt lookup) | suffix (request + recent outputs) | draft (a small model) |
+    # eagle3 (a draft head over the target's hidden states)
+    method: str = "off"
     num_speculative_tokens: int = 8  # the most draft tokens per request per step
     max_batch: int = 8  # no drafts when more requests than this are decoding (compute-bound)
     ngram_min: int = 2  # ngram: shortest suffix of the context that must match
     ngram_max: int = 5  # ngram: longest suffix tried first
     suffix_global_tokens: int = 1 << 18  # suffix: recent outputs kept across requests
     min_confidence: float = 0.3  # suffix: stop a draft where its empirical probability drops
-    draft_model: str | None = None  # draft: a model of the same vocabulary (path or name)
+    # draft: a model of the same vocabulary (path or name); eagle3: the head's folder
+    draft_model: str | None = None
     draft_num_blocks: int = 1024  # draft: its own KV pool, in blocks of the engine's size
 
     def __post_init__(self) -> None:
@@ -219,8 +222,9 @@ class SpeculativeConfig:
                              f"{', '.join(SPECULATIVE_METHODS)}")
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError("num_speculative_tokens: must be in [1, 32]")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative_draft_model: required with speculative_method draft")
+        if self.method in ("draft", "eagle3") and not self.draft_model:
+            raise ValueError(f"speculative_draft_model: required with speculative_method "
+                             f"{self.method} (speculative_config: model)")
         if not 1 <= self.ngram_min <= self.ngram_max <= 32:
             raise ValueError("ngram sizes: need 1 <= ngram_min <= ngram_max <= 32")
 

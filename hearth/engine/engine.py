@@ -73,7 +73,11 @@ class LLMEngine:
         self.executor: Executor = executor or make_executor(config, self.checkpoint, prebuilt)
         num_blocks = self.executor.num_blocks
         self.step_builder = StepBuilder(cc.block_size, self.arch.vocab_size)
-        self.speculator = make_speculator(config, self.arch.vocab_size)
+        try:  # a bad draft (an EAGLE head that does not fit the model) is refused here
+            self.speculator = make_speculator(config, self.arch.vocab_size, self.executor)
+        except BaseException:
+            self.executor.close()
+            raise
         self._num_steps = 0
         self.block_size = cc.block_size
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching)
@@ -327,6 +331,9 @@ class LLMEngine:
         except Exception:
             self.step_builder.step_failed()  # its tables may not have been applied: resend
             raise
+        if self.speculator is not None:
+            self.speculator.computed([req for req, _ in sched.scheduled], cmd.query_lens,
+                                     cmd.context_lens)
         return to_step_tokens(result, requests, cmd.samples)
 
     def _apply_step(self, sched: SchedulerOutput, sampled: list[StepTokens]) -> list[RequestOutput]:

@@ -65,6 +65,15 @@ class ModelRunner:
         # The kernels' thread count for decode-like steps, chosen by measurement (thread_tuner.py).
         self.thread_tuner = (ThreadTuner(kernels.threads, background=prefault)
                              if kernels is not None and torch.get_num_threads() > 1 else None)
+        # EAGLE-3 drafting: the residual stream at these layers, for every token of a step
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None  # [num_tokens, len(aux_layers) * hidden]
+
+    def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on each step leaves the residual stream entering `layers` (concatenated
+        in that order) in `aux_hidden`; () stops it. Off, a step captures nothing."""
+        self.aux_layers = tuple(layers)
+        self.aux_hidden = None
 
     def close(self) -> None:
         """Stop the KV pool's prefault thread (the parallel executor stops its ranks here)."""
@@ -91,11 +100,17 @@ class ModelRunner:
     def execute(self, cmd: StepCommand) -> SampleResult:
         step = self.receiver.receive(cmd)  # whole tables and histories
         input_ids, positions, meta = self.prepare_inputs(cmd, step.block_tables)
+        kw = {}
+        if self.aux_layers:
+            self.aux_hidden = None
+            kw["aux"] = aux = dict.fromkeys(self.aux_layers)
         if self.thread_tuner is None:
-            hidden, _ = self.model(input_ids, positions, meta, self.kv_cache)
+            hidden, _ = self.model(input_ids, positions, meta, self.kv_cache, **kw)
         else:
-            hidden, _ = self.thread_tuner.run(
-                meta.num_tokens, lambda: self.model(input_ids, positions, meta, self.kv_cache))
+            hidden, _ = self.thread_tuner.run(meta.num_tokens, lambda: self.model(
+                input_ids, positions, meta, self.kv_cache, **kw))
+        if self.aux_layers:
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         return self.sample_from_hidden(cmd, hidden, step.samples)
 
     def sample_from_hidden(self, cmd: StepCommand, hidden: torch.Tensor,

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
-from hearth.config import SPECULATIVE_METHODS, EngineConfig
+from hearth.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from hearth.api.edge import DoorwayConfig
 from hearth.api.harmony_prompt import CHAT_FORMATS
 from hearth.server.reasoning_parsers import REASONING_PARSERS
@@ -123,15 +124,16 @@ ENGINE_OPTIONS = (("engine", (
     Option("--speculative-method", "engine.speculative.method", default=SERVE_SPECULATIVE_METHOD,
            choices=SPECULATIVE_METHODS,
            help="draft tokens from the request's own context (ngram: prompt lookup; suffix: plus "
-                "recent outputs of other requests), verified in the same step; output is "
-                "unchanged"),
+                "recent outputs of other requests), a small model (draft) or an EAGLE-3 head "
+                "(eagle3), verified in the same step; output is unchanged"),
     Option("--num-speculative-tokens", "engine.speculative.num_speculative_tokens", int,
            "the most draft tokens per request per step"),
     Option("--speculative-max-batch", "engine.speculative.max_batch", int,
            "no drafts while more requests than this decode at once"),
     Option("--speculative-draft-model", "engine.speculative.draft_model", metavar="MODEL",
            help="with --speculative-method draft: a small model of the same vocabulary that "
-                "drafts greedily (GGUF path, HF folder or built-in name)"),
+                "drafts greedily (GGUF path, HF folder or built-in name); with eagle3: the "
+                "head's folder (config.json + model.safetensors)"),
     Option("--speculative-draft-num-blocks", "engine.speculative.draft_num_blocks", int,
            "the draft model's own KV pool, in blocks"),
 )), ("structured output", (
@@ -221,12 +223,57 @@ SERVER_OPTIONS = (("server", (
 SERVE_OPTIONS = _options(ENGINE_OPTIONS + SERVER_OPTIONS)  # every flag of `hearth serve`
 
 
+# --speculative-config (vLLM's form): its keys -> SpeculativeConfig fields. vLLM's names, then
+# hearth's own settings under their field names: only fields a --speculative-* flag carries too
+# (serve_argv hands workers those flags). The JSON wins over the separate flags.
+SPECULATIVE_JSON_KEYS = {"method": "method", "model": "draft_model",
+                         "num_speculative_tokens": "num_speculative_tokens",
+                         "max_batch": "max_batch", "draft_num_blocks": "draft_num_blocks"}
+SPECULATIVE_JSON_METHODS = {"draft_model": "draft"}  # vLLM's method names where hearth's differ
+
+
+def speculative_json(text: str) -> dict[str, Any]:
+    """--speculative-config's value -> {SpeculativeConfig field: value}, checked here (unknown
+    keys, wrong types, a method or k out of range are refused naming the key)."""
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"speculative_config: not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise argparse.ArgumentTypeError("speculative_config: must be a JSON object")
+    fields_ = {f.name: f for f in fields(SpeculativeConfig)}
+    values = {}
+    for key, value in given.items():
+        name = SPECULATIVE_JSON_KEYS.get(key)
+        if name is None:
+            raise argparse.ArgumentTypeError(
+                f"speculative_config: unknown key {key!r}; known: "
+                f"{', '.join(SPECULATIVE_JSON_KEYS)}")
+        want = {"int": int, "float": (int, float)}.get(str(fields_[name].type), str)
+        if isinstance(value, bool) or not isinstance(value, want):
+            raise argparse.ArgumentTypeError(f"speculative_config: {key} must be "
+                                             f"{fields_[name].type.split(' ')[0]}, got {value!r}")
+        values[name] = SPECULATIVE_JSON_METHODS.get(value, value) if key == "method" else value
+    method = values.get("method", "off")
+    try:  # the ranges, as the config checks them (the model's presence is checked with the rest)
+        SpeculativeConfig(**{**values, "method": method, "draft_model": "-"})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"speculative_config: {e}") from None
+    return values
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_groups(p, ENGINE_OPTIONS)
+    p.add_argument("--speculative-config", type=speculative_json, default=None, metavar="JSON",
+                   help="speculative decoding as vLLM takes it, e.g. '{\"method\": \"eagle3\", "
+                        "\"model\": DIR, \"num_speculative_tokens\": 4}' (keys: "
+                        f"{', '.join(SPECULATIVE_JSON_KEYS)}); wins over the flags above")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     values = _field_values(_options(ENGINE_OPTIONS), a)
+    for name, value in (getattr(a, "speculative_config", None) or {}).items():
+        values[f"engine.speculative.{name}"] = value
     values.update({f"engine.parallel.{name}": value
                    for name, value in _launcher_rendezvous(a).items()})
     return EngineConfig(**_kwargs(EngineConfig, values, "engine."))

@@ -2,7 +2,8 @@
 
 The real default model in fp32 (the exact reference), speculation off against ngram and suffix,
 on prompts whose answers copy from their context (so drafts are proposed and accepted, which
-each test asserts: a test where nothing was drafted would prove nothing).
+each test asserts: a test where nothing was drafted would prove nothing). The EAGLE-3 tests use
+a random head, whose drafts are proposed and verified but almost never accepted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 from hearth.config import SpeculativeConfig
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import GuidedSpec, SamplingParams
+from hearth.models.eagle3_head import write_random_head
 
 CODE = '''def area(width, height):
     """Return the area of a rectangle."""
@@ -31,10 +33,10 @@ PROMPTS = [
 METHODS = ["ngram", "suffix"]
 
 
-def make_llm(models, method: str = "off", **kw) -> LLM:
+def make_llm(models, method: str = "off", draft_model: str | None = None, **kw) -> LLM:
     kw.setdefault("num_blocks", 256)
-    return models.llm(quantization="none",
-                      speculative=SpeculativeConfig(method=method, num_speculative_tokens=6), **kw)
+    return models.llm(quantization="none", **kw, speculative=SpeculativeConfig(
+        method=method, num_speculative_tokens=6, draft_model=draft_model))
 
 
 def chat_ids(llm, prompt: str) -> list[int]:
@@ -112,6 +114,33 @@ def test_guided_requests_speculate_and_keep_their_grammar(models):
     prompts = ["List these colors as JSON: red, green, blue, red, green, blue, red, green."]
     want, _ = run(models, "off", prompts, params)
     got, counters = run(models, "suffix", prompts, params)
+    assert got[0].token_ids == want[0].token_ids
+    assert counters.num_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(checkpoint, tmp_path_factory) -> str:
+    """A random EAGLE-3 head of the default model's shapes (8k-token draft vocabulary)."""
+    return str(write_random_head(tmp_path_factory.mktemp("eagle3"), checkpoint.arch,
+                                 draft_vocab_size=8192))
+
+
+def test_eagle3_random_head_batched_greedy_output_is_unchanged(models, reference, eagle3_head):
+    """A random head's drafts are (nearly) all rejected: what this proves is that drafting
+    from the target's hidden states and verifying leaves every request's tokens alone."""
+    out, counters = run(models, "eagle3", draft_model=eagle3_head)
+    assert [c.token_ids for c in out] == reference
+    assert counters.num_draft_tokens > 0
+
+
+def test_eagle3_guided_request_keeps_its_grammar(models, eagle3_head):
+    schema = ('{"type": "object", "properties": {"colors": {"type": "array", "items": '
+              '{"type": "string"}}}, "required": ["colors"]}')
+    params = SamplingParams(temperature=0.0, max_tokens=64,
+                            guided=GuidedSpec("json_schema", schema))
+    prompts = ["List these colors as JSON: red, green, blue, red, green, blue, red, green."]
+    want, _ = run(models, "off", prompts, params)
+    got, counters = run(models, "eagle3", prompts, params, draft_model=eagle3_head)
     assert got[0].token_ids == want[0].token_ids
     assert counters.num_draft_tokens > 0
 

@@ -15,12 +15,14 @@ token its grammar forbids, and the matcher is rolled back.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from hearth.config import SpeculativeConfig
 from hearth.engine.request import Request
 from hearth.engine.speculative.proposers import NgramProposer, SuffixProposer
 
+log = logging.getLogger("hearth.engine")
 PROBE_EVERY = 4  # a request with low acceptance drafts one token every this many steps
 
 
@@ -38,16 +40,18 @@ class SpecCounters:
 class _State:
     acceptance: float = 1.0  # exponential average of accepted / drafted
     steps: int = 0
+    failed: bool = False  # its proposer raised: no more drafts for this request
 
 
-def make_speculator(engine_config, vocab_size: int) -> Speculator | None:
+def make_speculator(engine_config, vocab_size: int, executor=None) -> Speculator | None:
+    """`executor`: the engine's (eagle3 reads the target's hidden states from it)."""
     if engine_config.speculative.method == "off":
         return None
-    return Speculator(engine_config, vocab_size)
+    return Speculator(engine_config, vocab_size, executor)
 
 
 class Speculator:
-    def __init__(self, engine_config, vocab_size: int) -> None:
+    def __init__(self, engine_config, vocab_size: int, executor=None) -> None:
         config: SpeculativeConfig = engine_config.speculative
         self.config = config
         self.vocab_size = vocab_size
@@ -55,6 +59,9 @@ class Speculator:
             self.proposer = NgramProposer(config)
         elif config.method == "suffix":
             self.proposer = SuffixProposer(config)
+        elif config.method == "eagle3":
+            from hearth.engine.speculative.eagle3 import Eagle3Proposer
+            self.proposer = Eagle3Proposer(config, executor)
         else:
             from hearth.engine.speculative.draft_model import DraftModelProposer
             self.proposer = DraftModelProposer(config, engine_config, vocab_size)
@@ -80,13 +87,60 @@ class Speculator:
                 wants.append((req, k))
         if not wants:
             return
-        for (req, k), drafts in zip(wants, self.proposer.propose_many(wants)):
+        for (req, k), drafts in zip(wants, self._proposals(wants)):
             drafts = drafts[:k]
             if drafts and req.grammar is not None:
                 drafts = _grammar_prefix(req, drafts)
             req.spec_token_ids = drafts
 
+    def _proposals(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        """The proposer's drafts; where it raises, each request alone, and a request whose own
+        proposal raises gets no drafts from then on (its tokens still come, undrafted)."""
+        try:
+            return self.proposer.propose_many(wants)
+        except Exception:
+            log.exception("%s drafts for %d requests failed; retrying them one by one",
+                          self.method, len(wants))
+        out = []
+        for req, k in wants:
+            try:
+                out.append(self.proposer.propose_many([(req, k)])[0])
+            except Exception:
+                log.exception("%s drafts for %s failed: it decodes without drafts",
+                              self.method, req.request_id)
+                self._fail(req.request_id)
+                out.append([])
+        return out
+
+    def _fail(self, request_id: str) -> None:
+        self._states.setdefault(request_id, _State()).failed = True
+        try:
+            self.proposer.drop(request_id)
+        except Exception:
+            log.exception("dropping the %s state of %s failed", self.method, request_id)
+
+    def computed(self, requests: list[Request], query_lens: list[int],
+                 context_lens: list[int]) -> None:
+        """The executor computed `query_lens[i]` tokens of `requests[i]` up to `context_lens[i]`
+        (for a proposer that reads the target's hidden states; the others ignore it). A
+        request whose part of it fails decodes without drafts from then on."""
+        computed = getattr(self.proposer, "computed", None)
+        if computed is None:
+            return
+        try:
+            skip = {r.request_id for r in requests
+                    if r.request_id in self._states and self._states[r.request_id].failed}
+            failed = computed(requests, query_lens, context_lens, skip)
+        except Exception:
+            log.exception("%s: filing a step's hidden states failed; its %d requests decode "
+                          "without drafts", self.method, len(requests))
+            failed = [req.request_id for req in requests]
+        for request_id in failed:
+            self._fail(request_id)
+
     def _draft_len(self, req: Request, state: _State) -> int:
+        if state.failed:
+            return 0
         remaining = req.params.max_tokens - req.num_output_tokens - 1  # the step's own token
         if remaining <= 0:
             return 0
@@ -124,8 +178,9 @@ class Speculator:
             self._states.pop(request_id, None)
         for request_id in [r for r in self.proposer.indexes if r not in live_ids]:
             self.proposer.drop(request_id)
-        for request_id in [r for r in getattr(self.proposer, "shadows", {}) if r not in live_ids]:
-            self.proposer.drop(request_id)
+        for name in ("shadows", "states"):  # the draft model's, eagle3's
+            for request_id in [r for r in getattr(self.proposer, name, {}) if r not in live_ids]:
+                self.proposer.drop(request_id)
 
     def close(self) -> None:
         self.proposer.close()

@@ -177,6 +177,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+def _stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual stream between layers, as a new float32 tensor (the next layer's fused
+    norm updates `residual` in place)."""
+    return (hidden.float().clone() if residual is None else (hidden + residual).float())
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, tp: ParallelGroup = SINGLE,
                  layer_range: tuple[int, int] | None = None,
@@ -215,9 +221,12 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                aux: dict[int, torch.Tensor | None] | None = None):
         """First stage: from ids. Later stages: from (hidden, residual) of the previous stage.
-        Returns (hidden, residual); the last stage returns the final normed hidden states."""
+        Returns (hidden, residual); the last stage returns the final normed hidden states.
+        `aux` (EAGLE-3 drafting): its keys name layers; each value is set to the residual
+        stream entering that layer ([num_tokens, hidden]; key `num_layers`: after the last)."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         # More rows than LOWP_MIN_ROWS with a bf16 weight copy: the bf16 GEMMs beat the fused
@@ -225,11 +234,15 @@ class LlamaForCausalLM(nn.Module):
         act_dtype = self.lowp_dtype if hidden.shape[0] > LOWP_MIN_ROWS else None
         if (self._fused_all is not None and meta.num_short_tokens == meta.num_tokens
                 and hidden.shape[0] <= QLINEAR_MAX_ROWS and hidden.dtype == torch.float32
-                and act_dtype is None):
+                and act_dtype is None and not aux):
             hidden, residual = self._decode_layers(hidden, residual, positions, meta, kv_caches)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                if aux and self.layer_start + i in aux:
+                    aux[self.layer_start + i] = _stream(hidden, residual)
                 hidden, residual = layer(hidden, residual, positions, meta, kv_cache, act_dtype)
+        if aux and self.layer_end in aux:
+            aux[self.layer_end] = _stream(hidden, residual)
         if self.is_last:
             return self.norm.add_forward(hidden, residual)[0], None
         return hidden, residual
