@@ -11,10 +11,11 @@
 //   xs [P, H]   gathered token rows, in that order (with int8_act quantized to 8 bits per
 //               32-block, qlinear's VNNI path, for gu and again for act)
 //   gu [P, 2I]  xs against each expert's [gate | up] rows    (quantized: qlinear tiles; float:
-//   act [P, I]  silu(gate) * up                               one GEMM per expert, at::mm)
+//   act [P, I]  silu(gate) * up (or gpt-oss's clamped SwiGLU)  one GEMM per expert, at::mm)
 //   ys [P, H]   act against each expert's down rows
 //   out[t]      sum over t's slots j in slot order of w[t, j] * ys[pos(t, j)]  (deterministic)
 //
+// Optional per-expert biases (gpt-oss) join gu and ys before the activation and the combine.
 // Weights: w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (many-row steps: GEMMs), or the
 // same rows in a ggml block format (few-row steps: a task per (expert, 64 weight rows), so a
 // decode step spreads its k experts' rows over every thread). Pairs routed to experts outside
@@ -53,7 +54,7 @@ QWeight expert_rows(const QWeight& w, int64_t e, int64_t rows) {
   v.qs = w.qs + e * rows * w.qs_row();
   v.d = w.d + e * rows * w.d_row();
   v.m = w.m ? w.m + e * rows * w.nb : nullptr;
-  v.ks = w.ks ? w.ks + e * rows * w.nb * 2 : nullptr;
+  v.ks = w.ks ? w.ks + e * rows * w.ks_row() : nullptr;
   return v;
 }
 
@@ -175,11 +176,39 @@ struct SharedExpert {
   QWeight w13, w2;
 };
 
+// What a family's experts add to `down(silu(gate) * up)` (gpt-oss): a bias per expert on its
+// [gate | up] rows and on its down rows (undefined tensors: none), and the activation between.
+enum ExpertActivation : int64_t { kSiluMul = 0, kClampedSwiglu = 1 };
+struct ExpertExtras {
+  at::Tensor b13, b2;  // [E, 2I], [E, H] (any float dtype; converted as each path needs)
+  int64_t activation = kSiluMul;
+  double alpha = 1.702, limit = 7.0;  // kClampedSwiglu's (transformers' GptOssExperts)
+  at::Tensor act(const at::Tensor& gu) const {
+    return activation == kClampedSwiglu ? clamped_swiglu(gu, alpha, limit) : silu_mul(gu);
+  }
+};
+
+// rows [offset[e], offset[e + 1]) of `rows` [P, width] += bias[e] (float32 [E, width]): each
+// active expert's bias over its pairs' rows, one task per expert.
+void add_expert_bias(float* rows, int64_t width, const ExpertPairs& s, const at::Tensor& bias,
+                     int64_t threads) {
+  const float* b = bias.data_ptr<float>();
+  const int64_t E = s.offset.size() - 1;
+  parallel_tasks(E, [&](int64_t e) {
+    const float* be = b + e * width;
+    for (int64_t p = s.offset[e]; p < s.offset[e + 1]; ++p) {
+      float* r = rows + p * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) r[j] += be[j];
+    }
+  }, s.offset[E] >= 16 ? threads : 1);
+}
+
 at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                             int64_t expert_start, std::vector<at::Tensor> q,
                             std::vector<int64_t> qtypes, int64_t threads, bool int8_act,
-                            const SharedExpert* shared) {
+                            const SharedExpert* shared, const ExpertExtras& extras = {}) {
   TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, H]");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) &&
                   w13.size(2) == x_in.size(1) && w2.size(1) == x_in.size(1) &&
@@ -197,6 +226,15 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
   const ExpertPairs s = sort_pairs(ids.data_ptr<int64_t>(), T, k, E, expert_start);
   const int64_t P = s.offset[E];
   TORCH_CHECK(!shared || !q.empty(), "moe_experts: a folded shared expert needs packed experts");
+  TORCH_CHECK(!extras.b13.defined() || extras.b13.sizes() == at::IntArrayRef({E, 2 * I}),
+              "moe_experts: b13 must be [E, 2I]");
+  TORCH_CHECK(!extras.b2.defined() || extras.b2.sizes() == at::IntArrayRef({E, H}),
+              "moe_experts: b2 must be [E, H]");
+  TORCH_CHECK(extras.activation == kSiluMul || extras.activation == kClampedSwiglu,
+              "moe_experts: activation must be 0 (silu_mul) or 1 (clamped SwiGLU)");
+  TORCH_CHECK(!shared || (!extras.b13.defined() && !extras.b2.defined() &&
+                          extras.activation == kSiluMul),
+              "moe_experts: a folded shared expert takes no biases or other activation");
   // With the shared expert: rows [P, P + T) of xs, gu, act and ys are every token's own
   const int64_t S = shared ? T : 0;
   at::Tensor out = at::zeros({T, H}, x_in.options().dtype(at::kFloat));
@@ -220,21 +258,33 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
     if (int8_act) a13 = quantize_act(xs.data_ptr<float>(), P + S, H, q13.qtype, qx, sc, dxe_row);
     experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads,
                     int8_act ? &a13 : nullptr, dxe_row, shared ? &shared->w13 : nullptr, S);
-    at::Tensor act = silu_mul(gu);  // [P + S, I]
+    if (extras.b13.defined())
+      add_expert_bias(gu.data_ptr<float>(), 2 * I, s, extras.b13.to(at::kFloat).contiguous(),
+                      threads);
+    at::Tensor act = extras.act(gu);  // [P + S, I]
     ys = at::empty({P + S, H}, xs.options());
     if (int8_act) a2 = quantize_act(act.data_ptr<float>(), P + S, I, q2.qtype, qx, sc, dxe_row);
     experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads,
                     int8_act ? &a2 : nullptr, dxe_row, shared ? &shared->w2 : nullptr, S);
+    if (extras.b2.defined())
+      add_expert_bias(ys.data_ptr<float>(), H, s, extras.b2.to(at::kFloat).contiguous(), threads);
   } else {
     TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
     at::Tensor xs = gather_rows(x_in.to(w13.scalar_type()).contiguous(), s.token, threads);
     ys = at::empty({P, H}, xs.options());
+    // biases as F.linear takes them: in the weights' dtype, one addmm per projection
+    const at::Tensor b13 = extras.b13.defined() ? extras.b13.to(w13.scalar_type()) : at::Tensor();
+    const at::Tensor b2 = extras.b2.defined() ? extras.b2.to(w13.scalar_type()) : at::Tensor();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = s.offset[e], n = s.offset[e + 1] - p0;
       if (n == 0) continue;
-      at::Tensor gu = at::mm(xs.narrow(0, p0, n), w13[e].t());
+      const at::Tensor xe = xs.narrow(0, p0, n);
+      at::Tensor gu = b13.defined() ? at::addmm(b13[e], xe, w13[e].t()) : at::mm(xe, w13[e].t());
       at::Tensor y = ys.narrow(0, p0, n);
-      at::mm_out(y, silu_mul(gu), w2[e].t());
+      if (b2.defined())
+        at::addmm_out(y, b2[e], extras.act(gu), w2[e].t());
+      else
+        at::mm_out(y, extras.act(gu), w2[e].t());
     }
     ys = ys.to(at::kFloat);
   }
@@ -264,7 +314,15 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        int64_t expert_start, std::vector<at::Tensor> q, std::vector<int64_t> qtypes,
-                       int64_t threads, bool int8_act) {
+                       int64_t threads, bool int8_act, const std::optional<at::Tensor>& b13,
+                       const std::optional<at::Tensor>& b2, int64_t activation, double alpha,
+                       double limit) {
+  ExpertExtras extras;
+  if (b13) extras.b13 = *b13;
+  if (b2) extras.b2 = *b2;
+  extras.activation = activation;
+  extras.alpha = alpha;
+  extras.limit = limit;
   return moe_experts_impl(x_in, w13, w2, topk_weights, topk_ids, expert_start, std::move(q),
-                          std::move(qtypes), threads, int8_act, nullptr);
+                          std::move(qtypes), threads, int8_act, nullptr, extras);
 }
