@@ -318,3 +318,19 @@ def test_bad_biases_are_refused(kernels):
         kernels.moe_experts(x, w13, w2, weights, ids, 0, b13=b13[:, :5])
     with pytest.raises(RuntimeError, match=r"b2 must be \[E, H\]"):
         kernels.moe_experts(x, w13, w2, weights, ids, 0, b2=b2[:2])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_experts_with_many_pairs_multiply_decoded_tiles(kernels, fmt):
+    """Blocks-only experts take every step packed: an expert with more than 32 pairs in it runs
+    on float tiles decoded from its blocks, the same values as the few-pair tiles."""
+    gen = torch.Generator().manual_seed(6)
+    x, w13, w2, weights, ids = make_case(100, 2)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert counts.max() > 32 and counts.min() <= 32  # decoded tiles and packed ones
+    q13, f13 = packed(fmt, w13.reshape(E * 2 * I, H), gen)
+    q2, f2 = packed(fmt, w2.reshape(E * H, I), gen)
+    f13, f2 = f13.reshape(E, 2 * I, H), f2.reshape(E, H, I)
+    want = fused_experts_torch(x, f13, f2, weights, ids)
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -102,3 +102,35 @@ def test_mxfp4_experts_with_biases_equal_reference(kernels, int8_act, num_tokens
     got = kernels.moe_experts(x, w13, w2, weights, ids, 0, q13, q2, **extras)
     tol = 0.05 if int8_act else 1e-4
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("int8_act", [False, True], ids=["f32", "a8"])
+def test_experts_with_many_pairs_take_decoded_tiles(kernels, int8_act):
+    """A prompt-sized step on blocks-only experts: experts with more than 32 pairs multiply by
+    float tiles decoded from the blocks (the same values, float32 activations), the others by
+    the packed tiles; both equal the reference on gguf's values."""
+    E, H, I = 4, 64, 96
+    gen = torch.Generator().manual_seed(9)
+    w13_blocks, w2_blocks = make_mxfp4_blocks(E * 2 * I, H, gen), make_mxfp4_blocks(E * H, I, gen)
+    q13, q2 = pack_ggml(MXFP4, w13_blocks, int8_act), pack_ggml(MXFP4, w2_blocks, int8_act)
+    q13.m.sub_(7)  # gguf's values / 128 (gate/up O(1))
+    q2.m.sub_(7)
+    w13 = gguf_values(w13_blocks).reshape(E, 2 * I, H) / 128
+    w2 = gguf_values(w2_blocks).reshape(E, H, I) / 128
+    num_tokens = 70
+    x = torch.randn(num_tokens, H, generator=gen)
+    logits = torch.randn(num_tokens, E, generator=gen)
+    logits[:, 3] -= 2  # expert 3 gets few pairs: the packed tiles
+    weights, ids = route_softmax(logits, 2, True)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert (counts[:3] > 32).all() and 0 < counts[3] <= 32
+    extras = dict(b13=torch.randn(E, 2 * I, generator=gen), b2=torch.randn(E, H, generator=gen),
+                  swiglu=(1.702, 1.5))
+    want = fused_experts_torch(x, w13, w2, weights, ids, **extras)
+    got = kernels.moe_experts(x, w13, w2, weights, ids, 0, q13, q2, **extras)
+    tol = 0.05 if int8_act else 1e-4
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+    if int8_act:  # the decoded experts' tokens are exact (float32 activations)
+        decoded = ~(ids == 3).any(-1)
+        torch.testing.assert_close(got[decoded], want[decoded],
+                                   atol=1e-4 * want.abs().max().item(), rtol=0)

@@ -18,7 +18,8 @@
 // Optional per-expert biases (gpt-oss) join gu and ys before the activation and the combine.
 // Weights: w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (many-row steps: GEMMs), or the
 // same rows in a ggml block format (few-row steps: a task per (expert, 64 weight rows), so a
-// decode step spreads its k experts' rows over every thread). Pairs routed to experts outside
+// decode step spreads its k experts' rows over every thread; an expert with more than 32 pairs
+// multiplies by float tiles decoded from its blocks, expert_decoded_tiles). Pairs routed to experts outside
 // [expert_start, expert_start + E) belong to another expert-parallel rank and are skipped.
 
 struct ExpertPairs {
@@ -80,8 +81,39 @@ void group_rows(const QWeight& w, int64_t g, int64_t g_rows, int64_t r0, int64_t
   for (; n < r1; ++n) qlinear_rows<1>(wg, n, x, M, o);
 }
 
+// An expert with more than this many pairs in a step multiplies by float tiles decoded from
+// its blocks (decode_row: the same values), one GEMM per tile, as a dense layer's prompt step
+// does past QLINEAR_MAX_ROWS (hearth/models/layers.py); fewer pairs run qlinear's tiles. Only
+// blocks-only experts (every step packed) meet it: others take their float stacks for steps
+// of more than 32 rows, where no expert has more than 32 pairs.
+constexpr int64_t kDecodedTileMinPairs = 33;
+constexpr int64_t kDecodedTileBytes = 4 << 20;  // each tile's float32 values, about
+
+// Expert e's rows of `w` (w_rows of them) against its pairs' float rows of `in` [n, K] from
+// row p0, into out [n, w_rows] at row p0: tiles of decoded rows, each decoded once (in
+// parallel) and multiplied by all n rows (at::mm).
+void expert_decoded_tiles(const QWeight& w, int64_t e, int64_t w_rows, int64_t p0, int64_t n,
+                          const float* in, float* out, int64_t threads) {
+  const QWeight we = expert_rows(w, e, w_rows);
+  const int64_t K = w.K, tile = std::max<int64_t>(16, kDecodedTileBytes / (4 * K));
+  const at::Tensor x = at::from_blob(const_cast<float*>(in) + p0 * K, {n, K}, at::kFloat);
+  at::Tensor y = at::from_blob(out + p0 * w_rows, {n, w_rows}, at::kFloat);
+  at::Tensor values = at::empty({std::min(tile, w_rows), K}, at::kFloat);
+  for (int64_t r0 = 0; r0 < w_rows; r0 += tile) {
+    const int64_t r1 = std::min(w_rows, r0 + tile);
+    float* v = values.data_ptr<float>();
+    parallel_tasks((r1 - r0 + 15) / 16, [&](int64_t task) {
+      std::vector<float> sd(w.nb), sm(w.nb);
+      for (int64_t r = r0 + task * 16; r < std::min(r1, r0 + (task + 1) * 16); ++r)
+        decode_row(we, r, v + (r - r0) * K, sd.data(), sm.data());
+    }, threads);
+    y.narrow(1, r0, r1 - r0).copy_(at::mm(x, values.narrow(0, 0, r1 - r0).t()));
+  }
+}
+
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
-// into out [P, w_rows]: one task per (active expert, 256 weight rows). With `shared` (the
+// into out [P, w_rows]: one task per (active expert, 256 weight rows); an expert with
+// kDecodedTileMinPairs pairs or more through decoded float tiles instead (float `in`). With `shared` (the
 // always-on shared expert, the same row count and format as one routed expert), its rows run
 // against rows [P, P + T) of `in` in the same task pool (one parallel region for both: the
 // shared expert's own pair of calls had run at ~17 GB/s, their ~0.8 MB too little for a region).
@@ -91,9 +123,17 @@ void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, con
   constexpr int64_t kRowsPerTask = 256;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t P = s.offset[E];
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (s.offset[e + 1] > s.offset[e]) active.push_back(e);
+  std::vector<int64_t> active, decoded;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = s.offset[e + 1] - s.offset[e];
+    if (n >= kDecodedTileMinPairs)
+      decoded.push_back(e);
+    else if (n > 0)
+      active.push_back(e);
+  }
+  for (int64_t e : decoded)
+    expert_decoded_tiles(w, e, w_rows, s.offset[e], s.offset[e + 1] - s.offset[e], in, out,
+                         threads);
   const int64_t routed = active.size() * tasks_per_expert;
   const int64_t extra = shared && shared_m > 0 ? tasks_per_expert : 0;
   parallel_tasks(routed + extra, [&](int64_t task) {

@@ -585,10 +585,46 @@ QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
   return w;
 }
 
+// Row n of a packed weight as float32 values o [K]: the exact values qlinear multiplies by
+// (ggml's dequantization of the same blocks). sd, sm: scratch of w.nb floats each.
+void decode_row(const QWeight& w, int64_t n, float* o, float* sd, float* sm) {
+  row_scales(w, n, 1, sd, sm);
+  const uint8_t* q = w.qs + n * w.qs_row();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const float db = sd[b], mb = sm[b];
+    float* ob = o + b * kQK;
+    if (w.qtype == kQ8_0) {
+      const int8_t* q8 = reinterpret_cast<const int8_t*>(q + b * kQK);
+#pragma omp simd
+      for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[j]) * db;
+    } else if (w.qtype == kMXFP4) {
+      const uint8_t* q4 = q + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        ob[j] = static_cast<float>(kE2M1x2[q4[j] & 0xF]) * db;
+        ob[j + 16] = static_cast<float>(kE2M1x2[q4[j] >> 4]) * db;
+      }
+    } else if (w.qtype == kQ6_K) {  // sm: the second half's scale
+      const int8_t* q6 = reinterpret_cast<const int8_t*>(q + b * kQK);
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        ob[j] = static_cast<float>(q6[j]) * db;
+        ob[j + 16] = static_cast<float>(q6[j + 16]) * mb;
+      }
+    } else {
+      const uint8_t* q4 = q + b * 16;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        ob[j] = std::fma(static_cast<float>(q4[j] & 0xF), db, mb);
+        ob[j + 16] = std::fma(static_cast<float>(q4[j] >> 4), db, mb);
+      }
+    }
+  }
+}
+
 // Weight rows `rows` of a packed weight as float32 (or bf16) values [len(rows), K]: the exact
-// values qlinear multiplies by (ggml's dequantization of the same blocks). Prompt steps multiply
-// by tiles of it (a tile decoded once per step, reused by all of its rows), and an embedding
-// table kept in blocks looks its rows up through it.
+// values qlinear multiplies by (decode_row). Prompt steps multiply by tiles of it (a tile
+// decoded once per step, reused by all of its rows), and an embedding table kept in blocks
+// looks its rows up through it.
 at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t qtype, int64_t out_features, int64_t in_features,
                         const at::Tensor& rows_in, bool bf16_out, int64_t threads) {
@@ -606,39 +642,8 @@ at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Ten
   parallel_tasks((R + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
     std::vector<float> sd(nb), sm(nb), row(K);
     for (int64_t i = task * kRowsPerTask; i < std::min(R, (task + 1) * kRowsPerTask); ++i) {
-      const int64_t n = rp[i];
-      row_scales(w, n, 1, sd.data(), sm.data());
-      const uint8_t* q = w.qs + n * w.qs_row();
       float* o = bf16_out ? row.data() : static_cast<float*>(base) + i * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float db = sd[b], mb = sm[b];
-        float* ob = o + b * kQK;
-        if (w.qtype == kQ8_0) {
-          const int8_t* q8 = reinterpret_cast<const int8_t*>(q + b * kQK);
-#pragma omp simd
-          for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[j]) * db;
-        } else if (w.qtype == kMXFP4) {
-          const uint8_t* q4 = q + b * 16;
-          for (int j = 0; j < 16; ++j) {
-            ob[j] = static_cast<float>(kE2M1x2[q4[j] & 0xF]) * db;
-            ob[j + 16] = static_cast<float>(kE2M1x2[q4[j] >> 4]) * db;
-          }
-        } else if (w.qtype == kQ6_K) {  // sm: the second half's scale
-          const int8_t* q6 = reinterpret_cast<const int8_t*>(q + b * kQK);
-#pragma omp simd
-          for (int j = 0; j < 16; ++j) {
-            ob[j] = static_cast<float>(q6[j]) * db;
-            ob[j + 16] = static_cast<float>(q6[j + 16]) * mb;
-          }
-        } else {
-          const uint8_t* q4 = q + b * 16;
-#pragma omp simd
-          for (int j = 0; j < 16; ++j) {
-            ob[j] = std::fma(static_cast<float>(q4[j] & 0xF), db, mb);
-            ob[j + 16] = std::fma(static_cast<float>(q4[j] >> 4), db, mb);
-          }
-        }
-      }
+      decode_row(w, rp[i], o, sd.data(), sm.data());
       if (bf16_out) {
         uint16_t* ob = static_cast<uint16_t*>(base) + i * K;
 #pragma omp simd
