@@ -275,6 +275,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_pat
                       "model.layers.*.self_attn", "model.layers.*.mlp.router",
                       "model.embed_tokens", "lm_head"]})
     (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     assert HFCheckpoint(out).arch == HFCheckpoint(folder).arch
     assert HFCheckpoint(out).arch.rope_scaling == HFCheckpoint(folder).arch.rope_scaling
     quantized = transformers.GptOssForCausalLM(model.config).to(torch.float32).eval()
@@ -293,6 +294,17 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_pat
         # the prompt in one step, then decodes (few-row steps: the kernel's packed tiles)
         got = torch.cat([run.step(PROMPT[:60]), *[run.step([t]) for t in PROMPT[60:]]])
         torch.testing.assert_close(got, want, atol=parity.ATOL, rtol=0)
+    # the engine on the blocks: greedy tokens and logprobs as transformers' (chunked prefill)
+    llm = LLM(str(out), **EXACT, max_num_batched_tokens=16)
+    try:
+        completions = llm.generate(PROMPTS[:2], GREEDY)
+        assert llm.engine.kv_pool_is_whole()
+    finally:
+        llm.engine.close()
+    for completion, prompt in zip(completions, PROMPTS[:2]):
+        tokens, logprobs = hf_greedy(quantized, prompt, GREEDY.max_tokens)
+        assert completion.token_ids == tokens
+        assert [lp.logprob for lp in completion.logprobs] == pytest.approx(logprobs, abs=1e-4)
 
     weights.pop("model.layers.1.mlp.experts.down_proj_scales")
     save_file(weights, str(out / "model.safetensors"))
