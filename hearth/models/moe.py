@@ -4,6 +4,9 @@
              --experts--> out[t] = sum_j weight[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
                           e = id[t, j]
 
+(a family's experts may add a bias per expert to gate/up and to down, and take gpt-oss's
+clamped SwiGLU in place of SiLU-mul: `FusedMoE.expert_extras`, which both ops take.)
+
 Expert weights are stacked per layer, so one call covers every expert:
 
     w13 [E_local, 2 I_local, H]   rows = [ gate | up ] of each expert
@@ -33,6 +36,7 @@ from torch import nn
 from hearth.models.arch import ModelArch
 from hearth.models.layers import LOWP_MIN_ROWS, QLINEAR_MAX_ROWS, drop_float
 from hearth.models.parallel_group import ParallelGroup
+from hearth.ops.cpu_kernels import unpack_mxfp4
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool
@@ -74,12 +78,26 @@ def route_grouped(logits: torch.Tensor, top_k: int, scoring_func: str, topk_meth
     return weights * scaling, ids
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[n, 2I] rows of [gate | up] -> [n, I], gpt-oss's activation (transformers'
+    GptOssExperts._apply_gate): gate <= limit, -limit <= up <= limit,
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        expert_start: int = 0) -> torch.Tensor:
+                        expert_start: int = 0, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None,
+                        swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """The expert op in plain torch: the (token, slot) pairs sorted by expert, each active
     expert's gate/up, SiLU-mul and down over its group, combined with the routing weights.
-    Experts outside [expert_start, expert_start + E_local) are skipped. Returns [T, H] in x's dtype."""
+    Experts outside [expert_start, expert_start + E_local) are skipped. Optional biases b13
+    [E_local, 2I], b2 [E_local, H] (in the weights' dtype, as F.linear adds them); `swiglu`
+    (alpha, limit): `clamped_swiglu` in place of SiLU-mul. Returns [T, H] in x's dtype."""
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
     inter = w13.shape[1] // 2
@@ -89,6 +107,8 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts = torch.bincount(local[mine], minlength=num_local).tolist()
     weights = topk_weights.flatten()
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
+    b13 = None if b13 is None else b13.to(w13.dtype)
+    b2 = None if b2 is None else b2.to(w2.dtype)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -96,10 +116,11 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        gate_up = F.linear(x[tokens], w13[expert])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[expert]).float() * weights[pairs, None]
-        out.index_add_(0, tokens, y)
+        gate_up = F.linear(x[tokens], w13[expert], None if b13 is None else b13[expert])
+        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:] if swiglu is None
+               else clamped_swiglu(gate_up, *swiglu))
+        y = F.linear(act, w2[expert], None if b2 is None else b2[expert])
+        out.index_add_(0, tokens, y.float() * weights[pairs, None])
     return out.to(x.dtype)
 
 
@@ -107,7 +128,7 @@ class FusedMoE(nn.Module):
     """The stacked experts of one layer (this rank's part) and the op that runs them."""
 
     # whether the kernel's packed experts can run them (quant.quantize_experts); a family's
-    # experts with more than this op computes (gpt-oss: biases, a clamped SwiGLU) say False
+    # experts with more than the op computes would say False
     packable = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -169,13 +190,26 @@ class FusedMoE(nn.Module):
         one = torch.zeros(1, 1, 1)
         return one.expand(self.w13.shape), one.expand(self.w2.shape)
 
+    def expert_extras(self) -> dict:
+        """What these experts add to down(silu(gate) * up), as keyword arguments of both expert
+        ops (`fused_experts_torch`, `CpuKernels.moe_experts`): b13, b2, swiglu. None here;
+        gpt-oss's experts have biases and a clamped SwiGLU."""
+        return {}
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """Partial sums of this rank's experts, [T, H] float32 (x's dtype without kernels)."""
-        rows = x.shape[0]
+        rows, extras = x.shape[0], self.expert_extras()
+        if self.blocks_only and (self.kernels is None or x.device.type != "cpu"):
+            # no kernels (MXFP4 blocks loaded by a family): the stacks decoded for this step
+            w13 = unpack_mxfp4(self.qw13).view(self.w13.shape).to(x.device)
+            w2 = unpack_mxfp4(self.qw2).view(self.w2.shape).to(x.device)
+            return fused_experts_torch(x.float(), w13, w2, topk_weights, topk_ids,
+                                       self.expert_start, **extras)
         if self.blocks_only:  # every step on the packed experts, in float32 activations
             return self.kernels.moe_experts(x.float(), *self.kernel_weights(), topk_weights,
-                                            topk_ids, self.expert_start, self.qw13, self.qw2)
+                                            topk_ids, self.expert_start, self.qw13, self.qw2,
+                                            **extras)
         w13, w2 = self.w13, self.w2
         if self.w13_lowp is not None and (x.dtype == self.w13_lowp.dtype
                                           or rows > self.lowp_min_rows):
@@ -183,12 +217,12 @@ class FusedMoE(nn.Module):
         kernels = self.kernels
         if kernels is None or x.device.type != "cpu":
             return fused_experts_torch(x.to(w13.dtype), w13, w2, topk_weights, topk_ids,
-                                       self.expert_start).to(x.dtype)
+                                       self.expert_start, **extras).to(x.dtype)
         quantized = (self.qw13 is not None and x.dtype == torch.float32
                      and rows <= QLINEAR_MAX_ROWS)
         q13, q2 = (self.qw13, self.qw2) if quantized else (None, None)
         return kernels.moe_experts(x, w13, w2, topk_weights, topk_ids, self.expert_start,
-                                   q13, q2)
+                                   q13, q2, **extras)
 
 
 def use_lowp_expert_prompts(model: nn.Module, dtype: torch.dtype) -> int:

@@ -25,8 +25,9 @@ log = logging.getLogger("hearth.ops")
 
 # ggml block formats the kernels read directly: type id -> (bytes per block, name). A block is
 # 32 elements, a K-quant super-block 256 (Q4_K 144 bytes, Q6_K 210).
-QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0"), 12: (144, "q4_k"), 14: (210, "q6_k")}
-Q4_K, Q6_K = 12, 14
+QTYPES = {2: (18, "q4_0"), 3: (20, "q4_1"), 8: (34, "q8_0"), 12: (144, "q4_k"), 14: (210, "q6_k"),
+          39: (17, "mxfp4")}
+Q4_K, Q6_K, MXFP4 = 12, 14, 39
 QTYPE_IDS = {name: qtype for qtype, (_, name) in QTYPES.items()}
 
 
@@ -41,7 +42,8 @@ class PackedWeight:
     # [N, K/32] float16 scales (Q4_K: [N, K/256 * 2], each super-block's d, dmin; Q6_K: its d)
     d: torch.Tensor
     # [N, K/32] float16 offsets (Q4_1); Q4_K: [N, K/256 * 16] uint8 scales then mins per
-    # super-block; Q6_K: [N, K/16] int8 scales as uint8; else empty
+    # super-block; Q6_K: [N, K/16] int8 scales as uint8; MXFP4: [N, K/32] uint8 exponents
+    # (d empty); else empty
     m: torch.Tensor
     out_features: int
     in_features: int
@@ -56,6 +58,9 @@ def pack_ggml(qtype: int, blocks: torch.Tensor, int8_act: bool = False) -> Packe
         return _pack_q4_k(blocks, int8_act)
     if qtype == Q6_K:
         return _pack_q6_k(blocks, int8_act)
+    if qtype == MXFP4:  # ggml's block: the exponent byte, then the nibbles in Q4's order
+        b = blocks.reshape(blocks.shape[0], -1, 17)
+        return pack_mxfp4(b[:, :, 1:], b[:, :, 0], int8_act)
     bbytes = QTYPES[qtype][0]
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, bbytes)
@@ -109,13 +114,50 @@ def _pack_q6_k(blocks: torch.Tensor, int8_act: bool) -> PackedWeight:
     return PackedWeight(Q6_K, qs, d, ks, n, ns * 256, int8_act)
 
 
+def pack_mxfp4(nibbles: torch.Tensor, exponents: torch.Tensor, int8_act: bool = False,
+               interleaved: bool = False) -> PackedWeight:
+    """MXFP4 rows: `nibbles` [N, K/32, 16] uint8 and `exponents` [N, K/32] uint8 (block value
+    e2m1(q) * 2^(e - 127)) -> the kernels' layout (csrc/qlinear.h): qs [N, K/2] in Q4's nibble
+    order, the exponents as m. Nibbles in ggml's order (byte j: elements j low, j + 16 high),
+    or with `interleaved` in the OCP / transformers order (byte j: elements 2j low, 2j + 1
+    high), which is rearranged (the same bytes' worth: 4.25 bits per weight)."""
+    n, groups = exponents.shape
+    if (nibbles.dtype != torch.uint8 or exponents.dtype != torch.uint8
+            or tuple(nibbles.shape) != (n, groups, 16)):
+        raise ValueError(f"MXFP4 blocks {tuple(nibbles.shape)} {nibbles.dtype} and exponents "
+                         f"{tuple(exponents.shape)} {exponents.dtype} do not match "
+                         f"([N, G, 16] uint8, [N, G] uint8)")
+    if interleaved:  # codes [.., 32] in element order, then byte j = code j | code j + 16 << 4
+        codes = torch.stack([nibbles & 0x0F, nibbles >> 4], -1).reshape(n, groups, 32)
+        nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    return PackedWeight(MXFP4, nibbles.reshape(n, groups * 16).contiguous(),
+                        torch.empty(0, dtype=torch.float16), exponents.contiguous(), n,
+                        groups * 32, int8_act)
+
+
+E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1 values, doubled
+
+
+def unpack_mxfp4(w: PackedWeight) -> torch.Tensor:
+    """An MXFP4 PackedWeight's exact values [N, K] float32 in plain torch (ggml's
+    dequantization: e2m1 doubled times 2^(e - 128)), for a device without the kernels."""
+    if w.qtype != MXFP4:
+        raise ValueError(f"unpack_mxfp4: ggml type {w.qtype} is not MXFP4")
+    lut = torch.tensor(E2M1_X2, dtype=torch.float32, device=w.qs.device)
+    q = w.qs.view(w.out_features, -1, 16).long()
+    values = torch.cat([lut[q & 0x0F], lut[q >> 4]], -1)  # [N, K/32, 32]: j low, j + 16 high
+    e = w.m.to(torch.int32)  # 2^(e - 128) as ggml builds it: its float32 bits (e < 2: subnormal)
+    scales = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+    return (values * scales[..., None]).reshape(w.out_features, w.in_features)
+
+
 def pack_ggml_parts(qtype: int, parts: list[torch.Tensor], rows_per_group: list[int],
                     groups: int = 1, int8_act: bool = False) -> PackedWeight:
     """`pack_ggml` of several block tensors' rows interleaved by group (for each group,
     rows_per_group[p] rows of each part p in turn): QKV or gate/up stacked (one group), or each
     expert's [gate | up] (groups = experts). One pass through the loaded kernels' `repack_ggml`
     (a strided torch copy of the same bytes took ~2 s of a 1 GB MoE model's cold start)."""
-    if not hasattr(torch.ops.hearth, "repack_ggml"):  # no kernels loaded: the torch path
+    if not hasattr(torch.ops.hearth, "repack_ggml") or qtype == MXFP4:  # the torch path
         stacked = torch.cat([p.view(groups, rows, -1) for p, rows in zip(parts, rows_per_group)],
                             1)
         return pack_ggml(qtype, stacked.reshape(-1, stacked.shape[-1]), int8_act)
@@ -236,18 +278,22 @@ class CpuKernels:
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
-                    q13: PackedWeight | None = None, q2: PackedWeight | None = None
-                    ) -> torch.Tensor:
+                    q13: PackedWeight | None = None, q2: PackedWeight | None = None,
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    swiglu: tuple[float, float] | None = None) -> torch.Tensor:
         """A MoE layer's experts (csrc/moe.h): float32 [T, H]. With `q13`/`q2` (the experts'
         rows stacked, [E * 2I, H] and [E * H, I] in a block format) through qlinear's tiles
         (8-bit activations when `q13.int8_act`), else one GEMM per active expert on `w13`
-        [E, 2I, H] / `w2` [E, H, I]."""
+        [E, 2I, H] / `w2` [E, H, I]. Optional per-expert biases `b13` [E, 2I] and `b2` [E, H];
+        `swiglu` (alpha, limit): gpt-oss's clamped SwiGLU in place of silu(gate) * up."""
         q, types = [], []
         if q13 is not None:
             q, types = [q13.qs, q13.d, q13.m, q2.qs, q2.d, q2.m], [q13.qtype, q2.qtype]
+        alpha, limit = swiglu if swiglu is not None else (1.702, 7.0)
         return torch.ops.hearth.moe_experts(x, w13, w2, topk_weights, topk_ids, expert_start,
                                             q, types, self.threads.count,
-                                            q13 is not None and q13.int8_act)
+                                            q13 is not None and q13.int8_act, b13, b2,
+                                            int(swiglu is not None), alpha, limit)
 
 
     def decode_layers(self, stack: "LlamaStack", x: torch.Tensor, residual: torch.Tensor | None,

@@ -127,9 +127,10 @@ def test_logits_equal_transformers(hf_gpt_oss, long_cache, use_kernels):
         torch.testing.assert_close(got, want, atol=parity.ATOL, rtol=0)
 
 
-def test_quantization_packs_the_linears_but_leaves_the_experts_float(hf_gpt_oss):
-    """The expert kernel has no biases or clamped SwiGLU: q8_0 packs attention and the head,
-    never gpt-oss's experts (which keep running the torch op)."""
+def test_quantization_packs_the_experts_with_their_biases_and_clamps(hf_gpt_oss):
+    """q8_0 packs attention, the head and the experts; few-row steps run the packed experts
+    through the kernel with gpt-oss's biases and clamped SwiGLU (transformers' logits up to
+    Q8_0's rounding), many-row steps the float experts (exactly)."""
     from hearth.models.quant import quantize_model
     from hearth.models.weights import build_model
     from hearth.ops.cpu_kernels import load_cpu_kernels
@@ -137,14 +138,24 @@ def test_quantization_packs_the_linears_but_leaves_the_experts_float(hf_gpt_oss)
     kernels = load_cpu_kernels("auto")
     if kernels is None:
         pytest.skip("hearth's CPU kernels are not built here")
-    _, folder = hf_gpt_oss
+    model, folder = hf_gpt_oss
     checkpoint = HFCheckpoint(folder)
-    model = build_model(checkpoint, torch.float32)
-    model.use_kernels(kernels)
-    counts = quantize_model(model, checkpoint, "q8_0", kernels)
-    assert counts == {"q8_0": 2 * 3 + 1, "none": 3}  # qkv and o per layer, the head; experts
-    assert all(layer.mlp.experts.qw13 is None for layer in model.layers)
-    assert model.layers[0].self_attn.qkv_proj.qweight is not None
+    hearth_model = build_model(checkpoint, torch.float32)
+    hearth_model.use_kernels(kernels)
+    counts = quantize_model(hearth_model, checkpoint, "q8_0", kernels)
+    assert counts == {"q8_0": 2 * 3 + 1, "experts-q8_0": 3}  # qkv and o per layer, the head
+    assert all(layer.mlp.experts.qw13 is not None for layer in hearth_model.layers)
+    run = PagedRun(folder, kernels)
+    run.model = hearth_model
+    prompt = PROMPT[:8]  # one few-row step: the packed experts
+    want = hf_logits(model, prompt)
+    got = run.step(prompt)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    unclamped = PagedRun(folder, kernels)
+    unclamped.model = hearth_model
+    for layer in hearth_model.layers:
+        layer.mlp.experts.limit = 1e9
+    assert (unclamped.step(prompt) - want).abs().max() > 0.1 * want.abs().max()
 
 
 def test_sinks_windows_and_clamps_each_change_the_logits(hf_gpt_oss, long_cache):
@@ -236,9 +247,10 @@ def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_path, long_cache):
     """A folder storing the experts as `*_blocks` + `*_scales`, its config in the older form
-    (as OpenAI releases gpt-oss):
-    hearth's logits equal transformers' model holding transformers' own dequantization of the
-    same blocks (integrations.mxfp4.convert_moe_packed_tensors)."""
+    (as OpenAI releases gpt-oss): the experts stay in those blocks (repacked, no float copy),
+    and hearth's logits, on torch (the blocks decoded per step) and on the kernels' MXFP4
+    tiles, equal transformers' model holding transformers' own dequantization of the same
+    blocks (integrations.mxfp4.convert_moe_packed_tensors)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     model, folder = hf_gpt_oss
@@ -263,6 +275,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_pat
                       "model.layers.*.self_attn", "model.layers.*.mlp.router",
                       "model.embed_tokens", "lm_head"]})
     (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     assert HFCheckpoint(out).arch == HFCheckpoint(folder).arch
     assert HFCheckpoint(out).arch.rope_scaling == HFCheckpoint(folder).arch.rope_scaling
     quantized = transformers.GptOssForCausalLM(model.config).to(torch.float32).eval()
@@ -270,7 +283,28 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(hf_gpt_oss, tmp_pat
     gate_up = "model.layers.0.mlp.experts.gate_up_proj"
     assert not torch.equal(state[gate_up], model.state_dict()[gate_up])  # the blocks round
     want = hf_logits(quantized, PROMPT)
-    torch.testing.assert_close(PagedRun(out).step(PROMPT), want, atol=parity.ATOL, rtol=0)
+    from hearth.ops.cpu_kernels import MXFP4, load_cpu_kernels
+    kernels = load_cpu_kernels("auto")
+    for run in (PagedRun(out), *([PagedRun(out, kernels)] if kernels else [])):
+        for layer in run.model.layers:  # the blocks are the only copy of the experts
+            experts = layer.mlp.experts
+            assert experts.blocks_only and experts.w13.is_meta and experts.w2.is_meta
+            assert experts.qw13.qtype == experts.qw2.qtype == MXFP4
+            assert experts.qw13.qs.numel() == experts.w13.numel() // 2  # 4 bits + an exponent
+        # the prompt in one step, then decodes (few-row steps: the kernel's packed tiles)
+        got = torch.cat([run.step(PROMPT[:60]), *[run.step([t]) for t in PROMPT[60:]]])
+        torch.testing.assert_close(got, want, atol=parity.ATOL, rtol=0)
+    # the engine on the blocks: greedy tokens and logprobs as transformers' (chunked prefill)
+    llm = LLM(str(out), **EXACT, max_num_batched_tokens=16)
+    try:
+        completions = llm.generate(PROMPTS[:2], GREEDY)
+        assert llm.engine.kv_pool_is_whole()
+    finally:
+        llm.engine.close()
+    for completion, prompt in zip(completions, PROMPTS[:2]):
+        tokens, logprobs = hf_greedy(quantized, prompt, GREEDY.max_tokens)
+        assert completion.token_ids == tokens
+        assert [lp.logprob for lp in completion.logprobs] == pytest.approx(logprobs, abs=1e-4)
 
     weights.pop("model.layers.1.mlp.experts.down_proj_scales")
     save_file(weights, str(out / "model.safetensors"))

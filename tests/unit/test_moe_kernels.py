@@ -246,3 +246,93 @@ def test_k_quant_experts_with_int8_activations_equal_reference(kernels, fmt13, f
     got = kernels.moe_experts(x, f13, f2, weights, ids, 0, pack_ggml(QTYPE_IDS[fmt13], b13, True),
                               pack_ggml(QTYPE_IDS[fmt2], b2, True))
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def make_gpt_oss_case(num_tokens: int, top_k: int, seed: int = 2):
+    """A case with gpt-oss's extras: biases on gate/up and down, gate/up large enough that a
+    limit of 1.5 cuts (both ends of up, the top of gate)."""
+    x, w13, w2, weights, ids = make_case(num_tokens, top_k, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    return (x, 2 * w13, w2, weights, ids, torch.randn(E, 2 * I, generator=gen),
+            torch.randn(E, H, generator=gen))
+
+
+SWIGLU = (1.702, 1.5)
+
+
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (5, 3), (33, 4)])
+def test_biases_and_clamped_swiglu_equal_reference(kernels, num_tokens, top_k):
+    x, w13, w2, weights, ids, b13, b2 = make_gpt_oss_case(num_tokens, top_k)
+    gate_up = torch.einsum("th,eih->tei", x, w13) + b13
+    assert (gate_up[..., :I] > SWIGLU[1]).any() and (gate_up[..., I:].abs() > SWIGLU[1]).any()
+    want = fused_experts_torch(x, w13, w2, weights, ids, b13=b13, b2=b2, swiglu=SWIGLU)
+    got = kernels.moe_experts(x, w13, w2, weights, ids, 0, b13=b13, b2=b2, swiglu=SWIGLU)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # each of them matters: without the clamp, or a bias, the answer is another
+    for change in (dict(swiglu=(SWIGLU[0], 1e9)), dict(b13=None), dict(b2=None)):
+        other = kernels.moe_experts(x, w13, w2, weights, ids, 0,
+                                    **{**dict(b13=b13, b2=b2, swiglu=SWIGLU), **change})
+        assert (other - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("int8_act", [False, True], ids=["f32", "a8"])
+def test_quantized_path_takes_biases_and_clamped_swiglu(kernels, fmt, int8_act):
+    gen = torch.Generator().manual_seed(3)
+    x, w13, w2, weights, ids, b13, b2 = make_gpt_oss_case(7, 2)
+    q13, f13 = packed(fmt, w13.reshape(E * 2 * I, H), gen, int8_act)
+    q2, f2 = packed(fmt, w2.reshape(E * H, I), gen, int8_act)
+    f13, f2 = f13.reshape(E, 2 * I, H), f2.reshape(E, H, I)
+    want = fused_experts_torch(x, f13, f2, weights, ids, b13=b13, b2=b2, swiglu=SWIGLU)
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2, b13=b13, b2=b2,
+                              swiglu=SWIGLU)
+    tol = 0.05 if int8_act else 1e-3
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "q8_0"])
+def test_expert_parallel_ranks_split_biased_experts(kernels, quantized):
+    """Each rank holds 3 whole experts with their biases; the two ranks' sums are the layer."""
+    x, w13, w2, weights, ids, b13, b2 = make_gpt_oss_case(9, 2)
+    parts = []
+    for start in (0, 3):
+        mine = slice(start, start + 3)
+        args = (w13[mine].contiguous(), w2[mine].contiguous(), weights, ids, start)
+        q = ()
+        if quantized:
+            q13 = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(args[0].reshape(-1, H)))
+            q2 = pack_ggml(QTYPE_IDS["q8_0"], quantize_q8_0(args[1].reshape(-1, I)))
+            q = (q13, q2)
+        extras = dict(b13=b13[mine], b2=b2[mine], swiglu=SWIGLU)
+        got = kernels.moe_experts(x, *args, *q, **extras)
+        if not quantized:
+            want = fused_experts_torch(x, *args[:2], weights, ids, start, **extras)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        parts.append(got)
+    whole = fused_experts_torch(x, w13, w2, weights, ids, b13=b13, b2=b2, swiglu=SWIGLU)
+    tol = 0.02 * whole.abs().max().item() if quantized else 1e-4
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=tol, rtol=0)
+
+
+def test_bad_biases_are_refused(kernels):
+    x, w13, w2, weights, ids, b13, b2 = make_gpt_oss_case(3, 2)
+    with pytest.raises(RuntimeError, match=r"b13 must be \[E, 2I\]"):
+        kernels.moe_experts(x, w13, w2, weights, ids, 0, b13=b13[:, :5])
+    with pytest.raises(RuntimeError, match=r"b2 must be \[E, H\]"):
+        kernels.moe_experts(x, w13, w2, weights, ids, 0, b2=b2[:2])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_experts_with_many_pairs_multiply_decoded_tiles(kernels, fmt):
+    """Blocks-only experts take every step packed: an expert with more than 32 pairs in it runs
+    on float tiles decoded from its blocks, the same values as the few-pair tiles."""
+    gen = torch.Generator().manual_seed(6)
+    x, w13, w2, weights, ids = make_case(100, 2)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert counts.max() > 32 and counts.min() <= 32  # decoded tiles and packed ones
+    q13, f13 = packed(fmt, w13.reshape(E * 2 * I, H), gen)
+    q2, f2 = packed(fmt, w2.reshape(E * H, I), gen)
+    f13, f2 = f13.reshape(E, 2 * I, H), f2.reshape(E, H, I)
+    want = fused_experts_torch(x, f13, f2, weights, ids)
+    got = kernels.moe_experts(x, f13, f2, weights, ids, 0, q13, q2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

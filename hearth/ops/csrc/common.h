@@ -6,7 +6,7 @@
 
 constexpr int64_t kQK = 32;  // elements per ggml block
 // ggml type ids
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kMXFP4 = 39;
 constexpr int64_t kQK_K = 256;  // elements per k-quant super-block
 
 inline float bf16_to_float(uint16_t h) {

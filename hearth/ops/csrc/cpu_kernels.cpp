@@ -102,7 +102,9 @@ TORCH_LIBRARY(hearth, m) {
         "bool int8_act) -> (Tensor, Tensor)",
         &hearth::decode_layers);
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
-        "int expert_start, Tensor[] q, int[] qtypes, int threads=64, bool int8_act=False) -> Tensor",
+        "int expert_start, Tensor[] q, int[] qtypes, int threads=64, bool int8_act=False, "
+        "Tensor? b13=None, Tensor? b2=None, int activation=0, float alpha=1.702, "
+        "float limit=7.0) -> Tensor",
         &hearth::moe_experts);
   m.def("mla_decode_layers(Tensor x, Tensor(a!) residual, bool has_residual, Tensor[] weights, "
         "int[] qtypes, int[] dims, float[] fdims, Tensor(b!)[] expert_counts, Tensor rope_cos, "

@@ -116,6 +116,32 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
+// [T, 2I] (gate | up) -> [T, I]: gpt-oss's clamped SwiGLU, in gate_up's dtype (transformers'
+// GptOssExperts): g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) g sigmoid(alpha g).
+at::Tensor clamped_swiglu(const at::Tensor& gate_up_in, double alpha, double limit) {
+  at::Tensor gu = gate_up_in.contiguous();
+  check_act(gu, "clamped_swiglu");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  at::Tensor out = at::empty({T, I}, gu.options());
+  dispatch_act(gu, out, [&](auto* gp, auto* op) {
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const auto* g = gp + t * 2 * I;
+        const auto* u = g + I;
+        auto* o = op + t * I;
+#pragma omp simd
+        for (int64_t j = 0; j < I; ++j) {
+          const float gj = std::min(act_load(g, j), l);
+          const float uj = std::min(std::max(act_load(u, j), -l), l);
+          act_store(o, j, (uj + 1.0f) * (gj / (1.0f + fast_exp(-a * gj))));
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // The scaled KV formats (hearth/ops/kv_quant.py): a row of one token and KV head is D 8-bit
 // values -- int8, or fp8 e4m3 bytes -- followed by the 4 bytes of its float32 scale, so rows lie
 // D + 4 elements apart and value j is q[j] * scale. Readers widen q in registers and put the

@@ -11,13 +11,15 @@
 //   xs [P, H]   gathered token rows, in that order (with int8_act quantized to 8 bits per
 //               32-block, qlinear's VNNI path, for gu and again for act)
 //   gu [P, 2I]  xs against each expert's [gate | up] rows    (quantized: qlinear tiles; float:
-//   act [P, I]  silu(gate) * up                               one GEMM per expert, at::mm)
+//   act [P, I]  silu(gate) * up (or gpt-oss's clamped SwiGLU)  one GEMM per expert, at::mm)
 //   ys [P, H]   act against each expert's down rows
 //   out[t]      sum over t's slots j in slot order of w[t, j] * ys[pos(t, j)]  (deterministic)
 //
+// Optional per-expert biases (gpt-oss) join gu and ys before the activation and the combine.
 // Weights: w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (many-row steps: GEMMs), or the
 // same rows in a ggml block format (few-row steps: a task per (expert, 64 weight rows), so a
-// decode step spreads its k experts' rows over every thread). Pairs routed to experts outside
+// decode step spreads its k experts' rows over every thread; an expert with more than 32 pairs
+// multiplies by float tiles decoded from its blocks, expert_decoded_tiles). Pairs routed to experts outside
 // [expert_start, expert_start + E) belong to another expert-parallel rank and are skipped.
 
 struct ExpertPairs {
@@ -53,7 +55,7 @@ QWeight expert_rows(const QWeight& w, int64_t e, int64_t rows) {
   v.qs = w.qs + e * rows * w.qs_row();
   v.d = w.d + e * rows * w.d_row();
   v.m = w.m ? w.m + e * rows * w.nb : nullptr;
-  v.ks = w.ks ? w.ks + e * rows * w.nb * 2 : nullptr;
+  v.ks = w.ks ? w.ks + e * rows * w.ks_row() : nullptr;
   return v;
 }
 
@@ -79,8 +81,39 @@ void group_rows(const QWeight& w, int64_t g, int64_t g_rows, int64_t r0, int64_t
   for (; n < r1; ++n) qlinear_rows<1>(wg, n, x, M, o);
 }
 
+// An expert with more than this many pairs in a step multiplies by float tiles decoded from
+// its blocks (decode_row: the same values), one GEMM per tile, as a dense layer's prompt step
+// does past QLINEAR_MAX_ROWS (hearth/models/layers.py); fewer pairs run qlinear's tiles. Only
+// blocks-only experts (every step packed) meet it: others take their float stacks for steps
+// of more than 32 rows, where no expert has more than 32 pairs.
+constexpr int64_t kDecodedTileMinPairs = 33;
+constexpr int64_t kDecodedTileBytes = 4 << 20;  // each tile's float32 values, about
+
+// Expert e's rows of `w` (w_rows of them) against its pairs' float rows of `in` [n, K] from
+// row p0, into out [n, w_rows] at row p0: tiles of decoded rows, each decoded once (in
+// parallel) and multiplied by all n rows (at::mm).
+void expert_decoded_tiles(const QWeight& w, int64_t e, int64_t w_rows, int64_t p0, int64_t n,
+                          const float* in, float* out, int64_t threads) {
+  const QWeight we = expert_rows(w, e, w_rows);
+  const int64_t K = w.K, tile = std::max<int64_t>(16, kDecodedTileBytes / (4 * K));
+  const at::Tensor x = at::from_blob(const_cast<float*>(in) + p0 * K, {n, K}, at::kFloat);
+  at::Tensor y = at::from_blob(out + p0 * w_rows, {n, w_rows}, at::kFloat);
+  at::Tensor values = at::empty({std::min(tile, w_rows), K}, at::kFloat);
+  for (int64_t r0 = 0; r0 < w_rows; r0 += tile) {
+    const int64_t r1 = std::min(w_rows, r0 + tile);
+    float* v = values.data_ptr<float>();
+    parallel_tasks((r1 - r0 + 15) / 16, [&](int64_t task) {
+      std::vector<float> sd(w.nb), sm(w.nb);
+      for (int64_t r = r0 + task * 16; r < std::min(r1, r0 + (task + 1) * 16); ++r)
+        decode_row(we, r, v + (r - r0) * K, sd.data(), sm.data());
+    }, threads);
+    y.narrow(1, r0, r1 - r0).copy_(at::mm(x, values.narrow(0, 0, r1 - r0).t()));
+  }
+}
+
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
-// into out [P, w_rows]: one task per (active expert, 256 weight rows). With `shared` (the
+// into out [P, w_rows]: one task per (active expert, 256 weight rows); an expert with
+// kDecodedTileMinPairs pairs or more through decoded float tiles instead (float `in`). With `shared` (the
 // always-on shared expert, the same row count and format as one routed expert), its rows run
 // against rows [P, P + T) of `in` in the same task pool (one parallel region for both: the
 // shared expert's own pair of calls had run at ~17 GB/s, their ~0.8 MB too little for a region).
@@ -90,9 +123,17 @@ void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, con
   constexpr int64_t kRowsPerTask = 256;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t P = s.offset[E];
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (s.offset[e + 1] > s.offset[e]) active.push_back(e);
+  std::vector<int64_t> active, decoded;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = s.offset[e + 1] - s.offset[e];
+    if (n >= kDecodedTileMinPairs)
+      decoded.push_back(e);
+    else if (n > 0)
+      active.push_back(e);
+  }
+  for (int64_t e : decoded)
+    expert_decoded_tiles(w, e, w_rows, s.offset[e], s.offset[e + 1] - s.offset[e], in, out,
+                         threads);
   const int64_t routed = active.size() * tasks_per_expert;
   const int64_t extra = shared && shared_m > 0 ? tasks_per_expert : 0;
   parallel_tasks(routed + extra, [&](int64_t task) {
@@ -175,11 +216,39 @@ struct SharedExpert {
   QWeight w13, w2;
 };
 
+// What a family's experts add to `down(silu(gate) * up)` (gpt-oss): a bias per expert on its
+// [gate | up] rows and on its down rows (undefined tensors: none), and the activation between.
+enum ExpertActivation : int64_t { kSiluMul = 0, kClampedSwiglu = 1 };
+struct ExpertExtras {
+  at::Tensor b13, b2;  // [E, 2I], [E, H] (any float dtype; converted as each path needs)
+  int64_t activation = kSiluMul;
+  double alpha = 1.702, limit = 7.0;  // kClampedSwiglu's (transformers' GptOssExperts)
+  at::Tensor act(const at::Tensor& gu) const {
+    return activation == kClampedSwiglu ? clamped_swiglu(gu, alpha, limit) : silu_mul(gu);
+  }
+};
+
+// rows [offset[e], offset[e + 1]) of `rows` [P, width] += bias[e] (float32 [E, width]): each
+// active expert's bias over its pairs' rows, one task per expert.
+void add_expert_bias(float* rows, int64_t width, const ExpertPairs& s, const at::Tensor& bias,
+                     int64_t threads) {
+  const float* b = bias.data_ptr<float>();
+  const int64_t E = s.offset.size() - 1;
+  parallel_tasks(E, [&](int64_t e) {
+    const float* be = b + e * width;
+    for (int64_t p = s.offset[e]; p < s.offset[e + 1]; ++p) {
+      float* r = rows + p * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) r[j] += be[j];
+    }
+  }, s.offset[E] >= 16 ? threads : 1);
+}
+
 at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                             int64_t expert_start, std::vector<at::Tensor> q,
                             std::vector<int64_t> qtypes, int64_t threads, bool int8_act,
-                            const SharedExpert* shared) {
+                            const SharedExpert* shared, const ExpertExtras& extras = {}) {
   TORCH_CHECK(x_in.dim() == 2, "moe_experts: x must be [T, H]");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) &&
                   w13.size(2) == x_in.size(1) && w2.size(1) == x_in.size(1) &&
@@ -197,6 +266,15 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
   const ExpertPairs s = sort_pairs(ids.data_ptr<int64_t>(), T, k, E, expert_start);
   const int64_t P = s.offset[E];
   TORCH_CHECK(!shared || !q.empty(), "moe_experts: a folded shared expert needs packed experts");
+  TORCH_CHECK(!extras.b13.defined() || extras.b13.sizes() == at::IntArrayRef({E, 2 * I}),
+              "moe_experts: b13 must be [E, 2I]");
+  TORCH_CHECK(!extras.b2.defined() || extras.b2.sizes() == at::IntArrayRef({E, H}),
+              "moe_experts: b2 must be [E, H]");
+  TORCH_CHECK(extras.activation == kSiluMul || extras.activation == kClampedSwiglu,
+              "moe_experts: activation must be 0 (silu_mul) or 1 (clamped SwiGLU)");
+  TORCH_CHECK(!shared || (!extras.b13.defined() && !extras.b2.defined() &&
+                          extras.activation == kSiluMul),
+              "moe_experts: a folded shared expert takes no biases or other activation");
   // With the shared expert: rows [P, P + T) of xs, gu, act and ys are every token's own
   const int64_t S = shared ? T : 0;
   at::Tensor out = at::zeros({T, H}, x_in.options().dtype(at::kFloat));
@@ -220,21 +298,33 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
     if (int8_act) a13 = quantize_act(xs.data_ptr<float>(), P + S, H, q13.qtype, qx, sc, dxe_row);
     experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads,
                     int8_act ? &a13 : nullptr, dxe_row, shared ? &shared->w13 : nullptr, S);
-    at::Tensor act = silu_mul(gu);  // [P + S, I]
+    if (extras.b13.defined())
+      add_expert_bias(gu.data_ptr<float>(), 2 * I, s, extras.b13.to(at::kFloat).contiguous(),
+                      threads);
+    at::Tensor act = extras.act(gu);  // [P + S, I]
     ys = at::empty({P + S, H}, xs.options());
     if (int8_act) a2 = quantize_act(act.data_ptr<float>(), P + S, I, q2.qtype, qx, sc, dxe_row);
     experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads,
                     int8_act ? &a2 : nullptr, dxe_row, shared ? &shared->w2 : nullptr, S);
+    if (extras.b2.defined())
+      add_expert_bias(ys.data_ptr<float>(), H, s, extras.b2.to(at::kFloat).contiguous(), threads);
   } else {
     TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
     at::Tensor xs = gather_rows(x_in.to(w13.scalar_type()).contiguous(), s.token, threads);
     ys = at::empty({P, H}, xs.options());
+    // biases as F.linear takes them: in the weights' dtype, one addmm per projection
+    const at::Tensor b13 = extras.b13.defined() ? extras.b13.to(w13.scalar_type()) : at::Tensor();
+    const at::Tensor b2 = extras.b2.defined() ? extras.b2.to(w13.scalar_type()) : at::Tensor();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t p0 = s.offset[e], n = s.offset[e + 1] - p0;
       if (n == 0) continue;
-      at::Tensor gu = at::mm(xs.narrow(0, p0, n), w13[e].t());
+      const at::Tensor xe = xs.narrow(0, p0, n);
+      at::Tensor gu = b13.defined() ? at::addmm(b13[e], xe, w13[e].t()) : at::mm(xe, w13[e].t());
       at::Tensor y = ys.narrow(0, p0, n);
-      at::mm_out(y, silu_mul(gu), w2[e].t());
+      if (b2.defined())
+        at::addmm_out(y, b2[e], extras.act(gu), w2[e].t());
+      else
+        at::mm_out(y, extras.act(gu), w2[e].t());
     }
     ys = ys.to(at::kFloat);
   }
@@ -264,7 +354,15 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                        const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                        int64_t expert_start, std::vector<at::Tensor> q, std::vector<int64_t> qtypes,
-                       int64_t threads, bool int8_act) {
+                       int64_t threads, bool int8_act, const std::optional<at::Tensor>& b13,
+                       const std::optional<at::Tensor>& b2, int64_t activation, double alpha,
+                       double limit) {
+  ExpertExtras extras;
+  if (b13) extras.b13 = *b13;
+  if (b2) extras.b2 = *b2;
+  extras.activation = activation;
+  extras.alpha = alpha;
+  extras.limit = limit;
   return moe_experts_impl(x_in, w13, w2, topk_weights, topk_ids, expert_start, std::move(q),
-                          std::move(qtypes), threads, int8_act, nullptr);
+                          std::move(qtypes), threads, int8_act, nullptr, extras);
 }

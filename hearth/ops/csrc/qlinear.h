@@ -33,6 +33,14 @@
 // qlinear_tile_q6 multiplies the halves by them. Every build runs the same AVX2 tile, and the
 // 8-bit-activation path is not taken for Q6_K (qlinear computes it in float32).
 //
+// MXFP4 (gpt-oss's experts; ggml type 39) keeps its 4.25 bits per weight: 32 e2m1 values per
+// block and one power-of-two scale byte (UE8), as ggml stores it with the byte moved out:
+//   qs [N, K/2] uint8: nibbles in Q4's order (byte j: element j low, element j + 16 high)
+//   m  [N, K/32] uint8: each block's exponent e;  d: empty
+//   w[n, 32 b + j] = kE2M1x2[q] * 2^(e - 128)   (ggml's kvalues_mxfp4, e2m1 doubled; exact)
+// The tiles look the nibbles up as int8 (vpshufb) and then run as Q8_0's: float32 activations
+// against the int8 values times 2^(e - 128), or the 8-bit activations' integer sums.
+//
 // The bytes are ggml's, with the scales moved out of the blocks so a row's scales convert to
 // float in a few vector instructions and the block loop is loads, nibble unpacks and FMAs.
 // A tile of NR weight rows x MT activation rows keeps NR * MT * 2 accumulators in registers, so
@@ -44,12 +52,24 @@ struct QWeight {
   const uint16_t* d;
   const uint16_t* m;  // null unless Q4_1
   // Q4_K: [N, nb / 8, 2, 8] scales, then mins, per super-block; Q6_K: [N, 2 nb] int8 scales
+  // MXFP4: [N, nb] exponent bytes
   const uint8_t* ks = nullptr;
   int64_t qs_row() const { return qtype == kQ8_0 || qtype == kQ6_K ? K : K / 2; }
   int64_t d_row() const {  // d's elements per row
-    return qtype == kQ4_K ? nb / 4 : qtype == kQ6_K ? nb / 8 : nb;
+    return qtype == kQ4_K ? nb / 4 : qtype == kQ6_K ? nb / 8 : qtype == kMXFP4 ? 0 : nb;
   }
+  int64_t ks_row() const { return qtype == kMXFP4 ? nb : 2 * nb; }  // ks bytes per row
 };
+
+// e2m1 values doubled (ggml's kvalues_mxfp4), and an MXFP4 block's scale 2^(e - 128) (ggml's
+// ggml_e8m0_to_fp32_half: the halving the doubled values need; e < 2 gives a subnormal).
+alignas(16) constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 #if defined(__AVX2__)
 inline __m256 load_half8(const uint16_t* p) {  // 8 fp16 -> float (F16C)
@@ -88,6 +108,14 @@ inline void row_scales(const QWeight& w, int64_t n, int NR, float* sd, float* sm
         sm[8 * s + j] = -dmin * static_cast<float>(k[8 + j]);
       }
 #endif
+    }
+    return;
+  }
+  if (w.qtype == kMXFP4) {  // a power of two per block, no offset
+    const uint8_t* e = w.ks + n * w.nb;
+    for (int64_t b = 0; b < count; ++b) {
+      sd[b] = e8m0_half(e[b]);
+      sm[b] = 0.0f;
     }
     return;
   }
@@ -333,7 +361,7 @@ inline void prefetch_weight_rows(const QWeight& w, int64_t n, int NR, bool rows)
   if (rows) fetch(w.qs + ahead * w.qs_row(), NR * w.qs_row());
   fetch(w.d + ahead * w.d_row(), NR * w.d_row() * 2);
   if (w.m) fetch(w.m + ahead * w.nb, NR * w.nb * 2);
-  if (w.ks) fetch(w.ks + ahead * w.nb * 2, NR * w.nb * 2);
+  if (w.ks) fetch(w.ks + ahead * w.ks_row(), NR * w.ks_row());
 }
 
 // Q6_K rows (bytes q - 32, two scales per 32-block: sd for elements 0-15, sm for 16-31) against
@@ -388,6 +416,70 @@ void qlinear_tile_q6(const QWeight& w, int64_t n, const float* sd, const float* 
 #endif
 }
 
+#if defined(__AVX2__)
+// An MXFP4 block's 16 bytes -> its 32 values (e2m1 doubled) as int8 in element order: the
+// nibbles split, each looked up in kE2M1x2 by vpshufb.
+inline __m256i mxfp4_values(const uint8_t* q) {
+  const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1x2));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)),
+                          _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4)));
+}
+#endif
+
+// MXFP4 rows (sd: each block's 2^(e - 128)) against MT rows of x: the looked-up int8 values
+// through the AVX2 Q8_0 tile (w = d v with d a power of two, so scaling the block's sum by d
+// is exact). The same code in every build, as qlinear_tile_q6.
+template <int NR, int MT>
+void qlinear_tile_mxfp4(const QWeight& w, int64_t n, const float* sd, const float* x,
+                        int64_t ldx, float* out, int64_t ldo) {
+  const int64_t row = w.qs_row();
+  const uint8_t* q0 = w.qs + n * row;
+#if defined(__AVX2__)
+  __m256 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t ahead = ahead_rows(row);
+  for (int64_t b = 0; b < w.nb; ++b) {
+    if (b % 4 == 0)
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + b * 16), _MM_HINT_T1);
+    for (int r = 0; r < NR; ++r) {
+      const __m256i v = mxfp4_values(q0 + r * row + b * 16);
+      const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+      const __m256 wq[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+      const __m256 d = _mm256_set1_ps(sd[r * w.nb + b]);
+      for (int i = 0; i < MT; ++i) {
+        const float* xb = x + i * ldx + b * kQK;
+        __m256 t = _mm256_mul_ps(wq[0], _mm256_loadu_ps(xb));
+        for (int g = 1; g < 4; ++g) t = _mm256_fmadd_ps(wq[g], _mm256_loadu_ps(xb + 8 * g), t);
+        acc[r][i] = _mm256_fmadd_ps(t, d, acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = reduce_add8(acc[r][i]);
+#else
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) {
+      float acc = 0;
+      for (int64_t b = 0; b < w.nb; ++b) {
+        const uint8_t* q = q0 + r * row + b * 16;
+        const float* xb = x + i * ldx + b * kQK;
+        float t = 0;
+        for (int j = 0; j < 16; ++j)
+          t += kE2M1x2[q[j] & 0xF] * xb[j] + kE2M1x2[q[j] >> 4] * xb[j + 16];
+        acc += t * sd[r * w.nb + b];
+      }
+      out[i * ldo + r] = acc;
+    }
+#endif
+}
+
 // MT rows of x against the NR weight rows at n, in tiles of 2 weight rows: measured faster
 // than tiles of 4 at every row count from 1 to 16 (M = 1 by 7%, M = 4 by 13%; interleaved A/B
 // over one step's weights), and MT <= 8 keeps the 2 * MT accumulators in registers. AVX2 has
@@ -401,6 +493,16 @@ inline void qlinear_tile_pairs(const QWeight& w, int64_t n, const float* sd, con
 #else
   constexpr int TR = 2;
 #endif
+  if (w.qtype == kMXFP4) {
+    constexpr int TRF = MT <= 4 ? 2 : 1;  // AVX2's 16 registers, as TR above
+    if constexpr (NR % TRF == 0) {
+      for (int r = 0; r < NR; r += TRF)
+        qlinear_tile_mxfp4<TRF, MT>(w, n + r, sd + r * w.nb, x, w.K, out + r, w.N);
+    } else {
+      qlinear_tile_mxfp4<NR, MT>(w, n, sd, x, w.K, out, w.N);
+    }
+    return;
+  }
   if (w.qtype == kQ6_K) {
     constexpr int TR6 = MT <= 4 ? 2 : 1;  // AVX2's 16 registers, as TR above
     if constexpr (NR % TR6 == 0) {
@@ -456,13 +558,13 @@ void qlinear_rows(const QWeight& w, int64_t n, const float* x, int64_t M, float*
 QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                       int64_t qtype, int64_t N, int64_t K, const char* what) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K ||
-                  qtype == kQ6_K,
+                  qtype == kQ6_K || qtype == kMXFP4,
               what, ": unsupported ggml type ", qtype);
   TORCH_CHECK(K % kQK == 0, what, ": in_features must be a multiple of 32");
   const bool kquant = qtype == kQ4_K || qtype == kQ6_K;
   TORCH_CHECK(!kquant || K % kQK_K == 0, what, ": Q4_K / Q6_K need in_features % 256 == 0");
   const int64_t nb = K / kQK, qs_row = qtype == kQ8_0 || qtype == kQ6_K ? K : K / 2;
-  const int64_t d_row = qtype == kQ4_K ? nb / 4 : qtype == kQ6_K ? nb / 8 : nb;
+  const int64_t d_row = qtype == kQ4_K ? nb / 4 : qtype == kQ6_K ? nb / 8 : qtype == kMXFP4 ? 0 : nb;
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == N * qs_row,
               what, ": qs does not match the repacked ggml layout");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == N * d_row, what,
@@ -473,17 +575,56 @@ QWeight packed_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tenso
   TORCH_CHECK(!kquant || (m.scalar_type() == at::kByte && m.is_contiguous() &&
                           m.numel() == N * nb * 2),
               what, ": Q4_K needs m uint8 [N, K/256, 2, 8] (Q6_K: [N, K/16] scales)");
+  TORCH_CHECK(qtype != kMXFP4 || (m.scalar_type() == at::kByte && m.is_contiguous() &&
+                                  m.numel() == N * nb),
+              what, ": MXFP4 needs m uint8 [N, K/32] (each block's exponent)");
   QWeight w{qtype, N, K, nb, qs.data_ptr<uint8_t>(),
             reinterpret_cast<const uint16_t*>(d.data_ptr()),
             qtype == kQ4_1 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr};
-  if (kquant) w.ks = m.data_ptr<uint8_t>();
+  if (kquant || qtype == kMXFP4) w.ks = m.data_ptr<uint8_t>();
   return w;
 }
 
+// Row n of a packed weight as float32 values o [K]: the exact values qlinear multiplies by
+// (ggml's dequantization of the same blocks). sd, sm: scratch of w.nb floats each.
+void decode_row(const QWeight& w, int64_t n, float* o, float* sd, float* sm) {
+  row_scales(w, n, 1, sd, sm);
+  const uint8_t* q = w.qs + n * w.qs_row();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const float db = sd[b], mb = sm[b];
+    float* ob = o + b * kQK;
+    if (w.qtype == kQ8_0) {
+      const int8_t* q8 = reinterpret_cast<const int8_t*>(q + b * kQK);
+#pragma omp simd
+      for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[j]) * db;
+    } else if (w.qtype == kMXFP4) {
+      const uint8_t* q4 = q + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        ob[j] = static_cast<float>(kE2M1x2[q4[j] & 0xF]) * db;
+        ob[j + 16] = static_cast<float>(kE2M1x2[q4[j] >> 4]) * db;
+      }
+    } else if (w.qtype == kQ6_K) {  // sm: the second half's scale
+      const int8_t* q6 = reinterpret_cast<const int8_t*>(q + b * kQK);
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        ob[j] = static_cast<float>(q6[j]) * db;
+        ob[j + 16] = static_cast<float>(q6[j + 16]) * mb;
+      }
+    } else {
+      const uint8_t* q4 = q + b * 16;
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        ob[j] = std::fma(static_cast<float>(q4[j] & 0xF), db, mb);
+        ob[j + 16] = std::fma(static_cast<float>(q4[j] >> 4), db, mb);
+      }
+    }
+  }
+}
+
 // Weight rows `rows` of a packed weight as float32 (or bf16) values [len(rows), K]: the exact
-// values qlinear multiplies by (ggml's dequantization of the same blocks). Prompt steps multiply
-// by tiles of it (a tile decoded once per step, reused by all of its rows), and an embedding
-// table kept in blocks looks its rows up through it.
+// values qlinear multiplies by (decode_row). Prompt steps multiply by tiles of it (a tile
+// decoded once per step, reused by all of its rows), and an embedding table kept in blocks
+// looks its rows up through it.
 at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t qtype, int64_t out_features, int64_t in_features,
                         const at::Tensor& rows_in, bool bf16_out, int64_t threads) {
@@ -501,33 +642,8 @@ at::Tensor dequant_rows(const at::Tensor& qs, const at::Tensor& d, const at::Ten
   parallel_tasks((R + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task) {
     std::vector<float> sd(nb), sm(nb), row(K);
     for (int64_t i = task * kRowsPerTask; i < std::min(R, (task + 1) * kRowsPerTask); ++i) {
-      const int64_t n = rp[i];
-      row_scales(w, n, 1, sd.data(), sm.data());
-      const uint8_t* q = w.qs + n * w.qs_row();
       float* o = bf16_out ? row.data() : static_cast<float*>(base) + i * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float db = sd[b], mb = sm[b];
-        float* ob = o + b * kQK;
-        if (w.qtype == kQ8_0) {
-          const int8_t* q8 = reinterpret_cast<const int8_t*>(q + b * kQK);
-#pragma omp simd
-          for (int j = 0; j < 32; ++j) ob[j] = static_cast<float>(q8[j]) * db;
-        } else if (w.qtype == kQ6_K) {  // sm: the second half's scale
-          const int8_t* q6 = reinterpret_cast<const int8_t*>(q + b * kQK);
-#pragma omp simd
-          for (int j = 0; j < 16; ++j) {
-            ob[j] = static_cast<float>(q6[j]) * db;
-            ob[j + 16] = static_cast<float>(q6[j + 16]) * mb;
-          }
-        } else {
-          const uint8_t* q4 = q + b * 16;
-#pragma omp simd
-          for (int j = 0; j < 16; ++j) {
-            ob[j] = std::fma(static_cast<float>(q4[j] & 0xF), db, mb);
-            ob[j + 16] = std::fma(static_cast<float>(q4[j] >> 4), db, mb);
-          }
-        }
-      }
+      decode_row(w, rp[i], o, sd.data(), sm.data());
       if (bf16_out) {
         uint16_t* ob = static_cast<uint16_t*>(base) + i * K;
 #pragma omp simd

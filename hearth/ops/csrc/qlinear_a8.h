@@ -402,6 +402,58 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
 }
 #endif
 
+// MXFP4 with 8-bit activations (row order, a scale per 32-block), every build: the looked-up
+// int8 values (|v| <= 12) through the AVX2 Q8_0 sums above: |v| against x carrying v's sign in
+// vpmaddubsw, vpmaddwd with ones, one FMA per block with 2^(e - 128) dx.
+template <int NR, int MT>
+void qlinear_tile_mxfp4_i8(const QWeight& w, int64_t n, const float* sd, const QAct& a,
+                           int64_t i0, float* out, int64_t ldo) {
+  const int64_t row = w.qs_row(), nb = w.nb;
+  const uint8_t* q0 = w.qs + n * row;
+#if defined(__AVX2__)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) acc[r][i] = _mm256_setzero_ps();
+  const int64_t ahead = ahead_rows(row);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % 4 == 0)
+      for (int r = 0; r < NR; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(q0 + (r + ahead) * row + b * 16), _MM_HINT_T1);
+    __m256i xv[MT];
+    for (int i = 0; i < MT; ++i)
+      xv[i] = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(a.q + (i0 + i) * a.stride + b * kQK));
+    for (int r = 0; r < NR; ++r) {
+      const __m256i wv = mxfp4_values(q0 + r * row + b * 16);
+      const __m256i wabs = _mm256_abs_epi8(wv);
+      for (int i = 0; i < MT; ++i) {
+        const __m256i p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv[i], wv));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc[r][i] = _mm256_fmadd_ps(s, _mm256_set1_ps(sd[r * nb + b] * a.dx[(i0 + i) * nb + b]),
+                                    acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = reduce_add8(acc[r][i]);
+#else
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MT; ++i) {
+      float acc = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* q = q0 + r * row + b * 16;
+        const int8_t* x = a.q + (i0 + i) * a.stride + b * kQK;
+        int32_t s = 0;
+        for (int j = 0; j < 16; ++j)
+          s += kE2M1x2[q[j] & 0xF] * x[j] + kE2M1x2[q[j] >> 4] * x[j + 16];
+        acc += static_cast<float>(s) * (sd[r * nb + b] * a.dx[(i0 + i) * nb + b]);
+      }
+      out[i * ldo + r] = acc;
+    }
+#endif
+}
+
 template <int NR>
 void qlinear_rows_i8(const QWeight& w, int64_t n, const QAct& a, float* out) {
   thread_local std::vector<float> scales;
@@ -422,6 +474,14 @@ void qlinear_rows_i8(const QWeight& w, int64_t n, const QAct& a, float* out) {
   constexpr int TR = NR;
 #endif
   int64_t i = 0;
+  if (w.qtype == kMXFP4) {  // 2 weight rows x 4 x rows on every build (the AVX2 tile)
+    constexpr int TRF = NR % 2 == 0 ? 2 : NR;
+    for (; i + 4 <= a.M; i += 4)
+      for (int r = 0; r < NR; r += TRF)
+        qlinear_tile_mxfp4_i8<TRF, 4>(w, n + r, sd + r * w.nb, a, i, out + i * w.N + n + r, w.N);
+    for (; i < a.M; ++i) qlinear_tile_mxfp4_i8<NR, 1>(w, n, sd, a, i, out + i * w.N + n, w.N);
+    return;
+  }
   for (; i + 4 <= a.M; i += 4)
     for (int r = 0; r < NR; r += TR)
       qlinear_tile_i8<TR, 4>(w, n + r, sd + r * w.nb, sm + r * w.nb, a, i,
@@ -454,7 +514,7 @@ bool kquant_superblock_act() {
 QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
                   std::vector<float>& sc, int64_t& dxe_row) {
   const bool superblock = (qtype == kQ4_K || qtype == kQ6_K) && kquant_superblock_act();
-  const int layout = has_vnni() && qtype != kQ8_0       ? kQ4Quads
+  const int layout = has_vnni() && qtype != kQ8_0 && qtype != kMXFP4 ? kQ4Quads
                      : superblock && qtype == kQ4_K ? kQ4Pairs
                                                     : kNatural;
   const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);

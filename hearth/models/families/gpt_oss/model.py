@@ -13,10 +13,9 @@ experts (`GptOssExperts`) have biases on gate/up and down and a clamped SwiGLU
     out      = ((up + 1) * gate * sigmoid(alpha * gate)) W_down + b_down
 
 The checkpoint interleaves gate and up columns; the loader stores them as hearth's [gate | up]
-rows. hearth's expert kernel (`moe_experts`) has neither biases nor this activation, so these
-experts always run the torch path here (`gpt_oss_experts_torch`), kernels or not, and are never
-packed for the kernel's quantized path (`FusedMoE.packable`). No layer takes the fused Llama
-decode kernel.
+rows. The experts run FusedMoE's op with the biases and this activation (`expert_extras`):
+hearth's expert kernel (`moe_experts`, float or packed experts) when kernels are loaded, else
+`fused_experts_torch`. No layer takes the fused Llama decode kernel.
 """
 
 from __future__ import annotations
@@ -46,50 +45,11 @@ class GptOssAttention(LlamaAttention):
         self.spec = AttentionSpec(window=window, sinks=self.sinks)
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """[n, 2I] rows of [gate | up] -> [n, I], as transformers' GptOssExperts._apply_gate."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-def gpt_oss_experts_torch(x: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor,
-                          w2: torch.Tensor, b2: torch.Tensor | None, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor, alpha: float, limit: float,
-                          expert_start: int = 0) -> torch.Tensor:
-    """The experts in plain torch: each active local expert over its (token, slot) pairs,
-    combined with the routing weights in float32. w13 [E_local, 2I, H], b13 [E_local, 2I],
-    w2 [E_local, H, I], b2 [E_local, H] (None: this rank adds no down bias). Experts outside
-    [expert_start, expert_start + E_local) are skipped. Returns [T, H] float32."""
-    num_tokens, top_k = topk_ids.shape
-    num_local = w13.shape[0]
-    local = (topk_ids - expert_start).flatten()
-    mine = (local >= 0) & (local < num_local)
-    order = torch.argsort(local.masked_fill(~mine, num_local), stable=True)
-    counts = torch.bincount(local[mine], minlength=num_local).tolist()
-    weights = topk_weights.flatten()
-    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        act = clamped_swiglu(F.linear(x[tokens], w13[expert], b13[expert]), alpha, limit)
-        y = F.linear(act, w2[expert], None if b2 is None else b2[expert])
-        out.index_add_(0, tokens, y.float() * weights[pairs, None])
-    return out
-
-
 class GptOssExperts(FusedMoE):
-    """FusedMoE's stacked experts (same sharding, [gate | up] rows) with gpt-oss's biases:
-    b13 [E_local, 2 I_local] cut as w13's rows, b2 [E_local, H] whole. Cut along I (no expert
-    parallelism), each rank's down output is a partial sum: only rank 0 adds b2. Never packed
-    for the kernel (`packable`): its quantized experts have neither biases nor this SwiGLU."""
-
-    packable = False
+    """FusedMoE's stacked experts (same sharding, [gate | up] rows, the same op: the kernel's
+    float or packed experts, else `fused_experts_torch`) with gpt-oss's biases and clamped
+    SwiGLU: b13 [E_local, 2 I_local] cut as w13's rows, b2 [E_local, H] whole. Cut along I (no
+    expert parallelism), each rank's down output is a partial sum: only rank 0 adds b2."""
 
     def __init__(self, arch: ModelArch, tp: ParallelGroup, expert_parallel: bool) -> None:
         moe, spec = arch.moe, arch.family_spec
@@ -100,18 +60,9 @@ class GptOssExperts(FusedMoE):
         self.adds_down_bias = expert_parallel or tp.rank == 0
         self.alpha, self.limit = spec.swiglu_alpha, spec.swiglu_limit
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        """Partial sums of this rank's experts, [T, H] float32; the bf16 copies (--prefill-dtype)
-        for steps of bf16 activations or of more than lowp_min_rows rows."""
-        w13, w2 = self.w13, self.w2
-        if self.w13_lowp is not None and (x.dtype == self.w13_lowp.dtype
-                                          or x.shape[0] > self.lowp_min_rows):
-            w13, w2 = self.w13_lowp, self.w2_lowp
-        return gpt_oss_experts_torch(
-            x.to(w13.dtype), w13, self.b13.to(w13.dtype), w2,
-            self.b2.to(w2.dtype) if self.adds_down_bias else None, topk_weights, topk_ids,
-            self.alpha, self.limit, self.expert_start)
+    def expert_extras(self) -> dict:
+        return dict(b13=self.b13, b2=self.b2 if self.adds_down_bias else None,
+                    swiglu=(self.alpha, self.limit))
 
 
 class GptOssMoe(SparseMoeBlock):
