@@ -14,6 +14,11 @@ OpenAI's released folders store the two expert weights as MXFP4 instead
 `down_proj_blocks` [E, H, I/32, 16] + `down_proj_scales`): rows are the output features
 (nn.Linear's layout), 32 values per block as 16 bytes of two e2m1 nibbles (low first), each
 block scaled by 2^(scale - 127). They are dequantized as read (`mxfp4_to_float`).
+
+A GGUF file (gguf.py) stores them split and stacked instead, nn.Linear rows:
+
+    model.layers.{i}.mlp.experts.{gate,up}_proj          [E, I, H]   (+ _bias [E, I])
+    model.layers.{i}.mlp.experts.down_proj               [E, H, I]   (+ _bias [E, H])
 """
 
 from __future__ import annotations
@@ -78,6 +83,30 @@ def expert_weight(loader: WeightLoader, e: str, part: str, want: tuple[int, int,
     return mxfp4_to_float(blocks[mine], scales[mine], name)
 
 
+def checked(loader: WeightLoader, name: str, want: tuple[int, ...]):
+    value = loader.get(name)
+    if tuple(value.shape) != want:
+        raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(value.shape)}, "
+                         f"model expects {want}")
+    return value
+
+
+def load_stacked_experts(loader: WeightLoader, experts, e: str, mine: slice, lo: int,
+                         full: int) -> None:
+    """The GGUF form (module docstring): gate and up already split, rows already out
+    features; this rank's experts `mine` and its slice [lo, lo + inter) of I."""
+    inter, num_experts, hidden = experts.inter, experts.num_experts, experts.w13.shape[2]
+    cut = slice(lo, lo + inter)
+    for half, part in ((slice(None, inter), "gate_proj"), (slice(inter, None), "up_proj")):
+        experts.w13.data[:, half].copy_(checked(loader, e + part, (num_experts, full, hidden))
+                                        [mine, cut])
+        experts.b13.data[:, half].copy_(checked(loader, e + part + "_bias", (num_experts, full))
+                                        [mine, cut])
+    experts.w2.data.copy_(checked(loader, e + "down_proj", (num_experts, hidden, full))
+                          [mine, :, cut])
+    experts.b2.data.copy_(checked(loader, e + "down_proj_bias", (num_experts, hidden))[mine])
+
+
 def load_experts(loader: WeightLoader, experts, e: str) -> None:
     """This rank's experts (FusedMoE: all experts cut along I, or with expert parallelism E/P
     whole ones), the interleaved gate/up columns split into [gate | up] rows."""
@@ -87,6 +116,9 @@ def load_experts(loader: WeightLoader, experts, e: str) -> None:
     lo = 0 if experts.expert_parallel else experts.group.rank * inter  # this rank's slice of I
     num_experts, hidden = experts.num_experts, experts.w13.shape[2]
     mine = slice(first, first + local)
+    if e + "gate_proj" in names:
+        load_stacked_experts(loader, experts, e, mine, lo, full)
+        return
     gate_up = expert_weight(loader, e, "gate_up_proj", (num_experts, 2 * full, hidden), mine,
                             names)
     down = expert_weight(loader, e, "down_proj", (num_experts, hidden, full), mine, names)
