@@ -250,7 +250,8 @@ def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[st
             embed.set_packed(packed, kernels)
             note(packed)
     for local, layer in enumerate(model.layers):
-        if isinstance(layer.mlp, SparseMoeBlock):
+        # experts the kernel cannot run (gpt-oss's biased ones: FusedMoE.packable) load float
+        if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.experts.packable:
             experts = layer.mlp.experts
             packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}.",
                                    experts, int8_act, kernels)

@@ -33,12 +33,12 @@ PROMPT = oss.PROMPT[:40]  # past three windows
 
 
 class GgufRun(PagedRun):
-    """PagedRun over a GGUF file."""
+    """PagedRun over a GGUF file (or `model`, built from one)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, model=None) -> None:
         from hearth.models.gguf_loader import GGUFCheckpoint
 
-        self.model = build_model(GGUFCheckpoint(path), torch.float32)
+        self.model = model or build_model(GGUFCheckpoint(path), torch.float32)
         planes, heads, dim = self.model.arch.kv_cache_layout()
         self.kv_cache = torch.zeros(len(self.model.layers), planes, parity.NUM_BLOCKS,
                                     parity.BLOCK_SIZE, heads, dim)
@@ -47,9 +47,10 @@ class GgufRun(PagedRun):
 
 
 def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple[str, ...] = (),
-                       write_pattern: bool = False) -> dict[str, torch.Tensor]:
+                       write_pattern: bool = False, linear_qtype=None) -> dict[str, torch.Tensor]:
     """`model`'s weights as llama.cpp converts them (module docstring); the experts in
-    `expert_qtype` (None: F32). Returns the HF state dict holding what the file holds (the
+    `expert_qtype`, the attention projections and output head in `linear_qtype` (None:
+    F32). Returns the HF state dict holding what the file holds (the
     experts' dequantized blocks)."""
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -100,7 +101,7 @@ def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple
 
     add("token_embd.weight", state["model.embed_tokens.weight"])
     add("output_norm.weight", state["model.norm.weight"])
-    add("output.weight", state["lm_head.weight"])
+    state["lm_head.weight"] = add("output.weight", state["lm_head.weight"], linear_qtype)
     for i in range(config.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for hf, gg in (("input_layernorm.weight", "attn_norm.weight"),
@@ -111,7 +112,8 @@ def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple
                        *((f"self_attn.{x}_proj.{kind}", f"attn_{y}.{kind}")
                          for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
                          for kind in ("weight", "bias"))):
-            add(b + gg, state[p + hf])
+            quantized = hf.endswith("_proj.weight")
+            state[p + hf] = add(b + gg, state[p + hf], linear_qtype if quantized else None)
         e = p + "mlp.experts."
         gate_up = state[e + "gate_up_proj"].transpose(1, 2)  # [E, 2I, H], rows interleaved
         gate = add(b + "ffn_gate_exps.weight", gate_up[:, 0::2], expert_qtype)
@@ -187,6 +189,37 @@ def test_a_layer_pattern_in_the_file_is_read(tmp_path):
     spec = GGUFCheckpoint(tmp_path / "m.gguf").arch.family_spec
     assert spec == HFCheckpoint(tmp_path / "m").arch.family_spec
     assert spec.sliding_layers == (True, False, False)
+
+
+def test_quantization_gguf_runs_the_files_linears_and_float_experts(hf_model, tmp_path,
+                                                                   long_cache):
+    """`gguf` (what `auto` picks for a GGUF): the attention projections multiply in the file's
+    Q8_0 blocks; the MXFP4 experts, which the expert kernel cannot run (biases, the clamped
+    SwiGLU), are dequantized to floats, not packed from the file (a packed stack would leave
+    the float experts empty); logits as the float model of the same file."""
+    from hearth.engine.executor import build_model_for
+    from hearth.engine.llm import make_engine_config
+    from hearth.models.gguf_loader import GGUFCheckpoint
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("hearth's CPU kernels are not built here")
+    model, _ = hf_model
+    path = tmp_path / "q.gguf"
+    write_gpt_oss_gguf(path, model, gguf.GGMLQuantizationType.MXFP4,
+                       linear_qtype=gguf.GGMLQuantizationType.Q8_0)
+    checkpoint = GGUFCheckpoint(path)
+
+    def build(quantization: str):
+        config = make_engine_config(str(path), quantization=quantization, **oss.EXACT)
+        return build_model_for(config, checkpoint).model
+
+    served = build("gguf")
+    attn, experts = served.layers[0].self_attn, served.layers[0].mlp.experts
+    assert attn.qkv_proj.qweight.qtype == gguf.GGMLQuantizationType.Q8_0.value
+    assert experts.qw13 is None and not experts.blocks_only
+    torch.testing.assert_close(GgufRun(path, served).step(PROMPT),
+                               GgufRun(path, build("none")).step(PROMPT), atol=1e-3, rtol=0)
 
 
 def test_engine_greedy_tokens_equal_transformers(hf_model, tmp_path):
