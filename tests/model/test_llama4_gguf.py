@@ -185,12 +185,36 @@ def test_engine_greedy_tokens_equal_transformers(hf_model, tmp_path):
                                                                                abs=1e-4)
 
 
-def test_q8_0_file_picks_the_float_models_tokens(hf_model, tmp_path, monkeypatch):
-    """Q8_0 linears and experts (dequantized on load): near the float model."""
+def test_q8_0_file_under_quantization_gguf(hf_model, tmp_path, monkeypatch):
+    """`gguf` (what `auto` picks for a GGUF): NoPE layers' QKV and every o_proj multiply in the
+    file's Q8_0 blocks; a RoPE layer's QKV, whose rows the loader permutes, is quantized from
+    its float weights instead (the file's rows are in the interleaved order). Logits as the
+    float model of the same file, and near transformers' float model."""
+    from hearth.engine.executor import build_model_for
+    from hearth.engine.llm import make_engine_config
+    from hearth.models.gguf_loader import GGUFCheckpoint
+    from hearth.ops.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("hearth's CPU kernels are not built here")
     monkeypatch.setattr(parity, "NUM_BLOCKS", 24)
     model, _ = hf_model
     path = write_llama4_gguf(tmp_path / "q.gguf", model, gguf.GGMLQuantizationType.Q8_0)
-    got = GgufRun(path).step(l4.PROMPT)
+    checkpoint = GGUFCheckpoint(path)
+
+    def build(quantization: str):
+        config = make_engine_config(str(path), quantization=quantization, **l4.EXACT)
+        return build_model_for(config, checkpoint).model
+
+    served = build("gguf")
+    rope, nope = served.layers[0].self_attn, served.layers[1].self_attn
+    assert rope.use_rope and not nope.use_rope
+    assert nope.qkv_proj.blocks_only and rope.o_proj.blocks_only
+    assert not rope.qkv_proj.blocks_only
+    assert rope.qkv_proj.qweight.qtype == gguf.GGMLQuantizationType.Q8_0.value
+    got = GgufRun(path, served).step(l4.PROMPT)
+    torch.testing.assert_close(got, GgufRun(path, build("none")).step(l4.PROMPT), atol=1e-3,
+                               rtol=0)
     want = hf_logits(model, l4.PROMPT)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 

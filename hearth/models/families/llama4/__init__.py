@@ -22,4 +22,5 @@ FAMILY = Family(
     gguf_fields=gguf.gguf_fields,
     model="model:Llama4ForCausalLM",
     is_moe=True,
+    quant="quant_hooks",
 )
