@@ -47,10 +47,12 @@ class GgufRun(PagedRun):
 
 
 def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple[str, ...] = (),
-                       write_pattern: bool = False, linear_qtype=None) -> dict[str, torch.Tensor]:
+                       write_pattern: bool = False, linear_qtype=None,
+                       drop_keys: tuple[str, ...] = (),
+                       limits: list[float] | None = None) -> dict[str, torch.Tensor]:
     """`model`'s weights as llama.cpp converts them (module docstring); the experts in
     `expert_qtype`, the attention projections and output head in `linear_qtype` (None:
-    F32). Returns the HF state dict holding what the file holds (the
+    F32); `drop_keys` left out, `limits` the per-layer swiglu_clamp_exp. Returns the HF state dict holding what the file holds (the
     experts' dequantized blocks)."""
     import numpy as np
     from gguf.quants import dequantize, quantize
@@ -73,10 +75,11 @@ def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple
         "rope.scaling.original_context_length":
             config.rope_parameters["original_max_position_embeddings"],
     }.items():
-        writer.add_uint32(f"{arch}.{key}", value)
+        if key not in drop_keys:
+            writer.add_uint32(f"{arch}.{key}", value)
     if write_pattern:
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-    writer.add_swiglu_clamp_exp([config.swiglu_limit] * config.num_hidden_layers)
+    writer.add_swiglu_clamp_exp(limits or [config.swiglu_limit] * config.num_hidden_layers)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", config.rope_parameters["rope_theta"])
     writer.add_string(f"{arch}.rope.scaling.type", "yarn")
@@ -266,3 +269,19 @@ def test_a_truncated_or_incomplete_file_is_refused_naming_the_tensor(hf_model, t
         write_gpt_oss_gguf(tmp_path / "d.gguf", model, drop_tensors=(dropped,))
         with pytest.raises((ValueError, KeyError), match=match):
             LLM(str(tmp_path / "d.gguf"), **oss.EXACT, quantization="none")
+
+
+@pytest.mark.parametrize("drop_keys,limits,match", [
+    (("attention.sliding_window",), None, r"no gpt-oss\.attention\.sliding_window"),
+    (("expert_feed_forward_length",), None, r"no gpt-oss\.expert_feed_forward_length"),
+    ((), [1.5, 7.0, 1.5], r"swiglu_clamp_exp \[1\.5, 7\.0, 1\.5\] is not one limit"),
+], ids=["sliding_window", "expert_feed_forward_length", "unequal-limits"])
+def test_missing_or_unusable_metadata_is_refused_naming_the_key(hf_model, tmp_path, drop_keys,
+                                                                 limits, match):
+    from hearth.models.gguf_loader import GGUFCheckpoint
+
+    model, _ = hf_model
+    path = tmp_path / "m.gguf"
+    write_gpt_oss_gguf(path, model, drop_keys=drop_keys, limits=limits)
+    with pytest.raises(ValueError, match=match):
+        GGUFCheckpoint(path)

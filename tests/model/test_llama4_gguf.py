@@ -36,10 +36,12 @@ SCOUT_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
 
 
 def write_llama4_gguf(path: Path, model, qtype=None, settings: bool = True,
-                      drop_tensors: tuple[str, ...] = ()) -> Path:
+                      drop_tensors: tuple[str, ...] = (), drop_keys: tuple[str, ...] = (),
+                      pattern=None) -> Path:
     """`model`'s weights as llama.cpp converts them (module docstring); the linears (not the
     router or norms) in `qtype` (None: F32); `settings`: write the chunk / pattern /
-    temperature keys."""
+    temperature keys (`pattern`: the sliding_window_pattern written instead of the NoPE
+    interval); `drop_keys` left out."""
     import numpy as np
     from gguf.quants import quantize
 
@@ -63,10 +65,14 @@ def write_llama4_gguf(path: Path, model, qtype=None, settings: bool = True,
     if settings:
         keys.update({"attention.sliding_window": config.attention_chunk_size,
                      "attention.sliding_window_pattern": config.no_rope_layer_interval})
+        if pattern is not None:
+            del keys["attention.sliding_window_pattern"]
+            writer.add_sliding_window_pattern(pattern)
         writer.add_float32(f"{arch}.attention.temperature_length", config.floor_scale)
         writer.add_float32(f"{arch}.attention.temperature_scale", config.attn_scale)
     for key, value in keys.items():
-        writer.add_uint32(f"{arch}.{key}", value)
+        if key not in drop_keys:
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     rope = config.rope_parameters
     writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
@@ -237,3 +243,21 @@ def test_a_truncated_or_incomplete_file_is_refused_naming_the_tensor(hf_model, t
         write_llama4_gguf(tmp_path / "d.gguf", model, drop_tensors=(dropped,))
         with pytest.raises((ValueError, KeyError), match=match):
             LLM(str(tmp_path / "d.gguf"), **l4.EXACT, quantization="none")
+
+
+def test_a_pattern_array_is_read_and_bad_metadata_refused(hf_model, tmp_path):
+    """A per-layer sliding_window_pattern array gives the same layers as the interval; a
+    missing interleave_moe_layer_step or a short array is refused naming the key."""
+    from hearth.models.gguf_loader import GGUFCheckpoint
+
+    model, folder = hf_model
+    path = write_llama4_gguf(tmp_path / "a.gguf", model, pattern=[True, False, True, False])
+    assert GGUFCheckpoint(path).arch.family_spec == HFCheckpoint(folder).arch.family_spec
+    for name, kwargs, match in (
+            ("step", dict(drop_keys=("interleave_moe_layer_step",)),
+             r"no llama4\.interleave_moe_layer_step"),
+            ("short", dict(pattern=[True, False]),
+             r"sliding_window_pattern has 2 entries for 4 layers")):
+        path = write_llama4_gguf(tmp_path / f"{name}.gguf", model, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            GGUFCheckpoint(path)
