@@ -193,9 +193,10 @@ def test_engine_greedy_tokens_equal_transformers(hf_model, tmp_path):
 
 def test_q8_0_file_under_quantization_gguf(hf_model, tmp_path, monkeypatch):
     """`gguf` (what `auto` picks for a GGUF): NoPE layers' QKV and every o_proj multiply in the
-    file's Q8_0 blocks; a RoPE layer's QKV, whose rows the loader permutes, is quantized from
-    its float weights instead (the file's rows are in the interleaved order). Logits as the
-    float model of the same file, and near transformers' float model."""
+    file's Q8_0 blocks, as do the dense MLPs, the shared experts and the routed expert stacks;
+    a RoPE layer's QKV, whose rows the loader permutes, is quantized from its float weights
+    instead (the file's rows are in the interleaved order). Logits as the float model of the
+    same file, and near transformers' float model."""
     from hearth.engine.executor import build_model_for
     from hearth.engine.llm import make_engine_config
     from hearth.models.gguf_loader import GGUFCheckpoint
@@ -218,6 +219,9 @@ def test_q8_0_file_under_quantization_gguf(hf_model, tmp_path, monkeypatch):
     assert nope.qkv_proj.blocks_only and rope.o_proj.blocks_only
     assert not rope.qkv_proj.blocks_only
     assert rope.qkv_proj.qweight.qtype == gguf.GGMLQuantizationType.Q8_0.value
+    dense, moe = served.layers[0].mlp, served.layers[1].mlp
+    assert dense.gate_up_proj.blocks_only and moe.shared_experts.down_proj.blocks_only
+    assert moe.experts.blocks_only
     got = GgufRun(path, served).step(l4.PROMPT)
     torch.testing.assert_close(got, GgufRun(path, build("none")).step(l4.PROMPT), atol=1e-3,
                                rtol=0)

@@ -57,6 +57,9 @@ def load_experts(loader: WeightLoader, experts, e: str) -> None:
     """This rank's experts (FusedMoE: all experts cut along I, or with expert parallelism E/P
     whole ones) from transformers' packed tensors, per-expert ones or a GGUF's stacked ones."""
     names = set(loader.tensor_names())
+    if experts.blocks_only:  # packed from a GGUF's stacks (quant.attach_file_blocks)
+        loader.read.update(e + f"{x}_proj" for x in ("gate", "up", "down"))
+        return
     first, inter, local = experts.expert_start, experts.inter, experts.num_local
     full = inter if experts.expert_parallel else inter * experts.group.size
     lo = 0 if experts.expert_parallel else experts.group.rank * inter  # this rank's slice of I
