@@ -10,10 +10,10 @@ Every format stores a row (the last, contiguous dimension) as whole blocks, so a
 a slice of bytes: callers may pass only the rows they need. Each block is viewed as one row of a
 `[num_blocks, block_bytes]` uint8 matrix; scales are fp16 fields inside it, read with a dtype view
 (no copy). The hot formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, MXFP4) write their float32 output
-once, into a buffer the caller may give (`out`: a model parameter, so no temporary and no second copy), and
-finish in place with float `mul_`/`add_` (vectorized; mixed-dtype `addcmul` is several times
-slower, and numpy rounds `d * q + m` the same two-step way). A handful of rarer formats fall back
-to gguf's numpy reference (correct, slower).
+once, into a buffer the caller may give (`out`: a model parameter, so no temporary and no
+second copy), and finish in place with float `mul_`/`add_` (vectorized; mixed-dtype `addcmul`
+is several times slower, and numpy rounds `d * q + m` the same two-step way). A handful of
+rarer formats fall back to gguf's numpy reference (correct, slower).
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def served(tmp_path_factory):
 
 def test_the_prompt_is_harmony(served):
     server, ids = served
-    tokens = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": ASK,
-                                                        "tools": TOOLS}, timeout=60).json()["tokens"]
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS}
+    tokens = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
     assert max(tokens) <= ids[ENDOFTEXT]  # the folder's own byte-level tokenizer
     # system, developer (the tools), user, then the generation prompt; one token each
     assert tokens[0] == ids["<|start|>"] and tokens.count(ids["<|start|>"]) == 4

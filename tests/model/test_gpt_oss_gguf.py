@@ -7,8 +7,9 @@ the experts' interleaved gate/up columns split into ffn_gate_exps / ffn_up_exps 
 post_attention_norm, the biased router as ffn_gate_inp, YaRN's type / factor / original
 context, the window as attention.sliding_window and no layer pattern (llama.cpp slides the
 even layers, transformers' default layer_types), the SwiGLU limit per layer as
-swiglu_clamp_exp (the tests' limit cuts; llama.cpp's default is the released 7). MXFP4 experts are gguf's own quantizer's
-blocks; transformers then holds gguf's dequantization of them.
+swiglu_clamp_exp (the tests' limit cuts; llama.cpp's default is the released 7). MXFP4
+experts are gguf's own quantizer's blocks; transformers then holds gguf's dequantization of
+them.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple
                        limits: list[float] | None = None) -> dict[str, torch.Tensor]:
     """`model`'s weights as llama.cpp converts them (module docstring); the experts in
     `expert_qtype`, the attention projections and output head in `linear_qtype` (None:
-    F32); `drop_keys` left out, `limits` the per-layer swiglu_clamp_exp. Returns the HF state dict holding what the file holds (the
-    experts' dequantized blocks)."""
+    F32); `drop_keys` left out, `limits` the per-layer swiglu_clamp_exp. Returns the HF state
+    dict holding what the file holds (quantized tensors' dequantized blocks)."""
     import numpy as np
     from gguf.quants import dequantize, quantize
 
@@ -124,7 +125,8 @@ def write_gpt_oss_gguf(path: Path, model, expert_qtype=None, drop_tensors: tuple
         down = add(b + "ffn_down_exps.weight", state[e + "down_proj"].transpose(1, 2),
                    expert_qtype)
         joined = torch.stack([gate, up], dim=2).reshape(gate_up.shape)  # interleaved again
-        state[e + "gate_up_proj"], state[e + "down_proj"] = joined.transpose(1, 2), down.transpose(1, 2)
+        state[e + "gate_up_proj"] = joined.transpose(1, 2)
+        state[e + "down_proj"] = down.transpose(1, 2)
         bias = state[e + "gate_up_proj_bias"]
         add(b + "ffn_gate_exps.bias", bias[:, 0::2])
         add(b + "ffn_up_exps.bias", bias[:, 1::2])

@@ -257,7 +257,8 @@ def test_out_of_the_wrong_shape_or_dtype_is_refused() -> None:
 def ref_mxfp4(b):  # e (e8m0) | qs[16]: element j = low nibble of qs[j], j + 16 = high nibble
     e2m1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
     qs = b[1:].astype(np.int64)
-    return 2.0 ** (int(b[0]) - 127) * np.array([e2m1[q] for q in np.concatenate([qs & 0xF, qs >> 4])])
+    codes = np.concatenate([qs & 0xF, qs >> 4])
+    return 2.0 ** (int(b[0]) - 127) * np.array([e2m1[q] for q in codes])
 
 
 def test_mxfp4_matches_gguf_bit_for_bit_and_the_block_layout() -> None:
