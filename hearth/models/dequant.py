@@ -9,11 +9,11 @@ dequantized through gguf's own code).
 Every format stores a row (the last, contiguous dimension) as whole blocks, so a slice of rows is
 a slice of bytes: callers may pass only the rows they need. Each block is viewed as one row of a
 `[num_blocks, block_bytes]` uint8 matrix; scales are fp16 fields inside it, read with a dtype view
-(no copy). The hot formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) write their float32 output once, into
-a buffer the caller may give (`out`: a model parameter, so no temporary and no second copy), and
-finish in place with float `mul_`/`add_` (vectorized; mixed-dtype `addcmul` is several times
-slower, and numpy rounds `d * q + m` the same two-step way). A handful of rarer formats fall back
-to gguf's numpy reference (correct, slower).
+(no copy). The hot formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, MXFP4) write their float32 output
+once, into a buffer the caller may give (`out`: a model parameter, so no temporary and no
+second copy), and finish in place with float `mul_`/`add_` (vectorized; mixed-dtype `addcmul`
+is several times slower, and numpy rounds `d * q + m` the same two-step way). A handful of
+rarer formats fall back to gguf's numpy reference (correct, slower).
 """
 
 from __future__ import annotations
@@ -99,12 +99,29 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.mul(q, d, out=out.view(num_blocks, 16, 16))
 
 
+# e2m1 codes doubled (ggml's kvalues_mxfp4), the block scale halved to match
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                             dtype=torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    # block (17 B): e uint8 (e8m0) | 16 B nibbles.  x = 2^(e - 128) * kvalues[q]; elements
+    # 0..15 low nibbles, 16..31 high. The scale is built from its bits as ggml's
+    # ggml_e8m0_to_fp32_half does (e < 2: a subnormal), so no exp2 rounding or flushing.
+    e = blocks[:, :1].to(torch.int32)  # [num_blocks, 1]
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    codes = _nibbles(blocks[:, 1:]).view(-1, 32)
+    torch.index_select(_MXFP4_VALUES, 0, codes.view(-1).long(), out=out.view(-1))
+    return out.mul_(bits.view(torch.float32))
+
+
 _BLOCK_DEQUANTIZERS = {
     QT.Q8_0: _q8_0,
     QT.Q4_0: _q4_0,
     QT.Q4_1: _q4_1,
     QT.Q4_K: _q4_k,
     QT.Q6_K: _q6_k,
+    QT.MXFP4: _mxfp4,  # gpt-oss's experts (llama.cpp's converter keeps OpenAI's blocks)
 }
 _FLOAT_DTYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 # Correct via gguf's numpy reference; rare in the wild for Llama-family checkpoints.

@@ -360,23 +360,18 @@ def llama3_scaling_from_freq_factors(
     """Recover HF llama3 `rope_scaling` from llama.cpp's rope_freqs tensor.
 
     The file stores only the computed divisors; every Llama 3.x release uses low/high frequency
-    factors 1 and 4 over an 8192-token original context, so we try those and accept them only if
-    they reproduce the stored divisors.
+    factors 1 and 4 over an 8192-token original context, Llama 4 (Scout) 1 and 1, so we try
+    those and accept one only if it reproduces the stored divisors.
     """
-    candidate = {
-        "rope_type": "llama3",
-        "factor": round(float(freq_factors.max()), 3),  # stored in float32: 8.000001 -> 8.0
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    params = {k: v for k, v in candidate.items() if k != "rope_type"}
-    expected = llama3_freq_factors(head_dim, rope_theta, **params)
-    if expected.shape != freq_factors.shape or not torch.allclose(
-        expected, freq_factors.double(), rtol=1e-3
-    ):
-        raise ValueError(f"{path}: {_ROPE_FREQS} does not match llama3 RoPE scaling; not supported")
-    return candidate
+    factor = round(float(freq_factors.max()), 3)  # stored in float32: 8.000001 -> 8.0
+    for low, high in ((1.0, 4.0), (1.0, 1.0)):
+        params = {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                  "original_max_position_embeddings": 8192}
+        expected = llama3_freq_factors(head_dim, rope_theta, **params)
+        if expected.shape == freq_factors.shape and torch.allclose(
+                expected, freq_factors.double(), rtol=1e-3):
+            return {"rope_type": "llama3", **params}
+    raise ValueError(f"{path}: {_ROPE_FREQS} does not match llama3 RoPE scaling; not supported")
 
 
 def _block_layout(ggml_type: int) -> tuple[int, int]:

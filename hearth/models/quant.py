@@ -75,20 +75,31 @@ def attention_linears(attn, p: str) -> list[tuple[torch.nn.Module, list[str]]]:
             (attn.o_proj, [p + "self_attn.o_proj.weight"])]
 
 
+# Where a layer's MLP tensors are named after "model.layers.{i}.": the dense MLP, the shared
+# experts, the stacked experts; a family names its own in its quant hooks' MLP_NAMES (Llama 4:
+# feed_forward.*)
+MLP_NAMES = ("mlp.", "mlp.shared_experts.", "mlp.experts.")
+
+
+def _mlp_names(model) -> tuple[str, str, str]:
+    return getattr(family_of(model.arch.architecture).quant_hooks(), "MLP_NAMES", MLP_NAMES)
+
+
 def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[str]]]:
     """Each linear module of the model with the HF tensors its rows come from, in row order
     (`names`: the checkpoint's tensor names; a tied LM head reads the embedding; no sources:
     the float weights are what the kernels must see)."""
     hooks = family_of(model.arch.architecture).quant_hooks()
     linears = attention_linears if hooks is None else hooks.attention_linears
+    dense, shared_experts, _ = _mlp_names(model)
     out = []
     for local, layer in enumerate(model.layers):
         p = f"model.layers.{model.layer_start + local}."
         out += linears(layer.self_attn, p)
-        mlps = [(layer.mlp, p + "mlp.")]
+        mlps = [(layer.mlp, p + dense)]
         if isinstance(layer.mlp, SparseMoeBlock):  # routed experts: quantize_experts
             shared = getattr(layer.mlp, "shared_experts", None)
-            mlps = [] if shared is None else [(shared, p + "mlp.shared_experts.")]
+            mlps = [] if shared is None else [(shared, p + shared_experts)]
         for mlp, m in mlps:
             out.append((mlp.gate_up_proj, [m + "gate_proj.weight", m + "up_proj.weight"]))
             out.append((mlp.down_proj, [m + "down_proj.weight"]))
@@ -98,12 +109,12 @@ def _linear_sources(model, names: set[str]) -> list[tuple[torch.nn.Module, list[
     return out
 
 
-def _expert_raw(checkpoint, p: str, num_experts: int, int8_act: bool):
-    """The stored blocks of a layer's stacked experts (a GGUF's ffn_*_exps) as the kernel's two
-    packed weights: [gate_e | up_e] rows per expert (w13) and the down rows (w2), when all three
-    share one format the kernels read; else None."""
+def _expert_raw(checkpoint, e: str, num_experts: int, int8_act: bool):
+    """The stored blocks of a layer's stacked experts (a GGUF's ffn_*_exps, named under `e`) as
+    the kernel's two packed weights: [gate_e | up_e] rows per expert (w13) and the down rows
+    (w2), when all three share one format the kernels read; else None."""
     raw_blocks = getattr(checkpoint, "raw_blocks", None)
-    names = [p + f"mlp.experts.{x}_proj" for x in ("gate", "up", "down")]
+    names = [e + f"{x}_proj" for x in ("gate", "up", "down")]
     if raw_blocks is None or not all(n in checkpoint.tensor_names() for n in names):
         return None
     parts = [raw_blocks(n) for n in names]
@@ -136,7 +147,8 @@ def quantize_experts(model, checkpoint, quantization: str, kernels,
             continue
         packed = None
         if quantization == "gguf" and model.tp.size == 1:
-            packed = _expert_raw(checkpoint, f"model.layers.{model.layer_start + local}.",
+            packed = _expert_raw(checkpoint, f"model.layers.{model.layer_start + local}."
+                                 + _mlp_names(model)[2],
                                  experts.num_local, int8_act)
         if packed is None:
             q13, q2 = (quantize_q8_0(w.reshape(-1, w.shape[2])) for w in (w13, w2))
@@ -192,12 +204,13 @@ def _q8_0_rows(checkpoint, name: str, kernels) -> torch.Tensor:
     return kernels.requantize_q8_0(pack_ggml_parts(qtype, [rows], [rows.shape[0]]))
 
 
-def _file_experts(checkpoint, p: str, experts, int8_act: bool, kernels):
+def _file_experts(checkpoint, e: str, experts, int8_act: bool, kernels):
     """(w13, w2) PackedWeights of a MoE layer's experts from a GGUF's stacked expert blocks
-    (ffn_{gate,up,down}_exps): gate/up and down each as stored where the kernels read its
-    format, else requantized to Q8_0 (the op takes a format per stack); None where the file
-    stores them as floats or in another layout, or the widths are not whole blocks."""
-    names = [p + f"mlp.experts.{x}_proj" for x in ("gate", "up", "down")]
+    (ffn_{gate,up,down}_exps, named under `e`): gate/up and down each as stored where the
+    kernels read its format, else requantized to Q8_0 (the op takes a format per stack); None
+    where the file stores them as floats or in another layout, or the widths are not whole
+    blocks."""
+    names = [e + f"{x}_proj" for x in ("gate", "up", "down")]
     known = set(checkpoint.tensor_names())
     if (not all(n in known for n in names) or experts.w13.shape[2] % 32
             or experts.w2.shape[2] % 32):
@@ -250,9 +263,11 @@ def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[st
             embed.set_packed(packed, kernels)
             note(packed)
     for local, layer in enumerate(model.layers):
-        if isinstance(layer.mlp, SparseMoeBlock):
+        # experts the kernel cannot run (gpt-oss's biased ones: FusedMoE.packable) load float
+        if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.experts.packable:
             experts = layer.mlp.experts
-            packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}.",
+            packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}."
+                                   + _mlp_names(model)[2],
                                    experts, int8_act, kernels)
             if packed is not None:
                 experts.set_quantized_experts(*packed, kernels, blocks_only=True)

@@ -252,3 +252,28 @@ def test_out_of_the_wrong_shape_or_dtype_is_refused() -> None:
     for out in (torch.empty(2, 32), torch.empty(2, 64, dtype=torch.float16), torch.empty(64, 2).t()):
         with pytest.raises(ValueError, match="out must be contiguous float32"):
             dequantize(raw, QT.Q8_0, (2, 64), out=out)
+
+
+def ref_mxfp4(b):  # e (e8m0) | qs[16]: element j = low nibble of qs[j], j + 16 = high nibble
+    e2m1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+    qs = b[1:].astype(np.int64)
+    codes = np.concatenate([qs & 0xF, qs >> 4])
+    return 2.0 ** (int(b[0]) - 127) * np.array([e2m1[q] for q in codes])
+
+
+def test_mxfp4_matches_gguf_bit_for_bit_and_the_block_layout() -> None:
+    """Every scale byte (2^-127 subnormals to 2^127) and every nibble."""
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
+    raw[:, 0] = np.arange(256)
+    actual = dequantize(torch.from_numpy(raw.reshape(-1)), QT.MXFP4, (8, 32 * 32))
+    np.testing.assert_array_equal(actual.numpy(),
+                                  reference_dequantize(raw.reshape(8, -1), QT.MXFP4))
+    expected = np.concatenate([ref_mxfp4(block) for block in raw]).reshape(8, -1)
+    with np.errstate(over="ignore"):  # 2^127 * 12 is past float32 in either
+        np.testing.assert_array_equal(actual.numpy(), expected.astype(np.float32))
+    weights = rng.standard_normal((4, 64)).astype(np.float32)
+    packed = reference_quantize(weights, QT.MXFP4)
+    out = torch.empty(4, 64)
+    dequantize(torch.from_numpy(packed.reshape(-1)), QT.MXFP4, (4, 64), out=out)
+    assert np.abs(out.numpy() - weights).max() < 1.0  # 4-bit e2m1, a power-of-two scale

@@ -49,6 +49,8 @@ def test_every_family_name_resolves_to_its_family_and_code():
     # llama.cpp's "llama" holds Llama and (with experts) Mixtral: the experts pick the family
     assert gguf_family("llama", False, "f")[1] == "llama"
     assert gguf_family("llama", True, "f")[1] == "mixtral"
+    assert gguf_family("llama4", True, "f")[1] == "llama4"
+    assert gguf_family("gpt-oss", True, "f")[1] == "gpt_oss"
     with pytest.raises(ValueError, match="a qwen2 file with experts is not supported"):
         gguf_family("qwen2", True, "f")
     with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):

@@ -7,15 +7,16 @@ clamped SwiGLU over interleaved gate/up columns). YaRN RoPE.
 """
 
 from hearth.models.families import Family
-from hearth.models.families.gpt_oss import arch_fields
+from hearth.models.families.gpt_oss import arch_fields, gguf
 
 FAMILY = Family(
     name="gpt_oss",
     architectures=("gpt_oss",),
     hf_names={"GptOssForCausalLM": "gpt_oss"},
-    gguf_names={},
+    gguf_names={"gpt-oss": "gpt_oss"},
+    gguf_tensor_names=gguf.TENSOR_NAMES,
     hf_fields=arch_fields.hf_fields,
-    gguf_fields=arch_fields.gguf_fields,
+    gguf_fields=gguf.gguf_fields,
     model="model:GptOssForCausalLM",
     is_moe=True,
     sliding_window=True,

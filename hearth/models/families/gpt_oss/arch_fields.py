@@ -1,6 +1,6 @@
 """gpt-oss's parts of a ModelArch: its MoE (MoeSpec) and its per-layer attention and expert
 activation (`GptOssSpec`, the arch's family_spec), from config.json (transformers'
-GptOssConfig)."""
+GptOssConfig); the GGUF side is gguf.py."""
 
 from __future__ import annotations
 
@@ -67,6 +67,3 @@ def hf_fields(config: dict[str, Any], architecture: str, folder) -> dict[str, An
     return {"attention_bias": bias, "attention_out_bias": bias, "qk_norm": False,
             "moe": moe, "family_spec": spec}
 
-
-def gguf_fields(meta: dict[str, Any], file, key, architecture: str) -> dict[str, Any]:
-    raise ValueError("GGUF gpt-oss files are not supported yet (serve the HF folder)")

@@ -18,6 +18,11 @@ to the CPU kernels' MXFP4 layout (4.25 bits per weight, hearth.ops.cpu_kernels.p
 the experts' only copy (FusedMoE's blocks-only experts, no float stacks). Where this rank's
 part is not whole blocks (a tensor-parallel cut of I that is not a multiple of 32) they are
 dequantized as read instead (`mxfp4_to_float`).
+
+A GGUF file (gguf.py) stores them split and stacked instead, nn.Linear rows:
+
+    model.layers.{i}.mlp.experts.{gate,up}_proj          [E, I, H]   (+ _bias [E, I])
+    model.layers.{i}.mlp.experts.down_proj               [E, H, I]   (+ _bias [E, H])
 """
 
 from __future__ import annotations
@@ -106,6 +111,30 @@ def packed_mxfp4_experts(loader: WeightLoader, e: str, mine: slice, rows: slice,
             pack_mxfp4(down_blocks.flatten(0, 1), down_scales.flatten(0, 1), interleaved=True))
 
 
+def checked(loader: WeightLoader, name: str, want: tuple[int, ...]):
+    value = loader.get(name)
+    if tuple(value.shape) != want:
+        raise ValueError(f"shape mismatch loading {name}: checkpoint {tuple(value.shape)}, "
+                         f"model expects {want}")
+    return value
+
+
+def load_stacked_experts(loader: WeightLoader, experts, e: str, mine: slice, lo: int,
+                         full: int) -> None:
+    """The GGUF form (module docstring): gate and up already split, rows already out
+    features; this rank's experts `mine` and its slice [lo, lo + inter) of I."""
+    inter, num_experts, hidden = experts.inter, experts.num_experts, experts.w13.shape[2]
+    cut = slice(lo, lo + inter)
+    for half, part in ((slice(None, inter), "gate_proj"), (slice(inter, None), "up_proj")):
+        experts.w13.data[:, half].copy_(checked(loader, e + part, (num_experts, full, hidden))
+                                        [mine, cut])
+        experts.b13.data[:, half].copy_(checked(loader, e + part + "_bias", (num_experts, full))
+                                        [mine, cut])
+    experts.w2.data.copy_(checked(loader, e + "down_proj", (num_experts, hidden, full))
+                          [mine, :, cut])
+    experts.b2.data.copy_(checked(loader, e + "down_proj_bias", (num_experts, hidden))[mine])
+
+
 def load_experts(loader: WeightLoader, experts, e: str) -> None:
     """This rank's experts (FusedMoE: all experts cut along I, or with expert parallelism E/P
     whole ones), the interleaved gate/up columns split into [gate | up] rows; MXFP4 experts
@@ -116,6 +145,9 @@ def load_experts(loader: WeightLoader, experts, e: str) -> None:
     lo = 0 if experts.expert_parallel else experts.group.rank * inter  # this rank's slice of I
     num_experts, hidden = experts.num_experts, experts.w13.shape[2]
     mine = slice(first, first + local)
+    if e + "gate_proj" in names:
+        load_stacked_experts(loader, experts, e, mine, lo, full)
+        return
     rows = slice(2 * lo, 2 * (lo + inter))  # this rank's interleaved gate/up rows
     gate_up_bias, down_bias = loader.get(e + "gate_up_proj_bias"), loader.get(e + "down_proj_bias")
     for name, value, want in ((e + "gate_up_proj_bias", gate_up_bias, (num_experts, 2 * full)),

@@ -7,7 +7,7 @@ layers and full attention without RoPE (NoPE, with attention temperature tuning)
 """
 
 from hearth.models.families import Family, TextModelIn
-from hearth.models.families.llama4 import arch_fields
+from hearth.models.families.llama4 import arch_fields, gguf
 
 FAMILY = Family(
     name="llama4",
@@ -16,9 +16,11 @@ FAMILY = Family(
     hf_text_models={"Llama4ForConditionalGeneration": TextModelIn(
         config_key="text_config", prefix="language_model.",
         skipped=("vision_model.", "multi_modal_projector."))},
-    gguf_names={},
+    gguf_names={"llama4": "llama4"},
+    gguf_tensor_names=gguf.TENSOR_NAMES,
     hf_fields=arch_fields.hf_fields,
-    gguf_fields=arch_fields.gguf_fields,
+    gguf_fields=gguf.gguf_fields,
     model="model:Llama4ForCausalLM",
     is_moe=True,
+    quant="quant_hooks",
 )

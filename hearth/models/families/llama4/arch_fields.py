@@ -1,5 +1,5 @@
 """Llama 4's parts of a ModelArch: its MoE (MoeSpec) and its per-layer attention (`Llama4Spec`,
-the arch's family_spec), from config.json's text config."""
+the arch's family_spec), from config.json's text config (the GGUF side: gguf.py)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,3 @@ def hf_fields(config: dict[str, Any], architecture: str, folder) -> dict[str, An
             "intermediate_size": int(config.get("intermediate_size_mlp", 16384)),
             "moe": moe, "family_spec": spec}
 
-
-def gguf_fields(meta: dict[str, Any], file, key, architecture: str) -> dict[str, Any]:
-    raise ValueError("GGUF llama4 files are not supported yet (serve the HF folder)")

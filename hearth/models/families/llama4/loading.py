@@ -8,6 +8,7 @@ Llama4ForConditionalGeneration folder: hf_loader strips it and skips the vision 
     model.layers.{i}.feed_forward.experts.gate_up_proj                [E, H, 2I] (x @ W)
     model.layers.{i}.feed_forward.experts.down_proj                   [E, I, H]
       or per expert feed_forward.experts.{j}.{gate,up,down}_proj.weight
+      or stacked (GGUF) feed_forward.experts.{gate,up}_proj [E, I, H], down_proj [E, H, I]
     model.layers.{i}.feed_forward.shared_expert.{gate,up,down}_proj.weight
 """
 
@@ -54,8 +55,11 @@ def to_rotate_half(attn) -> None:
 
 def load_experts(loader: WeightLoader, experts, e: str) -> None:
     """This rank's experts (FusedMoE: all experts cut along I, or with expert parallelism E/P
-    whole ones) from transformers' packed tensors or per-expert ones."""
+    whole ones) from transformers' packed tensors, per-expert ones or a GGUF's stacked ones."""
     names = set(loader.tensor_names())
+    if experts.blocks_only:  # packed from a GGUF's stacks (quant.attach_file_blocks)
+        loader.read.update(e + f"{x}_proj" for x in ("gate", "up", "down"))
+        return
     first, inter, local = experts.expert_start, experts.inter, experts.num_local
     full = inter if experts.expert_parallel else inter * experts.group.size
     lo = 0 if experts.expert_parallel else experts.group.rank * inter  # this rank's slice of I
@@ -73,6 +77,19 @@ def load_experts(loader: WeightLoader, experts, e: str) -> None:
         w13[:, :inter].copy_(gate_up[:, :, lo:lo + inter].transpose(1, 2))
         w13[:, inter:].copy_(gate_up[:, :, full + lo:full + lo + inter].transpose(1, 2))
         w2.copy_(down[:, lo:lo + inter].transpose(1, 2))
+        return
+    if e + "gate_proj" in names:
+        for j, part in enumerate(("gate_proj", "up_proj", "down_proj")):
+            want = (experts.num_experts, *((full, hidden) if j < 2 else (hidden, full)))
+            value = loader.get(e + part)
+            if tuple(value.shape) != want:
+                raise ValueError(f"shape mismatch loading {e + part}: checkpoint "
+                                 f"{tuple(value.shape)}, model expects {want}")
+            value = value[first:first + local]
+            if j < 2:
+                w13[:, j * inter:(j + 1) * inter].copy_(value[:, lo:lo + inter])
+            else:
+                w2.copy_(value[:, :, lo:lo + inter])
         return
     row_shard = None if experts.expert_parallel or experts.group.size == 1 else (
         0, experts.group.rank, experts.group.size)
