@@ -127,10 +127,6 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 class FusedMoE(nn.Module):
     """The stacked experts of one layer (this rank's part) and the op that runs them."""
 
-    # whether the kernel's packed experts can run them (quant.quantize_experts); a family's
-    # experts with more than the op computes would say False
-    packable = True
-
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  tp: ParallelGroup, expert_parallel: bool) -> None:
         super().__init__()

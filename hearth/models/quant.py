@@ -130,8 +130,7 @@ def quantize_experts(model, checkpoint, quantization: str, kernels,
                      int8_act: bool = False) -> dict[str, int]:
     """Give each MoE layer's experts packed copies for few-row steps (the kernel's quantized
     path): the GGUF's own expert blocks where it stores them in a kernel format (one rank),
-    else Q8_0 of the float weights. Experts whose widths are not multiples of 32, or that the
-    kernel cannot run (`FusedMoE.packable`), stay float."""
+    else Q8_0 of the float weights. Experts whose widths are not multiples of 32 stay float."""
     counts: dict[str, int] = {}
     for local, layer in enumerate(model.layers):
         if not isinstance(layer.mlp, SparseMoeBlock):
@@ -142,7 +141,7 @@ def quantize_experts(model, checkpoint, quantization: str, kernels,
             counts[name] = counts.get(name, 0) + 1
             continue
         w13, w2 = experts.w13.data, experts.w2.data  # [E, 2I, H], [E, H, I]
-        if not experts.packable or w13.shape[2] % 32 or w2.shape[2] % 32:
+        if w13.shape[2] % 32 or w2.shape[2] % 32:
             counts["none"] = counts.get("none", 0) + 1
             continue
         packed = None
@@ -263,8 +262,7 @@ def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[st
             embed.set_packed(packed, kernels)
             note(packed)
     for local, layer in enumerate(model.layers):
-        # experts the kernel cannot run (gpt-oss's biased ones: FusedMoE.packable) load float
-        if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.experts.packable:
+        if isinstance(layer.mlp, SparseMoeBlock):
             experts = layer.mlp.experts
             packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}."
                                    + _mlp_names(model)[2],

@@ -41,7 +41,7 @@ STORE = 80 * 2**20
 # per core had each parallel region wait at its barrier for a thread another worker preempted.
 THREADS = 1
 ONE_THREAD = dict(threads_per_worker=THREADS)
-SERVE_FLAGS = ("--num-kv-blocks=512", *EXACT_FLAGS)
+SERVE_FLAGS = ("--num-kv-blocks=256", *EXACT_FLAGS)  # 4k tokens a worker: ample here
 WORKER_ARGS = [f"--worker-arg={flag}" for flag in SERVE_FLAGS]
 WORKER_KEY = "cluster-test-worker-key"  # so the tests can read each worker's own /load
 # Bounded so that every text it admits fits the stream's max_tokens: sampled at temperature 1 the

@@ -196,12 +196,12 @@ def test_a_layer_pattern_in_the_file_is_read(tmp_path):
     assert spec.sliding_layers == (True, False, False)
 
 
-def test_quantization_gguf_runs_the_files_linears_and_float_experts(hf_model, tmp_path,
-                                                                   long_cache):
+def test_quantization_gguf_runs_the_files_linears_and_mxfp4_experts(hf_model, tmp_path,
+                                                                    long_cache):
     """`gguf` (what `auto` picks for a GGUF): the attention projections multiply in the file's
-    Q8_0 blocks; the MXFP4 experts, which the expert kernel cannot run (biases, the clamped
-    SwiGLU), are dequantized to floats, not packed from the file (a packed stack would leave
-    the float experts empty); logits as the float model of the same file."""
+    Q8_0 blocks, and the MXFP4 expert stacks are packed straight from the file (blocks only,
+    no float copy), run by the expert kernel with their biases and clamped SwiGLU; logits as
+    the float model of the same file."""
     from hearth.engine.executor import build_model_for
     from hearth.engine.llm import make_engine_config
     from hearth.models.gguf_loader import GGUFCheckpoint
@@ -222,7 +222,7 @@ def test_quantization_gguf_runs_the_files_linears_and_float_experts(hf_model, tm
     served = build("gguf")
     attn, experts = served.layers[0].self_attn, served.layers[0].mlp.experts
     assert attn.qkv_proj.qweight.qtype == gguf.GGMLQuantizationType.Q8_0.value
-    assert experts.qw13 is None and not experts.blocks_only
+    assert experts.blocks_only and experts.qw13.qtype == experts.qw2.qtype == 39  # MXFP4
     torch.testing.assert_close(GgufRun(path, served).step(PROMPT),
                                GgufRun(path, build("none")).step(PROMPT), atol=1e-3, rtol=0)
 
