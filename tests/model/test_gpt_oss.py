@@ -29,7 +29,7 @@ from hearth.models.families.gpt_oss.loading import FP4_VALUES
 from hearth.models.hf_loader import HFCheckpoint
 from hearth.models.random_checkpoint import _write_word_tokenizer
 from hearth.ops.attention import AttentionSpec
-from tests.model.test_hf_parity import PagedRun, hf_logits, randomize
+from tests.model.test_hf_parity import PagedRun, check_engine_greedy, hf_greedy, hf_logits, randomize
 
 transformers = pytest.importorskip("transformers")
 
@@ -180,33 +180,11 @@ def test_sinks_windows_and_clamps_each_change_the_logits(hf_gpt_oss, long_cache)
         assert drift(change) > 100 * parity.ATOL
 
 
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
-    ids, logprobs = list(prompt), []
-    for _ in range(num_tokens):
-        logits = torch.log_softmax(hf_logits(model, ids)[-1], -1)
-        ids.append(int(logits.argmax()))
-        logprobs.append(float(logits[ids[-1]]))
-    return ids[len(prompt):], logprobs
-
-
 def test_engine_greedy_tokens_and_logprobs_equal_transformers(hf_gpt_oss):
     """Chunked prefill (16-token steps, so chunks cross the windows' edges) and, on the second
     round, prefix-cache hits."""
     model, folder = hf_gpt_oss
-    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
-    llm = LLM(str(folder), **EXACT, max_num_batched_tokens=16)
-    try:
-        first = llm.generate(PROMPTS, GREEDY)
-        second = llm.generate(PROMPTS, GREEDY)
-        assert llm.engine.kv_pool_is_whole()
-    finally:
-        llm.engine.close()
-    assert sum(c.cached_tokens for c in second) > 0
-    for got in (first, second):
-        for completion, (tokens, logprobs) in zip(got, want):
-            assert completion.token_ids == tokens
-            assert [lp.logprob for lp in completion.logprobs] == pytest.approx(logprobs,
-                                                                               abs=1e-4)
+    check_engine_greedy(folder, model, PROMPTS, GREEDY, **EXACT, max_num_batched_tokens=16)
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),

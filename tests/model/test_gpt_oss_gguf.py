@@ -25,7 +25,7 @@ import tests.model.test_hf_parity as parity
 from hearth.engine.llm import LLM
 from hearth.models.hf_loader import HFCheckpoint
 from hearth.models.weights import build_model
-from tests.model.test_hf_parity import PagedRun, hf_logits
+from tests.model.test_hf_parity import PagedRun, check_engine_greedy, hf_logits
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -236,20 +236,7 @@ def test_engine_greedy_tokens_equal_transformers(hf_model, tmp_path):
     reference = transformers.GptOssForCausalLM(model.config).to(torch.float32).eval()
     reference.load_state_dict(state)
     prompts = oss.PROMPTS[:4]
-    want = [oss.hf_greedy(reference, p, oss.GREEDY.max_tokens) for p in prompts]
-    llm = LLM(str(path), **oss.EXACT, quantization="none", max_num_batched_tokens=16)
-    try:
-        first = llm.generate(prompts, oss.GREEDY)
-        second = llm.generate(prompts, oss.GREEDY)
-        assert llm.engine.kv_pool_is_whole()
-    finally:
-        llm.engine.close()
-    assert sum(c.cached_tokens for c in second) > 0
-    for got in (first, second):
-        for completion, (tokens, logprobs) in zip(got, want):
-            assert completion.token_ids == tokens
-            assert [lp.logprob for lp in completion.logprobs] == pytest.approx(logprobs,
-                                                                               abs=1e-4)
+    check_engine_greedy(path, reference, prompts, oss.GREEDY, **oss.EXACT, quantization="none", max_num_batched_tokens=16)
 
 
 def test_a_truncated_or_incomplete_file_is_refused_naming_the_tensor(hf_model, tmp_path):

@@ -251,3 +251,33 @@ def test_deepseek_arch_and_yarn_softmax_scale_match_transformers(tmp_path: Path)
     want = hf_model.model.layers[0].self_attn.scaling
     assert want != pytest.approx(arch.mla.qk_head_dim ** -0.5)
     assert mla_softmax_scale(arch) == pytest.approx(want, rel=1e-6)
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of `prompt` and each chosen token's logprob."""
+    ids, logprobs = list(prompt), []
+    for _ in range(num_tokens):
+        logits = torch.log_softmax(hf_logits(model, ids)[-1], -1)
+        ids.append(int(logits.argmax()))
+        logprobs.append(float(logits[ids[-1]]))
+    return ids[len(prompt):], logprobs
+
+
+def check_engine_greedy(path, reference, prompts: list[list[int]], params, **llm_kwargs) -> None:
+    """An engine on `path` runs `prompts` twice (the second round hits the prefix cache):
+    both rounds' greedy tokens and logprobs equal transformers' `reference`, pool whole."""
+    from hearth.engine.llm import LLM
+
+    want = [hf_greedy(reference, p, params.max_tokens) for p in prompts]
+    llm = LLM(str(path), **llm_kwargs)
+    try:
+        first = llm.generate(prompts, params)
+        second = llm.generate(prompts, params)
+        assert llm.engine.kv_pool_is_whole()
+    finally:
+        llm.engine.close()
+    assert sum(c.cached_tokens for c in second) > 0
+    for got in (first, second):
+        for completion, (tokens, logprobs) in zip(got, want):
+            assert completion.token_ids == tokens
+            assert [lp.logprob for lp in completion.logprobs] == pytest.approx(logprobs, abs=1e-4)

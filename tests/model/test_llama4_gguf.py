@@ -24,7 +24,7 @@ import tests.model.test_llama4 as l4
 from hearth.engine.llm import LLM
 from hearth.models.hf_loader import HFCheckpoint
 from tests.model.test_gpt_oss_gguf import GgufRun
-from tests.model.test_hf_parity import hf_logits
+from tests.model.test_hf_parity import check_engine_greedy, hf_logits
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -175,20 +175,7 @@ def test_engine_greedy_tokens_equal_transformers(hf_model, tmp_path):
     model, _ = hf_model
     path = write_llama4_gguf(tmp_path / "m.gguf", model)
     prompts = l4.PROMPTS[:4]
-    want = [l4.hf_greedy(model, p, l4.GREEDY.max_tokens) for p in prompts]
-    llm = LLM(str(path), **l4.EXACT, quantization="none", max_num_batched_tokens=16)
-    try:
-        first = llm.generate(prompts, l4.GREEDY)
-        second = llm.generate(prompts, l4.GREEDY)
-        assert llm.engine.kv_pool_is_whole()
-    finally:
-        llm.engine.close()
-    assert sum(c.cached_tokens for c in second) > 0
-    for got in (first, second):
-        for completion, (tokens, logprobs) in zip(got, want):
-            assert completion.token_ids == tokens
-            assert [lp.logprob for lp in completion.logprobs] == pytest.approx(logprobs,
-                                                                               abs=1e-4)
+    check_engine_greedy(path, model, prompts, l4.GREEDY, **l4.EXACT, quantization="none", max_num_batched_tokens=16)
 
 
 def test_q8_0_file_under_quantization_gguf(hf_model, tmp_path, monkeypatch):
