@@ -79,7 +79,7 @@ class QuantizedWeight:
         self.qweight, self.kernels = qweight, kernels
         if blocks_only:
             self.weight = drop_float(self.weight)
-            if qweight.int8_act and kernels.kquant_superblock_act():
+            if qweight.int8_act and kernels is not None and kernels.kquant_superblock_act():
                 self.qlinear_max_rows = KQUANT_A8_MAX_ROWS.get(qweight.qtype, QLINEAR_MAX_ROWS)
 
     @property
