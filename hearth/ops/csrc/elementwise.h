@@ -93,10 +93,11 @@ at::Tensor add_rms_norm(const at::Tensor& x_in, at::Tensor& residual, const at::
   return out.view(residual.sizes());
 }
 
-// [T, 2I] (gate | up) -> [T, I]: silu(gate) * up, in gate_up's dtype.
-at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+// [T, 2I] (gate | up) -> [T, I] in gate_up's dtype: out[t, j] = f(gate[t, j], up[t, j]).
+template <typename F>
+at::Tensor gated_rows(const at::Tensor& gate_up_in, const char* name, F f) {
   at::Tensor gu = gate_up_in.contiguous();
-  check_act(gu, "silu_mul");
+  check_act(gu, name);
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({T, I}, gu.options());
   dispatch_act(gu, out, [&](auto* gp, auto* op) {
@@ -106,40 +107,27 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
         const auto* u = g + I;
         auto* o = op + t * I;
 #pragma omp simd
-        for (int64_t j = 0; j < I; ++j) {
-          const float gj = act_load(g, j);
-          act_store(o, j, gj / (1.0f + fast_exp(-gj)) * act_load(u, j));
-        }
+        for (int64_t j = 0; j < I; ++j) act_store(o, j, f(act_load(g, j), act_load(u, j)));
       }
     });
   });
   return out;
 }
 
-// [T, 2I] (gate | up) -> [T, I]: gpt-oss's clamped SwiGLU, in gate_up's dtype (transformers'
-// GptOssExperts): g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) g sigmoid(alpha g).
+// silu(gate) * up.
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  return gated_rows(gate_up_in, "silu_mul",
+                    [](float g, float u) { return g / (1.0f + fast_exp(-g)) * u; });
+}
+
+// gpt-oss's clamped SwiGLU (transformers' GptOssExperts): g = min(gate, limit),
+// u = clamp(up, -limit, limit), (u + 1) g sigmoid(alpha g).
 at::Tensor clamped_swiglu(const at::Tensor& gate_up_in, double alpha, double limit) {
-  at::Tensor gu = gate_up_in.contiguous();
-  check_act(gu, "clamped_swiglu");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
   const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
-  at::Tensor out = at::empty({T, I}, gu.options());
-  dispatch_act(gu, out, [&](auto* gp, auto* op) {
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const auto* g = gp + t * 2 * I;
-        const auto* u = g + I;
-        auto* o = op + t * I;
-#pragma omp simd
-        for (int64_t j = 0; j < I; ++j) {
-          const float gj = std::min(act_load(g, j), l);
-          const float uj = std::min(std::max(act_load(u, j), -l), l);
-          act_store(o, j, (uj + 1.0f) * (gj / (1.0f + fast_exp(-a * gj))));
-        }
-      }
-    });
+  return gated_rows(gate_up_in, "clamped_swiglu", [a, l](float gate, float up) {
+    const float g = std::min(gate, l), u = std::min(std::max(up, -l), l);
+    return (u + 1.0f) * (g / (1.0f + fast_exp(-a * g)));
   });
-  return out;
 }
 
 // The scaled KV formats (hearth/ops/kv_quant.py): a row of one token and KV head is D 8-bit
