@@ -86,6 +86,8 @@ class LLMEngine:
         # (hearth/engine/step_policy.py), from a prior per CPU kind until they are measured.
         self.step_cost = StepCost(PRIOR_PROMPT_TOKENS["amx" if amx_usable() else "other"])
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.step_cost)
+        if self.speculator is not None:
+            self.speculator.cost = self.step_cost  # draft lengths weigh a row's measured cost
         self._step_start = 0.0  # when the running step began, and its tokens (stamped on a
         self._step_tokens = 0  # request whose first token it samples)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids)
@@ -296,7 +298,8 @@ class LLMEngine:
         t0 = time.monotonic()
         sampled = self._execute_isolated(sched, outputs)
         self.step_cost.observe(sched.num_prompt_tokens,
-                               sum(len(d) for d in sched.drafts.values()), time.monotonic() - t0)
+                               sum(len(d) for d in sched.drafts.values()), time.monotonic() - t0,
+                               num_decode_rows=len(sched.scheduled))
         outputs += self._apply_step(sched, sampled)
         return outputs
 

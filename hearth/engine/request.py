@@ -80,6 +80,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_bypassed = 0  # times a request behind it in the queue was admitted first
+        self.warm_turn = False  # admitted as a session's next turn (step_policy.is_warm)
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

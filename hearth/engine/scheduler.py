@@ -36,7 +36,7 @@ from hearth.config import SchedulerConfig
 from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.step_policy import (StepCost, WaitingView, is_warm, pick_next_waiting,
-                                       prompt_token_budget)
+                                       prompt_allowance, prompt_token_budget)
 
 ADMIT_SCAN = 16  # waiting requests looked at for a warm next turn, from the head
 
@@ -66,6 +66,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        self._warm_exemption = True  # this step's pass past the prompt bound (step_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.importing: list[Request] = []  # blocks allocated, KV arriving from a prefill worker
@@ -100,6 +101,7 @@ class Scheduler:
         prompts = [r for r in self.running if not is_decoding(r)]
         budget = self.config.max_num_batched_tokens
         prompt_budget = prompt_token_budget(self.config, self.cost, len(decoding))
+        self._warm_exemption = True  # one warm turn per step may pass the prompt bound
         stalled = False  # a request preempted itself: nothing more fits this step
         for req in decoding:
             if budget <= 0 or stalled:
@@ -112,15 +114,19 @@ class Scheduler:
             stalled = granted is None
             budget -= granted or 0
         for req in prompts:
-            if budget <= 0 or prompt_budget <= 0 or stalled:
+            if budget <= 0 or stalled:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, prompt_budget)
+            left = req.num_tokens - req.num_computed_tokens
+            num_new = min(left, budget, self._allowance(prompt_budget, left, req.warm_turn))
+            if num_new <= 0:
+                continue  # the step's prompt bound is spent; a warm turn behind it may still go
             granted = self._grant(out, req, num_new, [])
             if granted == 0:
                 break  # its blocks would come from a request granted this step: it waits
             stalled = granted is None
+            self._spend_exemption(prompt_budget, granted or 0)
             budget -= granted or 0
             prompt_budget -= granted or 0
             out.num_prompt_tokens += granted or 0
@@ -172,19 +178,24 @@ class Scheduler:
         self.kv.register_computed_blocks(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_budget: int) -> int:
-        while (self.waiting and budget > 0 and prompt_budget > 0
+        while (self.waiting and budget > 0
                and len(self.running) + len(self.importing) < self.config.max_num_seqs):
             req, hits = self._next_waiting()
+            warm = req.kv_import is None and is_warm(len(hits) * self.kv.block_size, req.num_tokens)
+            new_tokens = req.num_tokens - len(hits) * self.kv.block_size
+            if self._allowance(prompt_budget, new_tokens, warm) <= 0:
+                break  # the step's prompt bound is spent and the next pick is no short warm turn
             if req.kv_import is not None:  # its prompt's KV comes over the wire, not from compute
                 if not self._admit_import(req, hits, out):
                     break
                 continue
             num_stored = self.store_lookup(req, len(hits)) if self.store_lookup else 0
             if num_stored and self.store_ready and self.store_ready(req, len(hits), num_stored):
-                cap = min(budget, prompt_budget)
+                cap = min(budget, self._allowance(prompt_budget, new_tokens, warm))
                 left = self._admit_filled(req, hits, num_stored, out, cap)
                 if left is None:
                     break
+                self._spend_exemption(prompt_budget, cap - left)
                 out.num_prompt_tokens += cap - left
                 budget, prompt_budget = budget - (cap - left), prompt_budget - (cap - left)
                 continue
@@ -192,16 +203,30 @@ class Scheduler:
                 if not self._admit_load(req, hits, num_stored, out):
                     break
                 continue
-            num_new = min(req.num_tokens - len(hits) * self.kv.block_size, budget, prompt_budget)
+            num_new = min(new_tokens, budget, self._allowance(prompt_budget, new_tokens, warm))
             if not self.kv.allocate(req, num_new, hits):
                 break  # wait for blocks; admission order is kept (no overtaking)
             self._take_waiting(req, hits, RequestStatus.RUNNING)
+            req.warm_turn = warm
+            self._spend_exemption(prompt_budget, num_new)
             self.running.append(req)
             out.scheduled.append((req, num_new))
             out.num_prompt_tokens += num_new
             budget -= num_new
             prompt_budget -= num_new
         return budget
+
+    def _allowance(self, prompt_budget: int, num_new_tokens: int, warm: bool) -> int:
+        """Prompt tokens a request may compute in this step (step_policy.prompt_allowance); a
+        warm turn passes the bound only while this step's one exemption is unused."""
+        return prompt_allowance(prompt_budget, num_new_tokens, warm and self._warm_exemption)
+
+    def _spend_exemption(self, prompt_budget: int, granted: int) -> None:
+        """A grant past what was left of the bound used the step's warm exemption: the next
+        warm turn waits for the next step (one at a time finishes each sooner on average than
+        all in one longer step)."""
+        if granted > max(prompt_budget, 0):
+            self._warm_exemption = False
 
     def _next_waiting(self) -> tuple[Request, list]:
         """The waiting request to admit next (the step policy's pick among the first

@@ -13,6 +13,13 @@ without a clock:
   next turn: a few new tokens over its session's history) is admitted before colder ones ahead
   of it; each request it passes counts a bypass, and a request passed `max_bypass` times is
   never passed again, so no cold prompt waits forever.
+- `prompt_allowance`: one such warm turn per step is not held to the ITL bound: its new
+  tokens (up to WARM_TURN_MAX_TOKENS) go in one step (further warm turns wait for the next
+  step: k turns one per step wait (k+1)/2 steps of one turn on average, all in one step k). Chunking them would keep a waiting agent waiting over
+  several steps to shorten the others' next token by a little; measured on the agent replay
+  (docs/benchmarks.md, issue 44), the bound on every prompt doubled the later turns' TTFT p50
+  (1.71 s against 0.84 s without it) on a 2-core AVX2 EPYC, where one decode step of 8 streams
+  already exceeds a 40 ms target. Cold prompts stay bounded.
 
 `StepCost` is the cost model: the engine feeds it each step's prompt and draft tokens and seconds;
 it keeps the median of the last few pure-decode step times and of the per-prompt-token cost
@@ -29,6 +36,8 @@ from dataclasses import dataclass
 from hearth.config import SchedulerConfig
 
 MIN_PROMPT_TOKENS = 64  # prompt tokens a step may always carry, decodes or not
+DRAFT_MARGIN = 1.25  # drafts must pay a quarter more than their rows cost (draft_break_even)
+WARM_TURN_MAX_TOKENS = 1024  # a warm turn's new tokens that may pass the ITL bound in one step
 MIN_COST_SAMPLE_TOKENS = 32  # a prompt step with fewer tokens says little about their cost
 COST_WINDOW = 16  # recent samples kept of each kind
 MIN_COST_SAMPLES = 3  # prompt-step samples before the measured cost replaces the prior
@@ -45,13 +54,20 @@ class StepCost:
         self.prior_prompt_tokens = prior_prompt_tokens
         self.decode_seconds: deque[float] = deque(maxlen=COST_WINDOW)
         self.token_seconds: deque[float] = deque(maxlen=COST_WINDOW)  # per prompt token
+        # (rows, seconds) of steps without prompt tokens (decodes and their drafts): the
+        # per-row cost a draft adds, fitted over a window twice the others' (drafts need it)
+        self.row_steps: deque[tuple[int, float]] = deque(maxlen=2 * COST_WINDOW)
+        self._line: tuple[float, float] | None = None  # the last fit (rows may stop varying)
 
-    def observe(self, num_prompt_tokens: int, num_drafts: int, seconds: float) -> None:
+    def observe(self, num_prompt_tokens: int, num_drafts: int, seconds: float,
+                num_decode_rows: int = 0) -> None:
         """One step that computed `num_prompt_tokens` prompt tokens (0: a pure decode step)
-        beside its decode rows and `num_drafts` draft tokens, in `seconds`."""
+        beside its `num_decode_rows` decode rows and `num_drafts` draft tokens, in `seconds`."""
         if seconds <= 0:
             return
         if num_prompt_tokens == 0:
+            if num_decode_rows:
+                self.row_steps.append((num_decode_rows + num_drafts, seconds))
             if num_drafts == 0:  # a verify step is longer than the decode rows in a prompt step
                 self.decode_seconds.append(seconds)
         elif num_prompt_tokens >= MIN_COST_SAMPLE_TOKENS:
@@ -64,6 +80,23 @@ class StepCost:
     def prompt_token_seconds(self) -> float:
         """The median measured cost of one prompt token (0.0 before any prompt step)."""
         return statistics.median(self.token_seconds) if self.token_seconds else 0.0
+
+    def row_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per row) of a step without prompt tokens: the least-squares
+        line through the recent (rows, seconds); None until MIN_COST_SAMPLES steps of at least
+        two row counts were seen; while the rows stop varying (nobody drafts), the last fit."""
+        if len(self.row_steps) < MIN_COST_SAMPLES:
+            return self._line
+        rows = [r for r, _ in self.row_steps]
+        mean_rows = sum(rows) / len(rows)
+        spread = sum((r - mean_rows) ** 2 for r in rows)
+        if spread == 0:
+            return self._line
+        mean_seconds = sum(t for _, t in self.row_steps) / len(rows)
+        slope = sum((r - mean_rows) * (t - mean_seconds) for r, t in self.row_steps) / spread
+        slope = max(slope, 0.0)
+        self._line = max(mean_seconds - slope * mean_rows, 0.0), slope
+        return self._line
 
     def prompt_tokens_within(self, target_seconds: float) -> int:
         """Prompt tokens that fit in a step of `target_seconds` beside the decode rows (the
@@ -89,6 +122,39 @@ def prompt_token_budget(config: SchedulerConfig, cost: StepCost | None,
     if config.itl_target_ms > 0 and cost is not None:
         cap = min(cap, cost.prompt_tokens_within(config.itl_target_ms / 1000))
     return min(full, max(cap, MIN_PROMPT_TOKENS))
+
+
+def prompt_allowance(prompt_budget: int, num_new_tokens: int, warm: bool) -> int:
+    """Prompt tokens one request may compute in this step with `prompt_budget` left of the
+    step's bound: a warm turn all its new tokens (up to WARM_TURN_MAX_TOKENS) whatever the
+    bound says, any other request what is left of the bound."""
+    if warm and num_new_tokens <= WARM_TURN_MAX_TOKENS:
+        return max(prompt_budget, num_new_tokens)
+    return max(prompt_budget, 0)
+
+
+def draft_break_even(cost: StepCost | None, num_decoding: int) -> float:
+    """The accepted tokens a draft token must bring, on average, to pay for its row: a step
+    of n decodes gives n tokens in a + b*n seconds; k drafts bringing E accepted tokens give
+    n + E in a + b*(n + k), which is more tokens per second only if E/k > b*n / (a + b*n) --
+    times DRAFT_MARGIN, since a longer step also delays every stream's next chunk.
+    0.0 (drafts are free) until the cost model has a line: on a memory-bound step b is small
+    and drafts pay; on a compute-bound step (many rows, a CPU without matrix units) they must
+    nearly all be accepted."""
+    if cost is None or num_decoding <= 0:
+        return 0.0
+    line = cost.row_cost()
+    if line is not None:
+        fixed, per_row = line
+    elif cost.decode_seconds and len(cost.token_seconds) >= MIN_COST_SAMPLES:
+        # no line yet: a prompt token's cost stands in for a row (an over-estimate: its
+        # attention spans a longer context), against the median decode step as it is
+        per_row = cost.prompt_token_seconds()
+        fixed = max(cost.decode_step_seconds() - per_row * num_decoding, 0.0)
+    else:
+        return 0.0
+    step = fixed + per_row * num_decoding
+    return min(1.0, DRAFT_MARGIN * per_row * num_decoding / step) if step > 0 else 0.0
 
 
 @dataclass(frozen=True)

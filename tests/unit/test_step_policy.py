@@ -9,8 +9,10 @@ from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request, RequestStatus, ttft_breakdown
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import Scheduler, is_decoding
-from hearth.engine.step_policy import (MIN_PROMPT_TOKENS, StepCost, WaitingView, is_warm,
-                                       pick_next_waiting, prompt_token_budget)
+from hearth.engine.step_policy import (DRAFT_MARGIN, MIN_PROMPT_TOKENS, WARM_TURN_MAX_TOKENS, StepCost,
+                                       WaitingView, draft_break_even, is_warm,
+                                       pick_next_waiting,
+                                       prompt_allowance, prompt_token_budget)
 
 BS = 4
 
@@ -250,3 +252,74 @@ def test_aborting_a_passed_request_and_a_preempted_turn_releases_everything():
         s.finish(req, RequestStatus.FINISHED_ABORTED)
     assert s.num_unfinished == 0 and s.kv.pool.is_whole()
     s.kv.pool.check_integrity()
+
+
+def test_a_warm_turn_passes_the_prompt_bound_in_one_step_and_a_cold_prompt_does_not():
+    """Beside decodes the step's prompt bound is 64: a session's next turn (most of it cached)
+    still computes all its new tokens in one step, a cold prompt only 64 per step; the exemption
+    stops at WARM_TURN_MAX_TOKENS."""
+    s = make_scheduler(budget=2048, cap=64)
+    first = cached_session(s, n=400)
+    busy = make_request("busy", 5, start=9000)
+    s.add(busy)
+    advance(s, s.schedule())
+    cold, turn = make_request("cold", 300, start=1000), next_turn(first, "turn2", num_new=200)
+    other = next_turn(first, "other", num_new=150, seed=7000)
+    for req in (cold, turn, other):
+        s.add(req)
+    out = s.schedule()
+    # one warm turn whole (+ turn 1's output token), which spends the step's bound too
+    assert grants(out) == [("busy", 1), ("turn2", 201)] and turn.warm_turn
+    advance(s, out)
+    out = s.schedule()  # the next step's exemption goes to the other warm turn
+    assert grants(out) == [("busy", 1), ("turn2", 1), ("other", 151)]
+    assert other.warm_turn and not cold.warm_turn
+    advance(s, out)
+    out = s.schedule()  # no warm turn left: the cold prompt's chunks, 64 at a time
+    assert grants(out) == [("busy", 1), ("turn2", 1), ("other", 1), ("cold", 64)]
+    advance(s, out)
+    s.finish(other, RequestStatus.FINISHED_ABORTED)
+    long = next_turn(first, "turn3", num_new=WARM_TURN_MAX_TOKENS + 4, seed=5000)
+    s.add(long)
+    s.finish(cold, RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert ("turn3", 64) in grants(out)  # too many new tokens to count as a short next turn
+    assert prompt_allowance(10, 300, warm=True) == 300 and prompt_allowance(10, 300, False) == 10
+    assert prompt_allowance(-5, 3, warm=False) == 0
+    for req in list(s.running):
+        s.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert s.num_unfinished == 0 and s.kv.pool.is_whole()
+    s.kv.pool.check_integrity()
+
+
+def test_draft_break_even_from_the_measured_row_cost():
+    """A step's seconds fitted as fixed + per-row; a draft token must bring per_row*n / step
+    accepted tokens; the last fit holds while the rows stop varying; no line, no bound."""
+    cost = StepCost(prior_prompt_tokens=256)
+    assert draft_break_even(cost, 8) == 0.0 and draft_break_even(None, 8) == 0.0
+    for rows in (8, 16, 24, 8, 40):
+        cost.observe(0, rows - 8, 0.010 + 0.005 * rows, num_decode_rows=8)
+    cost.observe(300, 0, 5.0, num_decode_rows=8)  # a prompt step is no row sample
+    fixed, per_row = cost.row_cost()
+    assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.005)
+    assert draft_break_even(cost, 8) == 1.0  # compute-bound: 1.25 * 0.8, at most 1
+    assert draft_break_even(cost, 1) == pytest.approx(DRAFT_MARGIN * 0.005 / 0.015)
+    for _ in range(2 * 16):
+        cost.observe(0, 0, 0.05, num_decode_rows=8)  # nobody drafts any more: rows fixed
+    assert cost.row_cost() == pytest.approx((0.010, 0.005))
+    early = StepCost(prior_prompt_tokens=256)  # no line yet: a prompt token prices a row
+    for _ in range(3):
+        early.observe(0, 0, 0.05, num_decode_rows=8)
+        early.observe(100, 0, 0.05 + 100 * 0.002, num_decode_rows=8)
+    assert early.row_cost() is None
+    assert draft_break_even(early, 8) == pytest.approx(DRAFT_MARGIN * 0.016 / 0.05)
+
+
+def test_draft_length_follows_acceptance_against_the_break_even():
+    from hearth.engine.speculative.speculator import worth_drafting
+
+    assert worth_drafting(1.0, 0.8, limit=8) == 2 and worth_drafting(1.0, 1.0) == 0  # as 0.9
+    assert worth_drafting(0.9, 0.8) == 2  # 0.9, 0.81 > 0.8; 0.729 not
+    assert worth_drafting(1.0, 0.05, limit=8) == 8  # cheap rows: the whole draft
+    assert worth_drafting(0.5, 0.1) == 3 and worth_drafting(0.5, 0.6) == 0
+    assert worth_drafting(0.99, 0.0, limit=5) == 5

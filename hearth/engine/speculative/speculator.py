@@ -8,8 +8,11 @@ same forward pass as every other request, and the sampler keeps the drafts the m
 
 Adaptive: a request's draft length follows its recent acceptance (an exponential average of
 accepted / drafted); one that keeps rejecting only probes with a single token now and then.
-When more than `max_batch` requests decode at once the step is compute-bound and extra rows
-are no longer free, so nobody drafts. Guided requests draft too: a draft is cut at the first
+Cost-aware: with `cost` (the engine's StepCost) a draft's i-th token is proposed only while
+acceptance^i (its chance to be kept, taking acceptance per token) exceeds what its row costs
+against the step (step_policy.draft_break_even, from the measured seconds per row): on a
+compute-bound step of many rows, only requests whose drafts nearly always land keep drafting.
+When more than `max_batch` requests decode at once, nobody drafts. Guided requests draft too: a draft is cut at the first
 token its grammar forbids, and the matcher is rolled back.
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from hearth.config import SpeculativeConfig
 from hearth.engine.request import Request
 from hearth.engine.speculative.proposers import NgramProposer, SuffixProposer
+from hearth.engine.step_policy import StepCost, draft_break_even
 
 log = logging.getLogger("hearth.engine")
 PROBE_EVERY = 4  # a request with low acceptance drafts one token every this many steps
@@ -68,6 +72,7 @@ class Speculator:
         self.method = self.proposer.name
         self.counters = SpecCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self._states: dict[str, _State] = {}
+        self.cost: StepCost | None = None  # set by the engine: measured step costs
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of every running request (most to [])."""
@@ -79,10 +84,11 @@ class Speculator:
         if len(decoding) > self.config.max_batch:
             return
         wants = []
+        break_even = draft_break_even(self.cost, len(decoding))
         for req in decoding:
             state = self._states.setdefault(req.request_id, _State())
             state.steps += 1
-            k = self._draft_len(req, state)
+            k = self._draft_len(req, state, break_even)
             if k > 0:
                 wants.append((req, k))
         if not wants:
@@ -138,17 +144,20 @@ class Speculator:
         for request_id in failed:
             self._fail(request_id)
 
-    def _draft_len(self, req: Request, state: _State) -> int:
+    def _draft_len(self, req: Request, state: _State, break_even: float = 0.0) -> int:
         if state.failed:
             return 0
         remaining = req.params.max_tokens - req.num_output_tokens - 1  # the step's own token
         if remaining <= 0:
             return 0
         k = self.config.num_speculative_tokens
+        probe = 1 if state.steps % PROBE_EVERY == 0 and break_even < 1.0 else 0
         if state.acceptance < 0.2:
-            k = 1 if state.steps % PROBE_EVERY == 0 else 0
+            k = probe
         else:
             k = max(1, round(k * min(1.0, 1.5 * state.acceptance)))
+            if break_even > 0.0:
+                k = min(k, worth_drafting(state.acceptance, break_even)) or probe
         return min(k, remaining)
 
     def observe(self, req: Request, num_drafted: int, num_accepted: int) -> None:
@@ -184,6 +193,19 @@ class Speculator:
 
     def close(self) -> None:
         self.proposer.close()
+
+
+MAX_PLANNED_ACCEPTANCE = 0.9  # a run of full acceptances says little about the next draft
+
+
+def worth_drafting(acceptance: float, break_even: float, limit: int = 32) -> int:
+    """Draft tokens whose chance to be kept (p^i for the i-th, p the acceptance taken per
+    token, at most MAX_PLANNED_ACCEPTANCE) is above `break_even`."""
+    p = min(acceptance, MAX_PLANNED_ACCEPTANCE)
+    k, chance = 0, p
+    while k < limit and chance > break_even:
+        k, chance = k + 1, chance * p
+    return k
 
 
 def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
