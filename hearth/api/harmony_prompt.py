@@ -188,9 +188,10 @@ def render_harmony_prompt(
             prompt += _assistant_turn(message, index, index > last_user, last)
         elif message.role == "tool":
             name = message.name or call_names.get(message.tool_call_id or "")
-            if name is None:
-                raise bad_request("a tool message must follow the assistant call it answers "
-                                  "(tool_call_id) or give the function's name",
+            if name is None:  # harmony writes a result as a message from functions.NAME
+                raise bad_request(f"messages.{index}.tool_call_id: {message.tool_call_id!r} "
+                                  "answers no earlier assistant tool call (a tool message must "
+                                  "follow the call it answers, or give the function's name)",
                                   param=f"messages.{index}.tool_call_id")
             header = f"functions.{name} to=assistant{CHANNEL}commentary"
             prompt += _message(header, message_text(message, index))

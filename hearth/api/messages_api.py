@@ -1,7 +1,8 @@
 """The Anthropic Messages API's request, translated into the internal chat request, and its errors.
 
     POST /v1/messages {model, max_tokens, messages, system, tools, tool_choice, stop_sequences,
-                       temperature, top_p, top_k, metadata, output_config.format, stream}
+                       temperature, top_p, top_k, metadata, output_config.format, stream,
+                       structured_outputs (vLLM's extension, as on Chat Completions)}
       -> a Chat Completions body (messages, tools, tool_choice, stop, sampling fields)
 
 Content blocks: `text`; `tool_use` (assistant) -> a tool call; `tool_result` (user) -> a tool
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from hearth.api.protocol import _Strict, bad_request
+from hearth.api.protocol import StructuredOutputs, _Strict, bad_request
 
 MESSAGES_PATH = "/v1/messages"  # and /v1/messages/count_tokens: Anthropic-shaped errors
 
@@ -91,6 +92,8 @@ class MessagesRequest(_MessagesFields):
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None  # structured output: format {json_schema}
+    # vLLM's extension, as on Chat Completions: the output held to a regex or a grammar
+    structured_outputs: StructuredOutputs | None = None
     stream: bool = False
 
 
@@ -231,6 +234,8 @@ def to_chat_body(request: MessagesRequest) -> dict[str, Any]:
     if request.output_config is not None and request.output_config.format is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": request.output_config.format.schema_}}
+    if request.structured_outputs is not None:
+        body["structured_outputs"] = request.structured_outputs.model_dump(exclude_none=True)
     return body
 
 

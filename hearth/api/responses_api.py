@@ -1,7 +1,8 @@
 """The OpenAI Responses API's request, translated into the internal chat request.
 
     POST /v1/responses {input, instructions, tools, tool_choice, text.format, max_output_tokens,
-                        temperature, top_p, parallel_tool_calls, previous_response_id, store, ...}
+                        temperature, top_p, parallel_tool_calls, previous_response_id, store,
+                        structured_outputs (vLLM's extension, as on Chat Completions), ...}
       -> a Chat Completions body (messages, tools, tool_choice, response_format, sampling fields)
 
 Input items (a string is one user message):
@@ -30,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from hearth.api.protocol import APIError, Int64, _Strict, bad_request
+from hearth.api.protocol import APIError, Int64, StructuredOutputs, _Strict, bad_request
 
 STORE_CAPACITY = 1024  # responses kept for previous_response_id / GET, least recently used first out
 
@@ -83,6 +84,8 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: ReasoningConfig | None = None
+    # vLLM's extension, as on Chat Completions: the output held to a regex or a grammar
+    structured_outputs: StructuredOutputs | None = None
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -227,6 +230,8 @@ def to_chat_body(request: ResponsesRequest, history: list[dict[str, Any]]) -> di
                        ("reasoning_effort", request.reasoning and request.reasoning.effort)):
         if value is not None:
             body[key] = value
+    if request.structured_outputs is not None:
+        body["structured_outputs"] = request.structured_outputs.model_dump(exclude_none=True)
     return body
 
 

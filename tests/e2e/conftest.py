@@ -158,6 +158,20 @@ def client(server) -> openai.OpenAI:
     return server.client()
 
 
+@pytest.fixture(scope="session")
+def gpt_oss_served(tmp_path_factory) -> tuple[Server, dict[str, int]]:
+    """One server on a tiny random gpt-oss folder with a harmony tokenizer, for every test file
+    that needs it (tests/e2e/harmony_model.py); (server, the harmony tokens' ids)."""
+    pytest.importorskip("transformers")
+    from tests.e2e.harmony_model import start_harmony_server, stop_whole, write_gpt_oss_folder
+
+    folder = tmp_path_factory.mktemp("gpt_oss_serve")
+    ids = write_gpt_oss_folder(folder / "model")
+    server = start_harmony_server(folder, folder / "model")
+    yield server, ids
+    stop_whole(server)
+
+
 def start_router(tmp_dir: Path, *flags: str, api_key: str | None = None) -> Server:
     """`hearth route` on loopback with `flags` (its endpoints, --model ...); ready once every
     endpoint it lists is healthy."""

@@ -15,31 +15,22 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.conftest import MODEL, start_server
+from tests.e2e.conftest import MODEL
+from tests.e2e.harmony_model import (FORCED, HARMONY_TOKENS, TEMPLATE, forced,
+                                      start_harmony_server, stop_whole)
 from tests.e2e.marker_model import FIRST_MARKER_ID, write_model_copy
 from tests.e2e.test_tools import ASK, SCHEMAS, TOOLS, assemble_stream
 
-HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
-                  "<|return|>", "<|call|>"]
-# Not used to render (hearth writes harmony itself): it only marks the model as a harmony one.
-TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>"
-            "{{ m.content }}<|end|>{% endfor %}<|start|>assistant")
-FORCED = (r"<\|channel\|>analysis<\|message\|>[a-z ]{3,24}<\|end\|><\|start\|>assistant"
-          r"<\|channel\|>commentary to=functions\.get_weather <\|constrain\|>json<\|message\|>"
-          r'\{"city":"[A-Z][a-z]{1,8}"\}<\|call\|>')
 GREEDY = dict(model=MODEL, temperature=0)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("harmony")
-    model = write_model_copy(folder / "smollm2-harmony.gguf", HARMONY_TOKENS, TEMPLATE)
-    server = start_server(folder, "--model", str(model), "--served-model-name", MODEL,
-                          "--no-guided-auto-tools", "--num-kv-blocks", "256")
+    server = start_harmony_server(
+        folder, write_model_copy(folder / "smollm2-harmony.gguf", HARMONY_TOKENS, TEMPLATE))
     yield server
-    report = server.wait_idle_and_whole()
-    server.stop()
-    assert report["kv_pool_is_whole"] is True, report
+    stop_whole(server)
 
 
 def test_prompt_is_harmony(server):
@@ -54,7 +45,7 @@ def test_prompt_is_harmony(server):
 def test_reasoning_and_tool_call_streamed_and_not(server):
     client = server.client()
     kwargs = dict(messages=ASK, tools=TOOLS, max_tokens=120, reasoning_effort="low",
-                  extra_body={"structured_outputs": {"regex": FORCED}}, **GREEDY)
+                  extra_body=forced(FORCED), **GREEDY)
     response = client.chat.completions.create(**kwargs)
     choice = response.choices[0]
     reasoning = choice.message.reasoning_content

@@ -244,6 +244,21 @@ def test_count_tokens_body_leaves_tools_out_under_tool_choice_none():
     assert "tools" not in to_tokenize_body(parse_request(CountTokensRequest, fields))
 
 
+def test_structured_outputs_pass_through_both_front_doors():
+    """vLLM's extension, as the Chat API takes it; a bad one is the Chat API's 400 there."""
+    spec = {"regex": "[a-z]+"}
+    body = messages_chat_body(messages_request(messages=[{"role": "user", "content": "x"}],
+                                               structured_outputs=spec))
+    assert body["structured_outputs"] == spec
+    assert parse_request(ChatCompletionRequest, body).structured_outputs.regex == "[a-z]+"
+    body = responses_chat_body(responses_request(input="x", structured_outputs=spec), [])
+    assert body["structured_outputs"] == spec
+    assert "structured_outputs" not in responses_chat_body(responses_request(input="x"), [])
+    with pytest.raises(APIError) as info:
+        messages_request(messages=[{"role": "user", "content": "x"}], structured_outputs={"regex": 1})
+    assert info.value.param.startswith("structured_outputs")
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
