@@ -34,11 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).parent / "results"
 
-def write(shape: str, out: Path, mix: str) -> None:
+def write(shape: str, out: Path, mix: str | None, num_layers: int | None) -> None:
+    import dataclasses
+
     from hearth.bench.peer_servers import default_gguf
     from hearth.models.random_gguf import SHAPES, write_random_gguf
 
-    write_random_gguf(out, SHAPES[shape], default_gguf(), mix)
+    config = SHAPES[shape]
+    if num_layers is not None:
+        config = dataclasses.replace(config, num_layers=num_layers)
+    print(f"{shape}: {config} ({mix or config.default_mix})", flush=True)
+    write_random_gguf(out, config, default_gguf(), mix)
     print(f"wrote {out}: {out.stat().st_size / 2**30:.2f} GiB")
 
 
@@ -199,7 +205,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write")
     w.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
-    w.add_argument("--mix", choices=MIXES, default="q4_k_m")
+    w.add_argument("--mix", choices=MIXES, default=None,
+                   help="default: the shape's (mxfp4 for gpt-oss, else q4_k_m)")
+    w.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     w.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("run")
     r.add_argument("--gguf", required=True)
@@ -214,7 +222,7 @@ def main() -> None:
     r.add_argument("--llamacpp-args", default="")
     args = parser.parse_args()
     if args.command == "write":
-        write(args.shape, args.out, args.mix)
+        write(args.shape, args.out, args.mix, args.layers)
     else:
         run(args)
 
