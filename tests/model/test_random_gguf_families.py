@@ -37,7 +37,7 @@ def files(tmp_path_factory):
 
 def test_gpt_oss_fields_come_from_llama_cpp_keys(files):
     arch = load_checkpoint(str(files["gpt-oss"])).arch
-    assert arch.architecture == "GptOssForCausalLM"
+    assert arch.architecture == "gpt_oss"
     assert arch.family_spec.sliding_layers == (True, False)  # llama.cpp's pattern 2
     assert arch.family_spec.sliding_window == 16
     assert (arch.moe.num_experts, arch.moe.num_experts_per_tok,
