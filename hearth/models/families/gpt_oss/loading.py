@@ -125,13 +125,17 @@ def load_stacked_experts(loader: WeightLoader, experts, e: str, mine: slice, lo:
     features; this rank's experts `mine` and its slice [lo, lo + inter) of I."""
     inter, num_experts, hidden = experts.inter, experts.num_experts, experts.w13.shape[2]
     cut = slice(lo, lo + inter)
+    if experts.blocks_only:  # packed from the file's stacks (quant.attach_file_blocks): no float
+        loader.read.update(e + f"{x}_proj" for x in ("gate", "up", "down"))
     for half, part in ((slice(None, inter), "gate_proj"), (slice(inter, None), "up_proj")):
-        experts.w13.data[:, half].copy_(checked(loader, e + part, (num_experts, full, hidden))
-                                        [mine, cut])
+        if not experts.blocks_only:
+            experts.w13.data[:, half].copy_(
+                checked(loader, e + part, (num_experts, full, hidden))[mine, cut])
         experts.b13.data[:, half].copy_(checked(loader, e + part + "_bias", (num_experts, full))
                                         [mine, cut])
-    experts.w2.data.copy_(checked(loader, e + "down_proj", (num_experts, hidden, full))
-                          [mine, :, cut])
+    if not experts.blocks_only:
+        experts.w2.data.copy_(checked(loader, e + "down_proj", (num_experts, hidden, full))
+                              [mine, :, cut])
     experts.b2.data.copy_(checked(loader, e + "down_proj_bias", (num_experts, hidden))[mine])
 
 
