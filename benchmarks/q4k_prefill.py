@@ -1,10 +1,10 @@
-"""Prompt-step kernels on one blocks-only Q4_K weight (issue 42): thread CPU time per call, one
+"""Prompt-step kernels on one blocks-only Q4_K (or `--fmt q6_k`) weight (issue 42): thread CPU time per call, one
 thread, of qlinear with 8-bit activations (`--quantization gguf-a8`'s path up to the row line of
 hearth/models/layers.py) against the float path above it (a tile of rows decoded by
 `dequant_rows`, then torch.mm in fp32), at M = 1..512 rows.
 
     .venv/bin/python benchmarks/q4k_prefill.py [OLD.so ...] [--rows 1 4 32 128 512]
-        [--shape 14336 4096] [--repeats 10]
+        [--fmt q4_k|q6_k] [--shape 14336 4096] [--repeats 10]
 
 Thread CPU time (time.thread_time), min over the repeats, so a shared machine's other load
 counts little (wall time there is meaningless). Each build (this checkout's, and each .so given,
@@ -31,7 +31,17 @@ def q4_k_blocks(n: int, k: int, gen):
     return torch.cat([d.view(torch.uint8).reshape(n, ns, 4), rest], -1).reshape(n, -1).contiguous()
 
 
-def measure(so: str | None, rows: list[int], n: int, k: int, repeats: int) -> dict:
+def q6_k_blocks(n: int, k: int, gen):
+    """Random ggml Q6_K super-blocks [n, k / 256 * 210] uint8 (ql | qh | int8 scales | d)."""
+    import torch
+
+    ns = k // 256
+    body = torch.randint(0, 256, (n, ns, 208), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, ns, 1, generator=gen) * 0.01 + 0.001).half()
+    return torch.cat([body, d.view(torch.uint8).reshape(n, ns, 2)], -1).reshape(n, -1).contiguous()
+
+
+def measure(so: str | None, fmt: str, rows: list[int], n: int, k: int, repeats: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -42,7 +52,8 @@ def measure(so: str | None, rows: list[int], n: int, k: int, repeats: int) -> di
 
     kernels = load_cpu_kernels()
     gen = torch.Generator().manual_seed(0)
-    w = pack_ggml(QTYPE_IDS["q4_k"], q4_k_blocks(n, k, gen), int8_act=True)
+    make = q4_k_blocks if fmt == "q4_k" else q6_k_blocks
+    w = pack_ggml(QTYPE_IDS[fmt], make(n, k, gen), int8_act=True)
     tile = max(64, TILE_BYTES // (k * 4)) // 64 * 64
 
     def a8(x):
@@ -74,24 +85,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="*", help="other kernel builds (.so) to measure alongside")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 128, 512])
+    ap.add_argument("--fmt", choices=["q4_k", "q6_k"], default="q4_k")
     ap.add_argument("--shape", type=int, nargs=2, default=[14336, 4096])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     n, k = args.shape
     if args.child is not None:
-        print(json.dumps(measure(args.child or None, args.rows, n, k, args.repeats)))
+        print(json.dumps(measure(args.child or None, args.fmt, args.rows, n, k, args.repeats)))
         return
     table = {}
     for so in ["", *args.builds]:
         cmd = [sys.executable, __file__, "--child", so, "--rows", *map(str, args.rows),
-               "--shape", str(n), str(k), "--repeats", str(args.repeats)]
+               "--fmt", args.fmt, "--shape", str(n), str(k), "--repeats", str(args.repeats)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"{so or 'this checkout'}: {proc.stderr[-3000:]}")
         out = proc.stdout
         table[so or "this checkout"] = json.loads(out.strip().splitlines()[-1])
-    print(f"Q4_K [{n}, {k}], 1 thread, thread CPU ms per call (GOPS/thread)")
+    print(f"{args.fmt.upper()} [{n}, {k}], 1 thread, thread CPU ms per call (GOPS/thread)")
     cols = [(b, p) for b in table for p in ("a8", "float")]
     print(f"{'M':>5} " + " ".join(f"{(b[-24:] + ' ' + p):>34}" for b, p in cols))
     for m in args.rows:
