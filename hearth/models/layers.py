@@ -35,13 +35,15 @@ QLINEAR_MAX_ROWS = 32
 LOWP_MIN_ROWS = 10
 
 
-# With 8-bit activations on the K-quant super-block tiles (the AVX2 builds,
-# CpuKernels.kquant_superblock_act), a weight kept only in blocks multiplies through qlinear up
-# to more rows than QLINEAR_MAX_ROWS: there the integer tiles beat float tiles decoded from the
-# blocks. One [14336, 4096] weight, one thread (2-core AVX2 EPYC, under load), int8 tiles
-# against decoded float32 tiles at 32 / 64 / 128 / 256 rows: Q4_K 1.74 / 1.33 / 1.18 / 1.03x,
-# Q6_K 1.39 / 1.11 / 0.94 / 0.85x. (A later turn's few new tokens land in such steps.)
-KQUANT_A8_MAX_ROWS = {12: 128, 14: 64}  # ggml types Q4_K, Q6_K
+# With 8-bit activations on the K-quant super-block kernels (the AVX2 builds,
+# CpuKernels.kquant_superblock_act), a weight kept only in blocks multiplies through qlinear at
+# every row count: from 8 rows qlinear runs an M-blocked integer GEMM (csrc/qlinear_a8.h,
+# qlinear_q4k_gemm / qlinear_q6k_gemm: a panel of weight rows unpacked once per step) that beats
+# float tiles decoded from the blocks at every M. One thread (2-core AVX2 EPYC, under load,
+# thread CPU time; benchmarks/q4k_prefill.py), GOPS at 32 / 128 / 512 rows: Q4_K [14336, 4096]
+# 96 / 109 / 92 (decoded float tiles 44 / 62 / 68; the earlier integer tiles 70 / 68 / 67),
+# Q6_K [4096, 14336] 89 / 92 / 89 (float 41 / 55 / 60; earlier tiles 55 / 56 / 54).
+KQUANT_A8_MAX_ROWS = {12: math.inf, 14: math.inf}  # ggml types Q4_K, Q6_K: no row line
 
 # A many-row step over a weight kept only in blocks multiplies by tiles of it decoded on the
 # fly (`dequant_rows`): each tile about this many bytes, decoded once per step and used by all

@@ -185,6 +185,35 @@ def test_qlinear_k_quants_equal_dequantized_matmul(kernels, fmt, rows, int8_act)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("n, k", [(71, 768), (130, 512)])  # odd N, 3 super-blocks; 2+ tasks
+def test_qlinear_int8_k_quants_at_every_row_count(kernels, fmt, n, k):
+    """Prompt steps of 1..600 rows with 8-bit activations (the AVX2 builds' many-row Q4_K GEMM,
+    csrc/qlinear_a8.h qlinear_q4k_gemm, from kQ4KGemmMinRows rows; the tiles below): each row
+    equals the quantized reference, and the same row through a 1-row call (the decode tile)."""
+    gen = torch.Generator().manual_seed(n + k)
+    blocks = make_blocks(fmt, n, k, gen)
+    weight = dequantize(blocks.reshape(-1), QTYPE_IDS[fmt], (n, k))
+    w = pack_ggml(QTYPE_IDS[fmt], blocks, int8_act=True)
+    # eighths up to 127 / 8, reached in every super-block: the 8-bit activations are exact, so
+    # no rounding tie can fall differently in the reference (rounding is tested above)
+    x = torch.randint(-127, 128, (600, k), generator=gen).float() / 8
+    x[:, ::256] = 127 / 8
+    x[3, :256] = 0  # an all-zero super-block (scale 0)
+    superblock = torch.ops.hearth.kquant_superblock_act()
+    quantized = fmt == "q4_k" or superblock
+    want = (quantize_activations(x, 256 if superblock else 32) if quantized else x) @ weight.T
+    tol = dict(rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    single = torch.cat([kernels.qlinear(x[i:i + 1], w) for i in range(8)])
+    torch.testing.assert_close(single, want[:8], **tol)
+    op = torch.ops.hearth.qlinear
+    for rows in range(1, 601):
+        threads = 2 if rows % 3 else 1
+        got = op(x[:rows], w.qs, w.d, w.m, w.qtype, n, k, threads, True)
+        torch.testing.assert_close(got, want[:rows], **tol, msg=lambda m: f"{rows} rows: {m}")
+        torch.testing.assert_close(got[:8], single[:rows], **tol)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_repack_ggml_equals_torch_pack(kernels, fmt):
     """The kernels' repack (QKV-style parts stacked, and expert-style groups) gives the torch
