@@ -376,7 +376,7 @@ def workloads(tok) -> dict[str, tuple[list[int], SamplingParams]]:
     return out
 
 
-def measure(method: str, head: Path, k: int) -> dict:
+def measure(method: str, head: Path, k: int, names: tuple[str, ...] | None = None) -> dict:
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k,
                              draft_model=str(head) if method == "eagle3" else None)
     llm = LLM(MODEL, **EXACT, num_blocks=1024, speculative=spec)
@@ -402,6 +402,8 @@ def measure(method: str, head: Path, k: int) -> dict:
     res = {}
     try:
         for name, (prompt, params) in workloads(llm.tokenizer).items():
+            if names is not None and name not in names:
+                continue
             c0 = _counters(engine)
             cpu["draft"], cpu["steps"] = 0.0, 0
             t = time.process_time()
