@@ -1,4 +1,4 @@
-"""Speculative decoding, side by side: hearth off / ngram / suffix against llama-server's n-gram modes.
+"""Speculative decoding, side by side: hearth off / ngram / suffix / eagle3 against llama-server's n-gram modes.
 
 One server at a time, same GGUF, greedy. Each request's prompt is sent once with max_tokens=1 first
 (both servers cache prompts), so the timed run is almost all decode: decode tok/s = output tokens /
@@ -11,7 +11,11 @@ Streams: 1 (each agent prompt alone), 4 (the agent prompts at once), 32 (prose a
 Also printed: how much of each reference output repeats itself (a looping small model inflates
 acceptance) vs copies the prompt, and hearth's acceptance counters from /metrics.
 
+hearth-eagle3 (not in the default set) drafts with the EAGLE-3 head in --eagle3-head (k = 4;
+benchmarks/train_eagle3.py trains one for the default model).
+
   .venv/bin/python benchmarks/speculative.py [--servers hearth-off,hearth-ngram,hearth-suffix,llama-off,llama-ngram] [--repeats 2]
+      [--eagle3-head /tmp/eagle3-smollm2]
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ PROSE = ["Write a short story about a lighthouse keeper who finds a message in a
          "Write a letter from a sailor to his sister about his first voyage."]
 
 
-def servers(names: list[str]) -> dict[str, ServerSpec]:
+def servers(names: list[str], eagle3_head: str | None = None) -> dict[str, ServerSpec]:
     hearth = hearth_argv()
     llama = llama_argv(LLAMA_SERVER, default_gguf(), 65536, 32, unified_kv=True)
     table = {
@@ -107,6 +111,10 @@ def servers(names: list[str]) -> dict[str, ServerSpec]:
         "hearth-ngram": ServerSpec("hearth-ngram", (*hearth, "--speculative-method", "ngram"), 8110),
         "hearth-suffix": ServerSpec("hearth-suffix", (*hearth, "--speculative-method", "suffix"),
                                     8110),
+        "hearth-eagle3": ServerSpec("hearth-eagle3", (
+            *hearth, "--speculative-config",
+            json.dumps({"method": "eagle3", "model": eagle3_head, "num_speculative_tokens": 4})),
+            8110),
         "llama-off": ServerSpec("llama-off", tuple(llama), 8111),
         "llama-ngram": ServerSpec("llama-ngram", (*llama, "--spec-type", "ngram-simple",
                                                   "--spec-draft-n-max", "8"), 8111),
@@ -224,10 +232,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="hearth-off,hearth-ngram,hearth-suffix,llama-off,llama-ngram")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--eagle3-head", default="/tmp/eagle3-smollm2",
+                   help="hearth-eagle3's head folder (benchmarks/train_eagle3.py writes one)")
     p.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = p.parse_args()
     results = {}
-    for name, spec in servers(args.servers.split(",")).items():
+    for name, spec in servers(args.servers.split(","), args.eagle3_head).items():
         print(f"--- {name}", flush=True)
         results[name] = measure(spec, args.repeats)
     RESULTS.mkdir(exist_ok=True)
