@@ -77,6 +77,16 @@ def test_prompt_budget_is_whole_without_decodes_and_bounded_with_them():
     assert prompt_token_budget(config(target=40), None, 3) == 2048  # no cost model
     tiny = StepCost(prior_prompt_tokens=3)
     assert prompt_token_budget(config(target=40), tiny, 1) == MIN_PROMPT_TOKENS  # prompts progress
+    slow = StepCost(prior_prompt_tokens=300)
+    for _ in range(3):
+        slow.observe(0, 0, 0.3)  # decodes alone take 300 ms: a 40 ms target is out of reach
+    assert prompt_token_budget(config(target=40), slow, 32) == 2048
+    assert prompt_token_budget(config(cap=100, target=40), slow, 32) == 100  # the cap still holds
+    grown = StepCost(prior_prompt_tokens=300)  # a decode median of 1-row steps, then 32 rows
+    for rows in (1, 1, 1, 2, 4):
+        grown.observe(0, 0, 0.005 + 0.01 * rows, num_decode_rows=rows)
+    assert grown.decode_step_seconds() < 0.04 and grown.decode_rows_seconds(32) > 0.3
+    assert prompt_token_budget(config(target=40), grown, 32) == 2048  # the line, not the median
     assert prompt_token_budget(config(target=40, budget=32), tiny, 1) == 32  # never above the budget
 
 
