@@ -69,8 +69,9 @@ ENGINE_OPTIONS = (("engine", (
     Option("--itl-target-ms", "engine.scheduler.itl_target_ms", float, default=SERVE_ITL_TARGET_MS,
            help="while any request decodes, a step carries only the prompt tokens that fit a "
                 "step of this many ms at the measured cost per prompt token (at least 64), so "
-                "streams' next tokens do not wait behind long prompt chunks; 0: off, prompts "
-                "fill --max-num-batched-tokens (default: %(default)s)"),
+                "streams' next tokens do not wait behind long prompt chunks (one warm next "
+                "turn per step passes it whole; a target the decode rows alone exceed bounds "
+                "nothing); 0: off, prompts fill --max-num-batched-tokens (default: %(default)s)"),
     Option("--max-prompt-tokens-while-decoding", "engine.scheduler.max_prompt_tokens_while_decoding",
            int, "a fixed cap on a step's prompt tokens while any request decodes (0: none; "
            "with --itl-target-ms the smaller bound applies)"),
