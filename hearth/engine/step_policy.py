@@ -14,12 +14,13 @@ without a clock:
   of it; each request it passes counts a bypass, and a request passed `max_bypass` times is
   never passed again, so no cold prompt waits forever.
 - `prompt_allowance`: one such warm turn per step is not held to the ITL bound: its new
-  tokens (up to WARM_TURN_MAX_TOKENS) go in one step (further warm turns wait for the next
-  step: k turns one per step wait (k+1)/2 steps of one turn on average, all in one step k). Chunking them would keep a waiting agent waiting over
-  several steps to shorten the others' next token by a little; measured on the agent replay
-  (docs/benchmarks.md, issue 44), the bound on every prompt doubled the later turns' TTFT p50
-  (1.71 s against 0.84 s without it) on a 2-core AVX2 EPYC, where one decode step of 8 streams
-  already exceeds a 40 ms target. Cold prompts stay bounded.
+  tokens (up to WARM_TURN_MAX_TOKENS) go in one step. Further warm turns wait for the next
+  step: k turns one per step wait (k+1)/2 steps of one turn on average, all in one step k.
+  Chunking a turn would keep a waiting agent waiting over several steps to shorten the others'
+  next token by a little: on the agent replay (docs/benchmarks.md, issue 44) the bound on
+  every prompt doubled the later turns' TTFT p50 (1.71 s against 0.84 s without it) on a
+  2-core AVX2 EPYC, where one decode step of 8 streams already exceeds a 40 ms target. Cold
+  prompts stay bounded.
 
 `StepCost` is the cost model: the engine feeds it each step's prompt and draft tokens and seconds;
 it keeps the median of the last few pure-decode step times and of the per-prompt-token cost

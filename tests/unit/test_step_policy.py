@@ -9,10 +9,10 @@ from hearth.engine.kv.cache import KVCacheManager
 from hearth.engine.request import Request, RequestStatus, ttft_breakdown
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import Scheduler, is_decoding
-from hearth.engine.step_policy import (DRAFT_MARGIN, MIN_PROMPT_TOKENS, WARM_TURN_MAX_TOKENS, StepCost,
-                                       WaitingView, draft_break_even, is_warm,
-                                       pick_next_waiting,
-                                       prompt_allowance, prompt_token_budget)
+from hearth.engine.step_policy import (DRAFT_MARGIN, MIN_PROMPT_TOKENS, WARM_TURN_MAX_TOKENS,
+                                       StepCost, WaitingView, draft_break_even, is_warm,
+                                       pick_next_waiting, prompt_allowance,
+                                       prompt_token_budget)
 
 BS = 4
 

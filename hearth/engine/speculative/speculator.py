@@ -12,8 +12,8 @@ Cost-aware: with `cost` (the engine's StepCost) a draft's i-th token is proposed
 acceptance^i (its chance to be kept, taking acceptance per token) exceeds what its row costs
 against the step (step_policy.draft_break_even, from the measured seconds per row): on a
 compute-bound step of many rows, only requests whose drafts nearly always land keep drafting.
-When more than `max_batch` requests decode at once, nobody drafts. Guided requests draft too: a draft is cut at the first
-token its grammar forbids, and the matcher is rolled back.
+When more than `max_batch` requests decode at once, nobody drafts. Guided requests draft too:
+a draft is cut at the first token its grammar forbids, and the matcher is rolled back.
 """
 
 from __future__ import annotations
