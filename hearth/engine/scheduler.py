@@ -178,8 +178,9 @@ class Scheduler:
         self.kv.register_computed_blocks(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_budget: int) -> int:
-        while (self.waiting and budget > 0
+        while (self.waiting and budget > 0 and (prompt_budget > 0 or self._warm_exemption)
                and len(self.running) + len(self.importing) < self.config.max_num_seqs):
+            # (bound spent and the exemption used: nobody may pass, so skip the prefix lookups)
             req, hits = self._next_waiting()
             warm = req.kv_import is None and is_warm(len(hits) * self.kv.block_size, req.num_tokens)
             new_tokens = req.num_tokens - len(hits) * self.kv.block_size
