@@ -202,21 +202,22 @@ void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* 
 // vpshufb controls over 8 int16 scales held in both 128-bit lanes: pick p fills lane 0 with
 // scale 2p and lane 1 with scale 2p + 1 (the two 32-blocks of a pair, or a 32-element run's two
 // 16-element halves).
-struct ScalePicks {
-  alignas(32) int8_t b[4][32];
-  ScalePicks() {
-    for (int p = 0; p < 4; ++p)
-      for (int j = 0; j < 32; ++j) b[p][j] = static_cast<int8_t>(4 * p + (j >= 16 ? 2 : 0) + j % 2);
-  }
-};
+// (a namespace-scope table: a function-local static with a constructor costs a guard check
+// per call)
+alignas(32) constexpr int8_t kScalePicks[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11,
+     10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15,
+     14, 15, 14, 15, 14, 15, 14, 15}};
 inline __m256i pick_scales(__m256i both, int p) {
-  static const ScalePicks picks;
-  return _mm256_shuffle_epi8(both, _mm256_load_si256(reinterpret_cast<const __m256i*>(picks.b[p])));
+  return _mm256_shuffle_epi8(both, _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePicks[p])));
 }
 
 template <int NR, int MT>
-void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAct& a, int64_t i0,
-                         float* out, int64_t ldo) {
+void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const QAct& a, int64_t i0, float* out,
+                         int64_t ldo) {
   const int64_t row = w.K / 2, nb = w.nb, ns = nb / 8;
   const uint8_t* q0 = w.qs + n * row;
   const uint16_t* d0 = w.d + n * w.d_row();
@@ -257,15 +258,21 @@ void qlinear_tile_q4k_i8(const QWeight& w, int64_t n, const float* sm, const QAc
       }
     }
     for (int r = 0; r < NR; ++r) {
-      const float d = _cvtsh_ss(d0[r * w.d_row() + 2 * s]);
-      for (int i = 0; i < MT; ++i)
+      // d and dmin in one load; the mins' term -dmin mn_b dx sum(qx_b) joins the same lanes
+      const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(
+          *reinterpret_cast<const int32_t*>(d0 + r * w.d_row() + 2 * s)));
+      const float d = _mm_cvtss_f32(dm);
+      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(load_u8x8(k0 + r * nb * 2 + 16 * s + 8)),
+                                        _mm256_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dm))));
+      for (int i = 0; i < MT; ++i) {
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i]),
                                     _mm256_set1_ps(d * a.dx[(i0 + i) * nb + 8 * s]), acc[r][i]);
+        acc[r][i] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.xs + (i0 + i) * nb + 8 * s), acc[r][i]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MT; ++i)
-      out[i * ldo + r] = reduce_add8(acc[r][i]) + offset_term(sm + r * nb, a, i0 + i);
+    for (int i = 0; i < MT; ++i) out[i * ldo + r] = reduce_add8(acc[r][i]);
 }
 
 // Q6_K with 8-bit activations on AVX2, as Q4_K above: one activation scale per super-block, the
@@ -330,7 +337,7 @@ void qlinear_tile_q6k_i8(const QWeight& w, int64_t n, const QAct& a, int64_t i0,
 template <int NR, int MT>
 void qlinear_tile_i8(const QWeight& w, int64_t n, const float* sd, const float* sm, const QAct& a,
                      int64_t i0, float* out, int64_t ldo) {
-  if (w.qtype == kQ4_K) return qlinear_tile_q4k_i8<NR, MT>(w, n, sm, a, i0, out, ldo);
+  if (w.qtype == kQ4_K) return qlinear_tile_q4k_i8<NR, MT>(w, n, a, i0, out, ldo);
   if (w.qtype == kQ6_K) return qlinear_tile_q6k_i8<NR, MT>(w, n, a, i0, out, ldo);
   const bool q8 = w.qtype == kQ8_0;
   const int64_t row = w.qs_row(), nb = w.nb;
@@ -464,13 +471,24 @@ void qlinear_tile_mxfp4_i8(const QWeight& w, int64_t n, const float* sd, const Q
 #endif
 }
 
+// Whether Q4_K and Q6_K meet 8-bit activations in whole super-blocks (the AVX2 tiles without
+// VNNI): then each 256 elements of x share one scale. Elsewhere Q6_K takes float32 activations.
+bool kquant_superblock_act() {
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <int NR>
 void qlinear_rows_i8(const QWeight& w, int64_t n, const QAct& a, float* out) {
   thread_local std::vector<float> scales;
   scales.resize(2 * NR * w.nb);
   float* sd = scales.data();
   float* sm = sd + NR * w.nb;
-  row_scales(w, n, NR, sd, sm);
+  // the AVX2 K-quant tiles read the rows' own scales (their super-block integer sums)
+  if (!((w.qtype == kQ4_K || w.qtype == kQ6_K) && kquant_superblock_act())) row_scales(w, n, NR, sd, sm);
 #if defined(__AVX2__)
   prefetch_weight_rows(w, n, NR, /*rows=*/false);  // the tiles ask for the rows (kAheadRows)
 #else
@@ -511,16 +529,6 @@ bool has_vnni() {
 // Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read (the
 // int8-activation path of qlinear and moe_experts); `dxe_row` receives the per-row stride of
 // a.dxe (to address a block of rows).
-// Whether Q4_K and Q6_K meet 8-bit activations in whole super-blocks (the AVX2 tiles without
-// VNNI): then each 256 elements of x share one scale. Elsewhere Q6_K takes float32 activations.
-bool kquant_superblock_act() {
-#if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
                   std::vector<float>& sc, int64_t& dxe_row) {
   const bool superblock = (qtype == kQ4_K || qtype == kQ6_K) && kquant_superblock_act();
