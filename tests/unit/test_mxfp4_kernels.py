@@ -51,12 +51,14 @@ def test_dequant_rows_are_gguf_values_bit_for_bit(kernels):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("int8_act", [False, True], ids=["f32", "a8"])
-def test_qlinear_equals_gguf_dequantized_matmul(kernels, rows, int8_act):
+@pytest.mark.parametrize("k", [288, 96, 2880])
+def test_qlinear_equals_gguf_dequantized_matmul(kernels, rows, int8_act, k):
     """Every tile shape (1-8 activation rows, leftovers, 4-row groups and the odd rows after),
-    70 weight rows (groups of 4 and two left over), 9 blocks per row (not a multiple of 2 or
-    4); with 8-bit activations the reference quantizes x per 32-block as the build does."""
+    70 weight rows (groups of 4 and two left over), 9, 3 or 90 blocks per row (the int8 tile's
+    groups of 8 blocks and the 1, 3 or 2 after them: gpt-oss's 2880); with 8-bit activations
+    the reference quantizes x per 32-block as the build does."""
     gen = torch.Generator().manual_seed(rows)
-    n, k = 70, 288
+    n = 70
     blocks = make_mxfp4_blocks(n, k, gen)
     weight = gguf_values(blocks)
     x = torch.randn(rows, k, generator=gen)
