@@ -75,3 +75,37 @@ def test_experts_live_only_in_blocks_and_match_the_float_reference(files, name, 
                                     reduction="none").sum(-1)
     assert kl.mean() < 1e-3
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+
+
+def test_auto_takes_8_bit_activations_on_mxfp4_experts_within_the_8_bit_bounds(files, tmp_path):
+    """`auto` on a gpt-oss file whose weight is mostly MXFP4 experts (as the real ones): 8-bit
+    activations where the build multiplies in whole super-blocks (the AVX2 tiles: the MXFP4
+    expert layer ~2.2x the float32 tile at one row), float32 ones where its embedding
+    outweighs them; with 8-bit activations the model stays within the 8-bit bounds of the
+    file's float reference (tests/model/test_formats.py's: top-1 >= 0.95, mean KL < 0.01)."""
+    from dataclasses import replace
+
+    from hearth.engine.executor import resolve_formats
+    from hearth.engine.llm import make_engine_config
+
+    wide = write_random_gguf(tmp_path / "wide.gguf",
+                             replace(GPT_OSS, num_experts=32, expert_intermediate_size=1024),
+                             resolve_builtin("smollm2-135m-instruct"), None, seed=3)
+
+    def auto(path):
+        config = make_engine_config(str(path), dtype="float32", quantization="auto")
+        return resolve_formats(config, load_checkpoint(str(path)))
+
+    fast = auto(wide).kernels.kquant_superblock_act()
+    assert auto(wide).quantization == ("gguf-a8" if fast else "gguf")
+    assert auto(files["gpt-oss"]).quantization == "gguf"  # 4 small experts, a 49k vocabulary
+    runner = runner_for(files["gpt-oss"], "gguf-a8")
+    experts = [layer.mlp.experts for layer in runner.model.layers]
+    assert all(e.blocks_only and e.qw13.int8_act and e.qw13.qtype == MXFP4 for e in experts)
+    seq = tokens()
+    got = teacher_forced_logits(runner, seq, PROMPT_LEN)
+    want = teacher_forced_logits(runner_for(files["gpt-oss"], "none"), seq, PROMPT_LEN)
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert torch.isfinite(got).all() and kl.mean() < 0.01
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
