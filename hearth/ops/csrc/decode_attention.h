@@ -64,8 +64,19 @@ inline void softmax_scores(float* scores, int64_t n, int64_t R, const int64_t* l
     const int64_t m = std::max<int64_t>(0, std::min(n, lim[h]));
     float mx = max_of(sc, m);
     float sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < m; ++i) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    __m256 sum8 = _mm256_setzero_ps();
+    for (; i + 8 <= m; i += 8) {
+      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(sc + i, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sum8);
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+#endif
+    for (; i < m; ++i) {
       sc[i] = fast_exp(sc[i] - mx);
       sum += sc[i];
     }
@@ -212,8 +223,12 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
         attend_heads_avx512<KV, 8>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, scale, lim.data(),
                                    parts.data(), scores.data());
 #else
-      attend_heads_avx2<KV>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, D, scale, lim.data(),
-                            parts.data(), scores.data());
+      if constexpr (std::is_same_v<KV, uint16_t>)
+        attend_heads_bf16_avx2(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, D, scale,
+                               lim.data(), parts.data(), scores.data());
+      else
+        attend_heads_avx2<KV>(qgs.data(), kc, vc, offs.data(), t0, t1, R, KVH, D, scale,
+                              lim.data(), parts.data(), scores.data());
 #endif
       return;
     }
