@@ -36,6 +36,7 @@ from hearth.models.eagle3_head import load_head
 
 log = logging.getLogger("hearth.engine")
 FOLD_ROWS = 256  # pending rows past this are folded into the head's KV without drafting
+HEAD_KV_ROWS = 64  # a request's head KV starts with room for this many positions (it doubles)
 
 
 @dataclass
@@ -73,11 +74,12 @@ class _HeadState:
         return True
 
     def reserve(self, rows: int) -> None:
-        """Room for `rows` positions of K/V (the committed ones kept)."""
+        """Room for `rows` positions of K/V. Every row is kept: the committed ones, and those
+        of a chain of drafts under way (past n, read by the chain's later drafts)."""
         if rows > self.k.shape[0]:
             cap = max(rows, 2 * self.k.shape[0])
-            self.k = _grown(self.k, cap, self.n)
-            self.v = _grown(self.v, cap, self.n)
+            self.k = _grown(self.k, cap)
+            self.v = _grown(self.v, cap)
 
     def append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         need = self.n + k.shape[0]
@@ -87,9 +89,15 @@ class _HeadState:
         self.n = need
 
 
-def _grown(t: torch.Tensor, rows: int, keep: int) -> torch.Tensor:
-    out = t.new_empty((rows, *t.shape[1:]))
-    out[:keep] = t[:keep]
+def _unwritten(rows: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Head K/V rows not yet written: NaN, so a read of one (a bug) makes that draft's
+    attention NaN every time instead of reading whatever memory held (torch.empty)."""
+    return torch.full((rows, kv_heads, head_dim), float("nan"))
+
+
+def _grown(t: torch.Tensor, rows: int) -> torch.Tensor:
+    out = _unwritten(rows, *t.shape[1:])
+    out[: t.shape[0]] = t
     return out
 
 
@@ -142,9 +150,9 @@ class Eagle3Proposer:
             state = None  # a gap, or recomputed from before the head's first position
         if state is None:
             s = self.head.spec
-            empty = torch.empty(64, s.num_kv_heads, s.head_dim)
-            state = self.states[req.request_id] = _HeadState(start, empty, empty.clone(),
-                                                             rows=[], num_rows=0)
+            state = self.states[req.request_id] = _HeadState(
+                start, _unwritten(HEAD_KV_ROWS, s.num_kv_heads, s.head_dim),
+                _unwritten(HEAD_KV_ROWS, s.num_kv_heads, s.head_dim), rows=[], num_rows=0)
         state.rows.append(rows)
         state.num_rows += rows.shape[0]
         if state.num_rows > FOLD_ROWS and start > state.rows_start:
@@ -172,6 +180,8 @@ class Eagle3Proposer:
             prenorm_rows.append(prenorm)
         if not live:
             return drafts
+        for _, state, k, _ in live:  # room for the whole chain now: no growth under way
+            state.reserve(state.n + k - 1)
         tokens = self.head.draft_ids(torch.cat(normed_rows))  # [B]
         prenorm = torch.cat(prenorm_rows)  # [B, H]
         for j in range(1, max(k for _, _, k, _ in live) + 1):
@@ -188,8 +198,7 @@ class Eagle3Proposer:
             q, k_new, v_new, residual = self.head.qkv_of(tokens, prenorm, positions)
             attn = []
             for b, (_, state, _, _) in enumerate(live):
-                end = state.n + j
-                state.reserve(end)
+                end = state.n + j  # (reserved above)
                 state.k[end - 1], state.v[end - 1] = k_new[b], v_new[b]
                 attn.append(self._attend(q[b : b + 1], state.k[:end], state.v[:end]))
             normed, prenorm = self.head.after_attention(torch.cat(attn), residual)
