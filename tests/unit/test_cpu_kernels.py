@@ -477,6 +477,50 @@ def test_paged_attention_with_kernels_equals_torch_path(kernels, cache_dtype, sp
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("split", [16, 512])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (8, 2, 64)])
+@pytest.mark.parametrize("window, sinks", [(None, True), (24, False), (24, True), (1, True)])
+def test_decodes_under_sinks_and_a_window_take_the_kernel_and_equal_torchs(
+        kernels, cache_dtype, split, heads, kv_heads, dim, window, sinks):
+    """gpt-oss's attention (a learned sink per head, sliding layers) on a step of decodes: one
+    decode_attention call (the splits start at the window's first key; the sinks join each
+    head's softmax when the splits merge), equal to the torch backend's limited path; a verify
+    step (queries of 3) takes the kernel under sinks alone and torch's path under a window."""
+    from hearth.ops.attention import AttentionSpec
+    from hearth.ops.attention_backends import TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_blocks = 4, 96
+    kc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
+    vc = random_cache(gen, (num_blocks, block_size, kv_heads, dim), cache_dtype)
+    spec = AttentionSpec(window=window,
+                         sinks=torch.randn(heads, generator=gen) * 2 if sinks else None)
+    fast = CpuKernelAttentionBackend(type(kernels)(kernels.variant, decode_split=split))
+    calls = []
+    fast.limited = lambda *a, **kw: calls.append(1) or TorchAttentionBackend.limited(fast, *a, **kw)
+    for query_lens, context_lens in (([1, 1, 1, 1], [1, 20, 57, 130]), ([3, 1], [40, 90])):
+        tables = scattered_block_tables(context_lens, block_size, num_blocks, gen)
+        meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, heads, dim, generator=gen)
+        k = torch.randn(tokens, kv_heads, dim, generator=gen)
+        v = torch.randn(tokens, kv_heads, dim, generator=gen)
+        torch_backend = TorchAttentionBackend()
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        torch_backend.write_kv(k, v, k1, v1, meta)
+        fast.write_kv(k, v, k2, v2, meta)
+        want = torch_backend.attend(q, k, v, k1, v1, meta, 0.25, spec)
+        before = len(calls)
+        got = fast.attend(q, k, v, k2, v2, meta, 0.25, spec)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        took_torch = len(calls) > before
+        assert took_torch == (max(query_lens) > 1 and window is not None)
+    with pytest.raises(RuntimeError, match="one sink per query head"):
+        kernels.ops.decode_attention(q, k2, v2, meta.short_block_table_i32, meta.short_context_lens,
+                                     0.25, 512, 1, meta.short_query_lens, torch.zeros(heads + 1), 0)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_long_context_decodes_take_the_parallel_path(kernels, cache_dtype):
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, block_size = 9, 3, 64, 16

@@ -11,9 +11,11 @@ the cache is read in place, never gathered.
     torch's CPU flash kernel on a 2k-token prompt), bf16 chunks one `amx_prefill_attention` call
     each on the avx512amx build (head dim 64; ~0.65x torch's bf16 flash kernel, itself ~2x
     hearth's fp32 kernel); elsewhere the torch backend's SDPA loop.
-  * A layer with a sliding window, chunked-local attention or sinks (`AttentionSpec`): the
-    torch backend's `limited` path (the kernels have none of them), RoPE and the cache write
-    still fused.
+  * A layer with sinks or a sliding window (`AttentionSpec`; gpt-oss): a step of short queries
+    is still one `decode_attention` call (the sinks join each head's softmax when the splits
+    merge; a window starts a request's splits at its first key, so it takes one query per
+    request); prompt chunks, verify steps under a window and chunked-local attention (Llama 4)
+    take the torch backend's `limited` path, RoPE and the cache write still fused.
   * MLA: short queries are `decode_attention` with the latent row as the one KV head (its value
     rows are its key rows: the output's last R values, attention over k_pe, are dropped);
     prompt chunks as the torch backend.
@@ -53,8 +55,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                spec: AttentionSpec = CAUSAL) -> torch.Tensor:
-        if not spec.is_causal:  # the kernels have no window, chunk or sinks: torch's path
-            return self.limited(q, k_cache, v_cache, meta, scale, spec)
+        if not spec.is_causal:
+            if self._kernel_takes(spec, meta):  # decodes under sinks / a window
+                return self.short_queries(q, k_cache, v_cache, meta, scale, spec)
+            return self.limited(q, k_cache, v_cache, meta, scale, spec)  # torch's path
         if meta.num_short_tokens == meta.num_tokens:
             # Only short queries in this step: the kernel's output is the whole result.
             return self.short_queries(q, k_cache, v_cache, meta, scale)
@@ -84,13 +88,25 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             out[index] = self.short_queries(q[index], k_cache, v_cache, meta, scale)
         return out
 
-    def short_queries(self, q, k_cache, v_cache, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
-        """The step's short-query requests (`q`: their rows, request order) in one kernel call."""
+    @staticmethod
+    def _kernel_takes(spec: AttentionSpec, meta: AttentionMetadata) -> bool:
+        """Whether `decode_attention` serves this step under `spec`: short queries only, no
+        chunked-local limit, and a window only where every request has one query (a verify
+        step's queries would each need their own first key)."""
+        return (spec.chunk is None and meta.num_tokens > 0
+                and meta.num_short_tokens == meta.num_tokens
+                and (spec.window is None or meta.num_short_tokens == meta.short_query_lens.numel()))
+
+    def short_queries(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                      spec: AttentionSpec = CAUSAL) -> torch.Tensor:
+        """The step's short-query requests (`q`: their rows, request order) in one kernel call
+        (with `spec`'s sinks and window where `_kernel_takes` allows them)."""
         kernels = self.kernels
+        sinks = None if spec.sinks is None else spec.sinks.float()
         out = kernels.ops.decode_attention(q.float(), k_cache, v_cache, meta.short_block_table_i32,
                                            meta.short_context_lens, scale, kernels.decode_split,
-                                           kernels.threads.count, meta.short_query_lens)
+                                           kernels.threads.count, meta.short_query_lens, sinks,
+                                           spec.window or 0)
         return out.to(q.dtype)
 
     def mla_decode(self, q_lat, cache, meta: AttentionMetadata, scale: float,

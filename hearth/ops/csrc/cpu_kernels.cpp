@@ -89,8 +89,8 @@ TORCH_LIBRARY(hearth, m) {
         "int num_kv_heads, int head_dim, Tensor q_norm, Tensor k_norm, float eps) -> ()",
         &hearth::qk_norm_rope_write_kv);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int split, int threads=64, Tensor? query_lens=None) "
-        "-> Tensor",
+        "Tensor context_lens, float scale, int split, int threads=64, Tensor? query_lens=None, "
+        "Tensor? sinks=None, int window=0) -> Tensor",
         &hearth::decode_attention);
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
         "int context_len, float scale, int threads=64) -> Tensor",

@@ -144,11 +144,13 @@ void attend_generic(const float* qg, const KV* kc, const KV* vc, const int64_t* 
 #include "decode_attention_avx2.h"
 
 // Merge the splits of query head h of request b into out[b, h].
-inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, int64_t D, float* o) {
-  float mx = -INFINITY;
+// `sink`: a learned logit (gpt-oss) that joins the softmax's denominator with no value, or -inf.
+inline void merge_splits(const float* base, int64_t num_splits, int64_t stride, int64_t D, float* o,
+                         float sink = -INFINITY) {
+  float mx = sink;
   for (int64_t s = 0; s < num_splits; ++s) mx = std::max(mx, base[s * stride]);
   for (int64_t j = 0; j < D; ++j) o[j] = 0;
-  float denom = 0;
+  float denom = sink > -INFINITY ? fast_exp(sink - mx) : 0.0f;
   for (int64_t s = 0; s < num_splits; ++s) {
     const float* p = base + s * stride;
     if (p[1] == 0) continue;
@@ -171,13 +173,14 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t Dv,
                            int64_t block_size, int64_t max_blocks, float scale, int64_t split,
                            int64_t num_splits, int64_t max_q, float* partial, float* out,
-                           int64_t threads) {
+                           int64_t threads, const float* sinks = nullptr, int64_t window = 0) {
   const int64_t G = H / KVH, pstride = D + 2, RG = max_q * G;  // RG: rows per (item, kv head)
   auto part_at = [&](int64_t b, int64_t g, int64_t s) {
     return partial + ((b * KVH + g) * num_splits + s) * RG * pstride;
   };
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += static_cast<int64_t>(ctx[b]) * qlen[b];
+  for (int64_t b = 0; b < B; ++b)
+    total += (window > 0 ? std::min<int64_t>(ctx[b], window) : ctx[b]) * int64_t{qlen[b]};
   // One task per (request, context split), covering every KV head: a token's K/V rows of all
   // heads are adjacent in the cache, so the heads read the split's bytes from DRAM once (one
   // task per head re-read each cache line per head: 9 GB/s instead of ~20 at 6k tokens).
@@ -185,7 +188,10 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
     thread_local std::vector<float> scores, qbuf;
     thread_local std::vector<int64_t> lim, offs;
     const int64_t b = item / num_splits, s = item % num_splits, ql = qlen[b];
-    const int64_t t0 = s * split, t1 = std::min<int64_t>(ctx[b], t0 + split), R = ql * G;
+    // a sliding window (one query per request: decode_attention_v checks) starts the splits at
+    // the first key the query sees
+    const int64_t first = window > 0 ? std::max<int64_t>(0, ctx[b] - window) : 0;
+    const int64_t t0 = first + s * split, t1 = std::min<int64_t>(ctx[b], t0 + split), R = ql * G;
     offs.resize(std::max<int64_t>(0, t1 - t0));  // each token's offset in the cache (all heads)
     for_each_slot(tables + b * max_blocks, block_size, t0, t1,
                   [&](int64_t t, int64_t slot) { offs[t - t0] = slot * KVH * row_stride<KV>(D); });
@@ -266,7 +272,7 @@ void decode_attention_impl(const float* q, const KV* kc, const KV* vc, const int
     for (int64_t j = 0; j < qlen[b]; ++j)
       for (int64_t h = 0; h < H; ++h)
         merge_splits(part_at(b, h / G, 0) + (j * G + h % G) * pstride, num_splits, RG * pstride, Dv,
-                     out + ((qstart[b] + j) * H + h) * D);
+                     out + ((qstart[b] + j) * H + h) * D, sinks ? sinks[h] : -INFINITY);
   };
   const int64_t items = B * num_splits;
   // A short context is less work than waking the thread team: run it on this thread.
@@ -289,7 +295,8 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                               const at::Tensor& context_lens_in, double scale, int64_t split,
                               int64_t threads, const std::optional<at::Tensor>& query_lens_in,
-                              int64_t v_dim) {
+                              int64_t v_dim, const std::optional<at::Tensor>& sinks_in = std::nullopt,
+                              int64_t window = 0) {
   at::Tensor q = q_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "decode_attention: q float32 [T, H, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
@@ -321,6 +328,16 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
     max_q = std::max<int64_t>(max_q, qp[b]);
   }
   TORCH_CHECK(rows == T, "decode_attention: q has ", T, " rows, the query lengths sum to ", rows);
+  TORCH_CHECK(window >= 0 && (window == 0 || max_q == 1),
+              "decode_attention: a window takes one query per request (and must be >= 0)");
+  at::Tensor sinks;
+  if (sinks_in.has_value() && sinks_in->defined()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks.numel() == H, "decode_attention: one sink per query head (", H, "), got ",
+                sinks.numel());
+  }
+  const float* sp = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
+  if (window > 0) max_ctx = std::min<int64_t>(max_ctx, window);  // what a request's splits cover
   split = std::max<int64_t>(split, block_size);
   // Fewer (request, split) items than threads leave cores idle. Where a request's context is
   // work enough for it (MLA: 16 query heads on one 320-wide bf16 latent row at 200 tokens, 36 us
@@ -352,7 +369,7 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
     decode_attention_impl(q.data_ptr<float>(), kc, vc, tables.data_ptr<int32_t>(), cp, qp,
                           qstart.data(), B, H, KVH, D, Dv, block_size, max_blocks,
                           static_cast<float>(scale), split, num_splits, max_q,
-                          partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+                          partial.data_ptr<float>(), out.data_ptr<float>(), threads, sp, window);
   };
   if (k_cache.scalar_type() == at::kChar) {
     run(act_ptr<const int8_t>(k_cache), act_ptr<const int8_t>(v_cache));
@@ -363,7 +380,7 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
         q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
         reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables.data_ptr<int32_t>(), cp, qp,
         qstart.data(), B, H, KVH, D, Dv, block_size, max_blocks, static_cast<float>(scale), split,
-        num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+        num_splits, max_q, partial.data_ptr<float>(), out.data_ptr<float>(), threads, sp, window);
   } else {
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat,
                 "decode_attention: cache float32, bfloat16, int8 or float8_e4m3fn");
@@ -371,7 +388,8 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
                                  v_cache.data_ptr<float>(), tables.data_ptr<int32_t>(), cp, qp,
                                  qstart.data(), B, H, KVH, D, Dv, block_size, max_blocks,
                                  static_cast<float>(scale), split, num_splits, max_q,
-                                 partial.data_ptr<float>(), out.data_ptr<float>(), threads);
+                                 partial.data_ptr<float>(), out.data_ptr<float>(), threads, sp,
+                                 window);
   }
   return out;
 }
@@ -379,7 +397,9 @@ at::Tensor decode_attention_v(const at::Tensor& q_in, const at::Tensor& k_cache,
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t split,
-                            int64_t threads, const std::optional<at::Tensor>& query_lens) {
+                            int64_t threads, const std::optional<at::Tensor>& query_lens,
+                            const std::optional<at::Tensor>& sinks = std::nullopt,
+                            int64_t window = 0) {
   return decode_attention_v(q, k_cache, v_cache, block_tables, context_lens, scale, split,
-                            threads, query_lens, 0);
+                            threads, query_lens, 0, sinks, window);
 }
