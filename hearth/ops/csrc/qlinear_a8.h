@@ -521,12 +521,17 @@ bool kquant_superblock_act() {
 #endif
 }
 
+// The layout qlinear's tiles read `qtype` weights' 8-bit activations in.
+int act_layout(int64_t qtype) {
+  return has_vnni() && qtype != kQ8_0 && qtype != kMXFP4 ? kQ4Quads
+         : qtype == kQ4_K && kquant_superblock_act()    ? kQ4Pairs
+                                                        : kNatural;
+}
+
 QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
                   std::vector<float>& sc, int64_t& dxe_row) {
   const bool superblock = (qtype == kQ4_K || qtype == kQ6_K) && kquant_superblock_act();
-  const int layout = has_vnni() && qtype != kQ8_0 && qtype != kMXFP4 ? kQ4Quads
-                     : superblock && qtype == kQ4_K ? kQ4Pairs
-                                                    : kNatural;
+  const int layout = act_layout(qtype);
   const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
   dxe_row = (nb + G - 1) / G * 16;
   q.resize(M * stride);
