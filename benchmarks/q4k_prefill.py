@@ -145,8 +145,8 @@ def main_moe(args) -> None:
     print(f"{'T':>5} " + " ".join(f"{b[-30:]:>30}" for b in table))
     for t in args.tokens:
         flops = 2 * t * k * (2 * inter * h + h * inter)
-        cells = [f"{table[b][f'moe/{t}'] * 1e3:>10.1f} ms ({flops / table[b][f'moe/{t}'] / 1e9:6.1f})"
-                 for b in table]
+        times = [table[b][f"moe/{t}"] for b in table]
+        cells = [f"{s * 1e3:>10.1f} ms ({flops / s / 1e9:6.1f})" for s in times]
         print(f"{t:>5} " + " ".join(f"{c:>30}" for c in cells))
 
 

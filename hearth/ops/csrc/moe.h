@@ -17,10 +17,12 @@
 //
 // Optional per-expert biases (gpt-oss) join gu and ys before the activation and the combine.
 // Weights: w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (many-row steps: GEMMs), or the
-// same rows in a ggml block format (few-row steps: a task per (expert, 64 weight rows), so a
-// decode step spreads its k experts' rows over every thread; an expert with more than 32 pairs
-// multiplies by float tiles decoded from its blocks, expert_decoded_tiles). Pairs routed to experts outside
-// [expert_start, expert_start + E) belong to another expert-parallel rank and are skipped.
+// same rows in a ggml block format (few-row steps: a task per (expert, 256 weight rows), so a
+// decode step spreads its k experts' rows over every thread; with 8-bit activations a Q4_K /
+// Q6_K expert of kExpertGemmMinPairs pairs or more through the AVX2 K-quant GEMM, else one with
+// more than 32 pairs by float tiles decoded from its blocks, expert_decoded_tiles). Pairs
+// routed to experts outside [expert_start, expert_start + E) belong to another expert-parallel
+// rank and are skipped.
 
 struct ExpertPairs {
   std::vector<int64_t> offset;  // [E + 1] first sorted pair of each expert
