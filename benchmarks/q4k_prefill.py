@@ -6,6 +6,13 @@ hearth/models/layers.py) against the float path above it (a tile of rows decoded
     .venv/bin/python benchmarks/q4k_prefill.py [OLD.so ...] [--rows 1 4 32 128 512]
         [--fmt q4_k|q6_k] [--shape 14336 4096] [--repeats 10]
 
+`--moe`: the MoE expert op (`moe_experts` with 8-bit activations, csrc/moe.h) on one
+Qwen3-30B-A3B-shaped layer instead: 128 experts top-8, hidden 2048, expert width 768, Q4_K
+gate/up and `--fmt` down, at `--tokens` tokens per step (router: softmax of random logits);
+GOPS = 2 T k (2I H + H I) / time.
+
+    .venv/bin/python benchmarks/q4k_prefill.py --moe [OLD.so ...] [--tokens 64 256 512]
+
 Thread CPU time (time.thread_time), min over the repeats, so a shared machine's other load
 counts little (wall time there is meaningless). Each build (this checkout's, and each .so given,
 e.g. a copy of hearth/ops/_build's library from before a change) runs in its own process.
@@ -81,6 +88,68 @@ def measure(so: str | None, fmt: str, rows: list[int], n: int, k: int, repeats: 
     return result
 
 
+MOE_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
+
+
+def measure_moe(so: str | None, fmt: str, tokens: list[int], repeats: int) -> dict:
+    """Thread CPU seconds of one layer's moe_experts (8-bit activations, 1 thread) per step."""
+    import torch
+
+    torch.set_num_threads(1)
+    if so:
+        torch.ops.load_library(so)
+    from hearth.models.moe import route_softmax
+    from hearth.ops.cpu_kernels import QTYPE_IDS, load_cpu_kernels, pack_ggml
+
+    load_cpu_kernels()
+    e, k, h, inter = (MOE_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
+    gen = torch.Generator().manual_seed(0)
+    q13 = pack_ggml(QTYPE_IDS["q4_k"], q4_k_blocks(e * 2 * inter, h, gen), int8_act=True)
+    make = q4_k_blocks if fmt == "q4_k" else q6_k_blocks
+    q2 = pack_ggml(QTYPE_IDS[fmt], make(e * h, inter, gen), int8_act=True)
+    one = torch.zeros(1, 1, 1)  # stand-ins of the float stacks' shapes (the packed path)
+    w13, w2 = one.expand(e, 2 * inter, h), one.expand(e, h, inter)
+    q = [q13.qs, q13.d, q13.m, q2.qs, q2.d, q2.m]
+    result = {}
+    for t in tokens:
+        x = torch.randn(t, h, generator=gen)
+        weights, ids = route_softmax(torch.randn(t, e, generator=gen), k, True)
+
+        def step():
+            return torch.ops.hearth.moe_experts(x, w13, w2, weights, ids, 0, q,
+                                                [q13.qtype, q2.qtype], 1, True, None, None, 0,
+                                                1.702, 7.0)
+
+        step()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            step()
+            best = min(best, time.thread_time() - t0)
+        result[f"moe/{t}"] = best
+    return result
+
+
+def main_moe(args) -> None:
+    e, k, h, inter = (MOE_SHAPE[n] for n in ("experts", "top_k", "hidden", "inter"))
+    table = {}
+    for so in ["", *args.builds]:
+        cmd = [sys.executable, __file__, "--moe", "--child", so, "--tokens",
+               *map(str, args.tokens), "--fmt", args.fmt, "--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{so or 'this checkout'}: {proc.stderr[-3000:]}")
+        table[so or "this checkout"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"moe_experts, {e} experts top-{k}, H {h}, I {inter}, Q4_K gate/up, "
+          f"{args.fmt.upper()} down, 8-bit activations, 1 thread: thread CPU ms per step (GOPS)")
+    print(f"{'T':>5} " + " ".join(f"{b[-30:]:>30}" for b in table))
+    for t in args.tokens:
+        flops = 2 * t * k * (2 * inter * h + h * inter)
+        times = [table[b][f"moe/{t}"] for b in table]
+        cells = [f"{s * 1e3:>10.1f} ms ({flops / s / 1e9:6.1f})" for s in times]
+        print(f"{t:>5} " + " ".join(f"{c:>30}" for c in cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="*", help="other kernel builds (.so) to measure alongside")
@@ -88,8 +157,15 @@ def main() -> None:
     ap.add_argument("--fmt", choices=["q4_k", "q6_k"], default="q4_k")
     ap.add_argument("--shape", type=int, nargs=2, default=[14336, 4096])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--moe", action="store_true", help="the MoE expert op (Qwen3-30B-A3B layer)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.moe and args.child is not None:
+        print(json.dumps(measure_moe(args.child or None, args.fmt, args.tokens, args.repeats)))
+        return
+    if args.moe:
+        return main_moe(args)
     n, k = args.shape
     if args.child is not None:
         print(json.dumps(measure(args.child or None, args.fmt, args.rows, n, k, args.repeats)))

@@ -248,6 +248,69 @@ def test_k_quant_experts_with_int8_activations_equal_reference(kernels, fmt13, f
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
+def routing_with_counts(counts: list[int], top_k: int, gen):
+    """(weights, ids) [T, top_k] for T = sum(counts) / top_k tokens in which expert e takes
+    exactly counts[e] pairs (each <= T: a token's experts are distinct), tokens shuffled so that
+    a prefix of the tokens takes a share of each expert's pairs."""
+    experts = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    num_tokens = len(experts) // top_k
+    assert len(experts) == num_tokens * top_k and max(counts) <= num_tokens
+    ids = experts.view(top_k, num_tokens).t()[torch.randperm(num_tokens, generator=gen)]
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return weights / weights.sum(-1, keepdim=True), ids.contiguous()
+
+
+@ALL_THREADS
+@pytest.mark.parametrize("fmt13, fmt2", [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q6_k", "q6_k")])
+def test_k_quant_experts_with_int8_activations_at_every_pair_count(kernels, fmt13, fmt2):
+    """Prompt steps of 1..300 tokens top-2 (to 600 pairs) with 8-bit activations: experts with
+    kExpertGemmMinPairs (3) pairs or more take the AVX2 K-quant GEMM (csrc/moe.h, their rows
+    quantized in its panel layout), fewer the tiles, in one step. Each token equals the
+    reference on the same quantized activations and the file's dequantized weights, on 1 and 2
+    threads; the whole step has experts of 0, 1, 2, 3, 4, 7, 8, 9, 33, 250 and 283 pairs.
+    H = 768 and I = 768: 3 super-blocks per row (odd), 1536 gate|up rows (24 GEMM panels)."""
+    from tests.unit.test_cpu_kernels import make_blocks, quantize_activations
+    if not torch.ops.hearth.kquant_superblock_act():
+        pytest.skip("this build's K-quants meet 8-bit activations per 32 elements (no GEMM)")
+    gen = torch.Generator().manual_seed(42)
+    counts = [0, 1, 2, 3, 4, 7, 8, 9, 33, 250, 283]
+    e, h, inter, top_k = len(counts), 768, 768, 2
+    weights, ids = routing_with_counts(counts, top_k, gen)
+    num_tokens = ids.shape[0]
+    x = torch.randn(num_tokens, h, generator=gen)
+    b13, b2 = make_blocks(fmt13, e * 2 * inter, h, gen), make_blocks(fmt2, e * h, inter, gen)
+    f13 = dequantize(b13.reshape(-1), QTYPE_IDS[fmt13], (e * 2 * inter, h)).view(e, 2 * inter, h)
+    f2 = dequantize(b2.reshape(-1), QTYPE_IDS[fmt2], (e * h, inter)).view(e, h, inter)
+    # each token's rows are quantized on their own, so one batch per expert is the reference.
+    # An element of silu(gate) * up within 1e-3 of a step of a rounding tie may round the other
+    # way in the kernel (its gate/up sums in another order): `slack` bounds what one step each
+    # way of those elements moves the output by.
+    want, slack = torch.zeros(num_tokens, h), torch.zeros(num_tokens, h)
+    for k in range(1, e):  # expert 0 takes no pair
+        tokens, slots = (ids == k).nonzero(as_tuple=True)
+        gu = quantize_activations(x[tokens], 256) @ f13[k].T
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        w = weights[tokens, slots, None]
+        want.index_add_(0, tokens, w * (quantize_activations(act, 256) @ f2[k].T))
+        blocks = act.reshape(len(tokens), -1, 256)
+        step = blocks.abs().amax(-1, keepdim=True) / 127
+        scaled = blocks / torch.where(step > 0, step, 1)
+        near = (scaled - scaled.floor() - 0.5).abs() < 1e-3
+        slack.index_add_(0, tokens, w * ((near * step).reshape(act.shape) @ f2[k].abs().T))
+    q13, q2 = pack_ggml(QTYPE_IDS[fmt13], b13, True), pack_ggml(QTYPE_IDS[fmt2], b2, True)
+    q = [q13.qs, q13.d, q13.m, q2.qs, q2.d, q2.m]
+    allowed = 1e-3 * (want.abs() + want.abs().max()) + slack
+    for tokens in [*range(1, 25), 31, 40, 47, 64, 100, 161, 255, num_tokens]:
+        for threads in (1, 2):
+            got = torch.ops.hearth.moe_experts(
+                x[:tokens], f13, f2, weights[:tokens], ids[:tokens], 0, q,
+                [q13.qtype, q2.qtype], threads, True, None, None, 0, 1.702, 7.0)
+            excess = (got - want[:tokens]).abs() - allowed[:tokens]
+            assert excess.max() <= 0, (
+                f"{tokens} tokens, {threads} threads: {int((excess > 0).sum())} elements off, "
+                f"worst at {divmod(int(excess.argmax()), h)} by {excess.max().item():.4g}")
+
+
 def make_gpt_oss_case(num_tokens: int, top_k: int, seed: int = 2):
     """A case with gpt-oss's extras: biases on gate/up and down, gate/up large enough that a
     limit of 1.5 cuts (both ends of up, the top of gate)."""

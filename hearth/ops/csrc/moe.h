@@ -17,10 +17,13 @@
 //
 // Optional per-expert biases (gpt-oss) join gu and ys before the activation and the combine.
 // Weights: w13 [E, 2I, H] and w2 [E, H, I] float32 or bfloat16 (many-row steps: GEMMs), or the
-// same rows in a ggml block format (few-row steps: a task per (expert, 64 weight rows), so a
-// decode step spreads its k experts' rows over every thread; an expert with more than 32 pairs
-// multiplies by float tiles decoded from its blocks, expert_decoded_tiles). Pairs routed to experts outside
-// [expert_start, expert_start + E) belong to another expert-parallel rank and are skipped.
+// same rows in a ggml block format (few-row steps: a task per (expert, 256 weight rows), so a
+// decode step spreads its k experts' rows over every thread; with 8-bit activations a Q4_K /
+// Q6_K expert of kExpertGemmMinPairs pairs or more through the AVX2 K-quant GEMM, else one with
+// more than 32 pairs (MXFP4 with 8-bit activations: 256) by float tiles decoded from its
+// blocks, expert_decoded_tiles). Pairs
+// routed to experts outside [expert_start, expert_start + E) belong to another expert-parallel
+// rank and are skipped.
 
 struct ExpertPairs {
   std::vector<int64_t> offset;  // [E + 1] first sorted pair of each expert
@@ -87,6 +90,10 @@ void group_rows(const QWeight& w, int64_t g, int64_t g_rows, int64_t r0, int64_t
 // blocks-only experts (every step packed) meet it: others take their float stacks for steps
 // of more than 32 rows, where no expert has more than 32 pairs.
 constexpr int64_t kDecodedTileMinPairs = 33;
+// MXFP4 with 8-bit activations: the pairs tile runs ~66 GOPS at any row count (one thread, a
+// gpt-oss [5760, 2880] weight), decoded float tiles + at::mm 45 at 64 rows and 66 at 256, so
+// such experts take the tiles up to 256 pairs.
+constexpr int64_t kDecodedTileMinPairsMxfp4A8 = 257;
 constexpr int64_t kDecodedTileBytes = 4 << 20;  // each tile's float32 values, about
 
 // Expert e's rows of `w` (w_rows of them) against its pairs' float rows of `in` [n, K] from
@@ -111,22 +118,91 @@ void expert_decoded_tiles(const QWeight& w, int64_t e, int64_t w_rows, int64_t p
   }
 }
 
+// With 8-bit activations, a Q4_K or Q6_K expert with at least this many pairs in a step
+// multiplies through the K-quant GEMM (qlinear_q4k_gemm / qlinear_q6k_gemm: a task's panel of
+// 64 weight rows unpacked once for all its pairs), where the build has it; fewer pairs run the
+// tiles, which read each weight row once per 4 pairs and once per pair past those. Below the
+// dense layers' line (8): a Qwen3-30B-A3B layer (benchmarks/q4k_prefill.py --moe, 1 thread) at
+// 64 tokens ran 47 GOPS with the line at 8, 52-55 at 3-6, 54 at 2 (3 also best with Q6_K down).
+constexpr int64_t kExpertGemmMinPairs = 3;
+
+// Whether `qtype` experts with 8-bit activations take the K-quant GEMM (many pairs).
+bool expert_gemm(int64_t qtype) { return kKQuantGemm && (qtype == kQ4_K || qtype == kQ6_K); }
+
+// The rows [rows, K] of a step's projection quantized to 8 bits for experts_qlinear: each
+// active expert's pairs in the layout its path reads (the GEMM's panel order for an expert of
+// kExpertGemmMinPairs pairs or more, else the tiles'), the rows after the pairs (the shared
+// expert's) in the tiles'. Every layout of a K-quant's activations has the same scales (one per
+// super-block) and row stride (K bytes), so one buffer holds them all, each row quantized once;
+// chunks of 64 rows over the threads. Q6_K's GEMM rows also get their group sums `X` [rows,
+// K / 16] (q6k_group_sums). Other formats: quantize_act (one layout).
+QAct quantize_expert_rows(const float* x, int64_t rows, int64_t K, int64_t qtype,
+                          const ExpertPairs& s, std::vector<int8_t>& q, std::vector<float>& sc,
+                          std::vector<int16_t>& X, int64_t& dxe_row, int64_t threads) {
+  if (!expert_gemm(qtype)) return quantize_act(x, rows, K, qtype, q, sc, dxe_row);
+  const int tiles = act_layout(qtype), panel = qtype == kQ4_K ? kQ4KPanel : kQ6KPanel;
+  const int64_t nb = K / kQK, stride = act_stride(tiles, nb), G = act_group(tiles);
+  TORCH_CHECK(stride == K && act_group(panel) == G, "moe_experts: K-quant activation layouts");
+  dxe_row = (nb + G - 1) / G * 16;
+  q.resize(rows * stride);
+  sc.resize(rows * (2 * nb + dxe_row));
+  if (qtype == kQ6_K) X.resize(rows * nb * 2);
+  float *dx = sc.data(), *xs = dx + rows * nb, *dxe = xs + rows * nb;
+  struct Chunk {
+    int64_t p0, n;
+    bool gemm;
+  };
+  std::vector<Chunk> chunks;
+  auto add = [&](int64_t p0, int64_t p1, bool gemm) {
+    for (; p0 < p1; p0 += 64) chunks.push_back({p0, std::min<int64_t>(64, p1 - p0), gemm});
+  };
+  const int64_t E = s.offset.size() - 1;
+  for (int64_t e = 0; e < E; ++e)
+    add(s.offset[e], s.offset[e + 1], s.offset[e + 1] - s.offset[e] >= kExpertGemmMinPairs);
+  add(s.offset[E], rows, false);
+  parallel_tasks(chunks.size(), [&](int64_t c) {
+    const int64_t p0 = chunks[c].p0, n = chunks[c].n;
+    quantize_rows(x + p0 * K, n, K, chunks[c].gemm ? panel : tiles, q.data() + p0 * stride,
+                  dx + p0 * nb, xs + p0 * nb, dxe + p0 * dxe_row, kQK_K);
+    if (chunks[c].gemm && qtype == kQ6_K)
+      q6k_group_sums(QAct{n, nb, stride, q.data() + p0 * stride, dx + p0 * nb, xs + p0 * nb,
+                          dxe + p0 * dxe_row},
+                     nb / 8, X.data() + p0 * nb * 2);
+  }, rows >= 128 ? threads : 1);
+  return QAct{rows, nb, stride, q.data(), dx, xs, dxe};
+}
+
+// Rows [p0, p0 + M) of `act` (an expert's pairs, or the shared expert's rows).
+QAct act_rows(const QAct& act, int64_t p0, int64_t M, int64_t dxe_row) {
+  return QAct{M, act.nb, act.stride, act.q + p0 * act.stride, act.dx + p0 * act.nb,
+              act.xs + p0 * act.nb, act.dxe + p0 * dxe_row};
+}
+
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`
-// into out [P, w_rows]: one task per (active expert, 256 weight rows); an expert with
-// kDecodedTileMinPairs pairs or more through decoded float tiles instead (float `in`). With `shared` (the
-// always-on shared expert, the same row count and format as one routed expert), its rows run
-// against rows [P, P + T) of `in` in the same task pool (one parallel region for both: the
-// shared expert's own pair of calls had run at ~17 GB/s, their ~0.8 MB too little for a region).
+// into out [P, w_rows]: one task per (active expert, 256 weight rows). An expert with
+// kExpertGemmMinPairs pairs or more with 8-bit activations in Q4_K / Q6_K: a task per (expert,
+// 64 weight rows) through the K-quant GEMM (`act` from quantize_expert_rows, `X` its Q6_K
+// group sums), these tasks first; otherwise one with kDecodedTileMinPairs pairs or more through
+// decoded float tiles (float `in`). With `shared` (the always-on shared expert, the same row
+// count and format as one routed expert), its rows run against rows [P, P + T) of `in` in the
+// same task pool (one parallel region for all: the shared expert's own pair of calls had run at
+// ~17 GB/s, their ~0.8 MB too little for a region).
 void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, const float* in,
                      float* out, int64_t threads, const QAct* act = nullptr,
-                     int64_t dxe_row = 0, const QWeight* shared = nullptr, int64_t shared_m = 0) {
-  constexpr int64_t kRowsPerTask = 256;
+                     int64_t dxe_row = 0, const QWeight* shared = nullptr, int64_t shared_m = 0,
+                     const int16_t* X = nullptr) {
+  constexpr int64_t kRowsPerTask = 256, kGemmRowsPerTask = 64;
   const int64_t E = s.offset.size() - 1, tasks_per_expert = (w_rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t gemm_tasks_per_expert = (w_rows + kGemmRowsPerTask - 1) / kGemmRowsPerTask;
   const int64_t P = s.offset[E];
-  std::vector<int64_t> active, decoded;
+  const bool gemm_ok = act && expert_gemm(w.qtype);
+  std::vector<int64_t> active, decoded, gemm;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = s.offset[e + 1] - s.offset[e];
-    if (n >= kDecodedTileMinPairs)
+    if (gemm_ok && n >= kExpertGemmMinPairs)
+      gemm.push_back(e);
+    else if (!gemm_ok && n >= (act && w.qtype == kMXFP4 ? kDecodedTileMinPairsMxfp4A8
+                                                         : kDecodedTileMinPairs))
       decoded.push_back(e);
     else if (n > 0)
       active.push_back(e);
@@ -134,9 +210,23 @@ void experts_qlinear(const QWeight& w, int64_t w_rows, const ExpertPairs& s, con
   for (int64_t e : decoded)
     expert_decoded_tiles(w, e, w_rows, s.offset[e], s.offset[e + 1] - s.offset[e], in, out,
                          threads);
+  const int64_t gemms = gemm.size() * gemm_tasks_per_expert;
   const int64_t routed = active.size() * tasks_per_expert;
   const int64_t extra = shared && shared_m > 0 ? tasks_per_expert : 0;
-  parallel_tasks(routed + extra, [&](int64_t task) {
+  parallel_tasks(gemms + routed + extra, [&](int64_t task) {
+    if (task < gemms) {
+      const int64_t e = gemm[task / gemm_tasks_per_expert], p0 = s.offset[e];
+      const int64_t n0 = (task % gemm_tasks_per_expert) * kGemmRowsPerTask;
+      const int64_t n1 = std::min(w_rows, n0 + kGemmRowsPerTask);
+      const QAct a = act_rows(*act, p0, s.offset[e + 1] - p0, dxe_row);
+      const QWeight we = expert_rows(w, e, w_rows);  // out rows: w_rows apart, from p0
+      if (w.qtype == kQ4_K)
+        qlinear_q4k_gemm(we, n0, n1, a, out + p0 * w_rows);
+      else
+        qlinear_q6k_gemm(we, n0, n1, a, X + p0 * (w.nb / 8) * 16, out + p0 * w_rows);
+      return;
+    }
+    task -= gemms;
     const bool mine = task >= routed;  // the shared expert's rows
     const int64_t local = mine ? task - routed : task;
     const int64_t r0 = (local % tasks_per_expert) * kRowsPerTask;
@@ -293,19 +383,26 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& w13, const
     at::Tensor gu = at::empty({P + S, 2 * I}, xs.options());
     thread_local std::vector<int8_t> qx;
     thread_local std::vector<float> sc;
+    thread_local std::vector<int16_t> X;
     int64_t dxe_row = 0;
     QAct a13{}, a2{};
-    if (int8_act) a13 = quantize_act(xs.data_ptr<float>(), P + S, H, q13.qtype, qx, sc, dxe_row);
+    if (int8_act)
+      a13 = quantize_expert_rows(xs.data_ptr<float>(), P + S, H, q13.qtype, s, qx, sc, X,
+                                 dxe_row, threads);
     experts_qlinear(q13, 2 * I, s, xs.data_ptr<float>(), gu.data_ptr<float>(), threads,
-                    int8_act ? &a13 : nullptr, dxe_row, shared ? &shared->w13 : nullptr, S);
+                    int8_act ? &a13 : nullptr, dxe_row, shared ? &shared->w13 : nullptr, S,
+                    X.data());
     if (extras.b13.defined())
       add_expert_bias(gu.data_ptr<float>(), 2 * I, s, extras.b13.to(at::kFloat).contiguous(),
                       threads);
     at::Tensor act = extras.act(gu);  // [P + S, I]
     ys = at::empty({P + S, H}, xs.options());
-    if (int8_act) a2 = quantize_act(act.data_ptr<float>(), P + S, I, q2.qtype, qx, sc, dxe_row);
+    if (int8_act)
+      a2 = quantize_expert_rows(act.data_ptr<float>(), P + S, I, q2.qtype, s, qx, sc, X, dxe_row,
+                                threads);
     experts_qlinear(q2, H, s, act.data_ptr<float>(), ys.data_ptr<float>(), threads,
-                    int8_act ? &a2 : nullptr, dxe_row, shared ? &shared->w2 : nullptr, S);
+                    int8_act ? &a2 : nullptr, dxe_row, shared ? &shared->w2 : nullptr, S,
+                    X.data());
     if (extras.b2.defined())
       add_expert_bias(ys.data_ptr<float>(), H, s, extras.b2.to(at::kFloat).contiguous(), threads);
   } else {

@@ -640,14 +640,19 @@ bool has_vnni() {
 // Rows of x [M, K] quantized to 8 bits per 32-block in the layout `qtype` weights read (the
 // int8-activation path of qlinear and moe_experts); `dxe_row` receives the per-row stride of
 // a.dxe (to address a block of rows).
+// The layout qlinear's tiles read `qtype` weights' 8-bit activations in.
+int act_layout(int64_t qtype) {
+  const bool q4 = qtype == kQ4_0 || qtype == kQ4_1;
+  return qtype == kMXFP4 || (kQ4PairsTile && q4)    ? kQ4Pairs
+         : has_vnni() && qtype != kQ8_0             ? kQ4Quads
+         : qtype == kQ4_K && kquant_superblock_act() ? kQ4Pairs
+                                                     : kNatural;
+}
+
 QAct quantize_act(const float* x, int64_t M, int64_t K, int64_t qtype, std::vector<int8_t>& q,
                   std::vector<float>& sc, int64_t& dxe_row) {
   const bool superblock = (qtype == kQ4_K || qtype == kQ6_K) && kquant_superblock_act();
-  const bool q4 = qtype == kQ4_0 || qtype == kQ4_1;
-  const int layout = qtype == kMXFP4 || (kQ4PairsTile && q4)  ? kQ4Pairs
-                     : has_vnni() && qtype != kQ8_0           ? kQ4Quads
-                     : superblock && qtype == kQ4_K           ? kQ4Pairs
-                                                              : kNatural;
+  const int layout = act_layout(qtype);
   const int64_t nb = K / kQK, stride = act_stride(layout, nb), G = act_group(layout);
   dxe_row = (nb + G - 1) / G * 16;
   q.resize(M * stride);
