@@ -140,6 +140,8 @@ def _write(bin_path: Path, index_path: Path, key: dict, items: list[PackSource]
            ) -> tuple[dict, int]:
     """Pack each item once, append its tensors to the .bin and drop them (one weight's packed
     copy in memory at a time); then rename the .bin, then the index, into place."""
+    for stale in bin_path.parent.glob(f"{bin_path.stem}.*.tmp"):  # a builder that died
+        stale.unlink(missing_ok=True)  # (we hold the lock: no other is writing)
     entries, seen, offset = [], set(), 0
     tmp_bin = bin_path.with_name(f"{bin_path.name}.{os.getpid()}.tmp")
     try:

@@ -13,6 +13,8 @@ import json
 import logging
 import multiprocessing
 import os
+import resource
+import signal
 
 import pytest
 import torch
@@ -175,3 +177,26 @@ def test_format_version_is_in_the_key(files):
     key = weight_cache.cache_key(load_checkpoint(str(files["llama"])), model, False, None)
     assert key["format_version"] == weight_cache.FORMAT_VERSION
     assert key["gguf"] == os.path.realpath(files["llama"])
+
+
+def test_a_write_that_fails_leaves_no_cache_and_the_same_model(files, tmp_path, caplog):
+    """The file cannot grow past 1 MB (as a full disk): a warning, the temporary file removed,
+    every weight packed as without a cache. A temporary file a dead builder left is removed."""
+    runner_for(files["llama"], tmp_path)  # names the sha
+    (bin_path,) = tmp_path.glob("*.bin")
+    stale = bin_path.with_name(bin_path.name + ".999999.tmp")
+    stale.write_bytes(b"left by a builder that died")
+    bin_path.unlink()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="hearth.models"):
+            runner = runner_for(files["llama"], tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert "packing without a cache" in caplog.text
+    assert getattr(runner.model, "weight_cache", None) is None
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.bin"))
+    assert torch.equal(logits(runner), logits(runner_for(files["llama"])))
