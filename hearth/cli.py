@@ -22,7 +22,7 @@ from pathlib import Path
 from hearth.config import EngineConfig
 from hearth.flags import (build_parser, cluster_config, engine_config, read_secrets,
                           router_config, serve_argv, server_config, torchrun_env, up_config,
-                          up_worker_server_config)
+                          up_engine_config, up_worker_server_config)
 from hearth.logs import setup_logging
 from hearth.server.server_config import ServerConfig
 
@@ -61,7 +61,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                           up_worker_server_config(a), router_config(a), serve_argv)
     from hearth.router.up import up
 
-    return up(up_config(a), engine_config(a), up_worker_server_config(a), router_config(a),
+    return up(up_config(a), up_engine_config(a), up_worker_server_config(a), router_config(a),
               worker_command)
 
 

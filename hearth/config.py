@@ -43,6 +43,10 @@ class ModelConfig:
     # auto (gguf for a GGUF file when the CPU kernels run here, else none).
     quantization: str = "auto"
     cpu_kernels: str = "auto"  # auto (best build that runs here) | avx512 | avx2 | off
+    # A directory for a GGUF's packed block weights (hearth/models/weight_cache.py): processes
+    # on this host that load the same file alike map one copy, and a restart skips the repack.
+    # "" (default): none, each process packs its own
+    weight_cache: str = ""
     # Compute dtype of many-row GEMMs (prefill chunks, large batches) of a float32 model:
     # float32 (exact) | bfloat16 | auto (bfloat16 where the CPU runs AMX tiles, else float32).
     prefill_dtype: str = "float32"

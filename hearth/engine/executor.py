@@ -204,7 +204,8 @@ def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
 
     def before_load(model) -> None:  # weights a GGUF stores in blocks stay only in blocks
         if kernels is not None:
-            attach_file_blocks(model, checkpoint, quantization, kernels)
+            attach_file_blocks(model, checkpoint, quantization, kernels,
+                               cache_dir=mc.weight_cache or None)
 
     model = build_model(checkpoint, dtype, pc.device, before_load=before_load)
     if kernels is not None:

@@ -58,7 +58,8 @@ from hearth.flags.router import (ROUTE_MODEL_OPTIONS, ROUTER_OPTIONS, UP_OPTIONS
 from hearth.flags.serve import (ENGINE_OPTIONS, SERVE_OPTIONS, SERVE_SPECULATIVE_METHOD,
                                 SERVER_OPTIONS, add_engine_args, add_serve_args,
                                 add_server_args, doorway_config, engine_config, serve_argv,
-                                serve_parser, server_config, torchrun_env)
+                                serve_parser, server_config, torchrun_env,
+                                up_engine_config)
 
 __all__ = ["ENGINE_OPTIONS", "FROM_CONFIG", "Option", "ROUTER_OPTIONS", "ROUTE_MODEL_OPTIONS",
            "SECRET_ENV", "SERVER_OPTIONS", "SERVE_OPTIONS", "SERVE_SPECULATIVE_METHOD",
@@ -66,7 +67,8 @@ __all__ = ["ENGINE_OPTIONS", "FROM_CONFIG", "Option", "ROUTER_OPTIONS", "ROUTE_M
            "add_router_args", "add_scale_args", "add_secret_args", "add_serve_args",
            "add_server_args", "add_up_args", "build_parser", "cluster_config", "doorway_config",
            "engine_config", "read_secrets", "router_config", "serve_argv", "serve_parser",
-           "server_config", "torchrun_env", "up_config", "up_worker_server_config"]
+           "server_config", "torchrun_env", "up_config", "up_engine_config",
+           "up_worker_server_config"]
 
 
 

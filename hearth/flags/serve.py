@@ -22,6 +22,9 @@ SERVE_SPECULATIVE_METHOD = "suffix"  # `hearth serve` and `hearth up` workers; E
 # the library's batches keep whole chunks): below the ~45 ms p90 inter-token latency vLLM-CPU
 # had at 8 streams on a 2-core EPYC (issue 44), with room for the step's own overhead.
 SERVE_ITL_TARGET_MS = 40.0
+# `hearth up`'s --weight-cache when not given (its workers share one host: EngineConfig's and
+# `hearth serve`'s default is none)
+UP_WEIGHT_CACHE = "~/.cache/hearth/weights"
 
 
 # ---- hearth serve: the engine's options, then the HTTP server's -----------------------------
@@ -52,6 +55,13 @@ ENGINE_OPTIONS = (("engine", (
     Option("--cpu-kernels", "engine.model.cpu_kernels",
            choices=("auto", "avx512amx", "avx512vnni", "avx512", "avx2", "off"),
            help="hearth's compiled CPU kernels (built by make setup)"),
+    Option("--weight-cache", "engine.model.weight_cache", metavar="DIR", default=None,
+           to_config=lambda given: "" if given in (None, "none") else given,
+           to_flag=lambda directory: directory or "none",
+           help="keep a GGUF's packed block weights in a file under DIR, mapped by every worker "
+                "on this machine that loads the same file alike (one copy in memory) and by a "
+                "restart (no repack); none: each worker packs its own (default: none for "
+                f"hearth serve, {UP_WEIGHT_CACHE} for hearth up on one machine)"),
     Option("--max-model-len", "engine.model.max_model_len", int),
     Option("--rope-scaling", "engine.model.rope_scaling", _rope_scaling_json, metavar="JSON",
            help="replace the checkpoint's RoPE scaling (as vLLM's --hf-overrides rope_scaling), "
@@ -278,6 +288,15 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     values.update({f"engine.parallel.{name}": value
                    for name, value in _launcher_rendezvous(a).items()})
     return EngineConfig(**_kwargs(EngineConfig, values, "engine."))
+
+
+def up_engine_config(a: argparse.Namespace) -> EngineConfig:
+    """`engine_config` of `hearth up` on one machine: its workers share the weight cache
+    UP_WEIGHT_CACHE unless --weight-cache says otherwise (none: off)."""
+    engine = engine_config(a)
+    if getattr(a, "weight_cache", None) is not None:
+        return engine
+    return replace(engine, model=replace(engine.model, weight_cache=UP_WEIGHT_CACHE))
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

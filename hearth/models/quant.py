@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 
 from hearth.models.moe import SparseMoeBlock
 from hearth.models.registry import family_of
+from hearth.models.weight_cache import PackSource, cache_key, load_packed
 from hearth.ops.cpu_kernels import Q6_K, QTYPE_IDS, QTYPES, pack_ggml_parts, single_threaded
 
 log = logging.getLogger("hearth.models")
@@ -207,77 +209,114 @@ def _file_experts(checkpoint, e: str, experts, int8_act: bool, kernels):
     """(w13, w2) PackedWeights of a MoE layer's experts from a GGUF's stacked expert blocks
     (ffn_{gate,up,down}_exps, named under `e`): gate/up and down each as stored where the
     kernels read its format, else requantized to Q8_0 (the op takes a format per stack); None
-    where the file stores them as floats or in another layout, or the widths are not whole
-    blocks."""
+    where the file stores them as floats or in another layout."""
     names = [e + f"{x}_proj" for x in ("gate", "up", "down")]
-    known = set(checkpoint.tensor_names())
-    if (not all(n in known for n in names) or experts.w13.shape[2] % 32
-            or experts.w2.shape[2] % 32):
-        return None
     stacks = [_file_blocks(checkpoint, names[:2], kernels, int8_act),
               _file_blocks(checkpoint, names[2:], kernels, int8_act)]
     if any(s is None for s in stacks):
         return None
     (t13, (gate, up)), (t2, (down,)) = stacks
     inter = gate.shape[0] // experts.num_local
-    packed = (pack_ggml_parts(t13, [gate, up], [inter, inter], experts.num_local, int8_act),
-              pack_ggml_parts(t2, [down], [down.shape[0]], int8_act=int8_act))
-    for name in names:
-        checkpoint.release_pages(name)
+    return (pack_ggml_parts(t13, [gate, up], [inter, inter], experts.num_local, int8_act),
+            pack_ggml_parts(t2, [down], [down.shape[0]], int8_act=int8_act))
+
+
+def _released_after(checkpoint, sources: tuple[str, ...], pack: Callable) -> Callable:
+    """`pack`, then (where it packed) the file map's pages of `sources` dropped: copied."""
+    def packed():
+        out = pack()
+        if out is not None:
+            for name in sources:
+                checkpoint.release_pages(name)
+        return out
     return packed
 
 
-def attach_file_blocks(model, checkpoint, quantization: str, kernels) -> dict[str, int]:
-    """Keep every linear layer (and the embedding table) whose tensors a GGUF stores in blocks
-    only in blocks: packed from the file before the float weights load, their float parameters
-    replaced by meta stand-ins that the load skips (module docstring). One rank, `gguf`
-    formats; returns the number of layers per format."""
+def _file_block_plan(model, checkpoint, int8_act: bool, kernels
+                     ) -> list[tuple[PackSource, Callable, str]]:
+    """What attach_file_blocks packs, in order: each weight's sources and packing, what takes
+    the packed weights (returns whether it did) and its name's prefix in the counts. Read from
+    the model's shapes alone (its float weights are not loaded yet)."""
+    names = set(checkpoint.tensor_names())
+
+    def linear(sources: list[str]) -> PackSource:
+        def pack():
+            blocks = _file_blocks(checkpoint, sources, kernels)
+            return None if blocks is None else (pack_ggml_parts(
+                blocks[0], blocks[1], [p.shape[0] for p in blocks[1]], int8_act=int8_act),)
+        return PackSource(tuple(sources), _released_after(checkpoint, tuple(sources), pack))
+
+    def embedding(packed) -> bool:
+        if packed[0].out_features != embed.weight.shape[0]:
+            return False
+        embed.set_packed(packed[0], kernels)
+        return True
+
+    def experts_of(experts) -> Callable:
+        def attach(packed) -> bool:
+            experts.set_quantized_experts(*packed, kernels, blocks_only=True)
+            return True
+        return attach
+
+    def linear_of(module) -> Callable:
+        def attach(packed) -> bool:
+            if packed[0].out_features != module.weight.shape[0]:
+                return False  # e.g. a vocabulary padded for TP
+            module.set_quantized(packed[0], kernels, blocks_only=True)
+            return True
+        return attach
+
+    plan = []
+    embed = getattr(model, "embed_tokens", None)
+    if embed is not None and embed.weight.shape[1] % 32 == 0:
+        plan.append((linear(["model.embed_tokens.weight"]), embedding, ""))
+    for local, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, SparseMoeBlock):
+            continue
+        experts = layer.mlp.experts
+        e = f"model.layers.{model.layer_start + local}." + _mlp_names(model)[2]
+        sources = tuple(e + f"{x}_proj" for x in ("gate", "up", "down"))
+        if (not all(n in names for n in sources) or experts.w13.shape[2] % 32
+                or experts.w2.shape[2] % 32):
+            continue
+        pack = _released_after(checkpoint, sources, lambda e=e, experts=experts: _file_experts(
+            checkpoint, e, experts, int8_act, kernels))
+        plan.append((PackSource(sources, pack), experts_of(experts), "experts-"))
+    for module, sources in _linear_sources(model, names):
+        if sources and module.weight.shape[1] % 32 == 0:
+            plan.append((linear(sources), linear_of(module), ""))
+    return plan
+
+
+def attach_file_blocks(model, checkpoint, quantization: str, kernels,
+                       cache_dir: str | None = None) -> dict[str, int]:
+    """Keep every linear layer (and the embedding table, and MoE experts) whose tensors a GGUF
+    stores in blocks only in blocks: packed from the file before the float weights load, their
+    float parameters replaced by meta stand-ins that the load skips (module docstring). One
+    rank, `gguf` formats; returns the number of layers per format. With `cache_dir` the packed
+    weights are views of a cache file shared by every process on this host that loads the
+    same model alike (hearth/models/weight_cache.py; the model's `weight_cache` says how)."""
     counts: dict[str, int] = {}
     if (not quantization.startswith("gguf") or model.tp.size != 1
             or not hasattr(checkpoint, "stored_type")):
         return counts
     int8_act = quantization.endswith("-a8")
-    names = set(checkpoint.tensor_names())
-    packed_by_sources: dict[tuple[str, ...], object] = {}
-
-    def packed_for(sources: list[str]):
-        key = tuple(sources)
-        if key not in packed_by_sources:
-            blocks = _file_blocks(checkpoint, sources, kernels)
-            packed_by_sources[key] = None if blocks is None else pack_ggml_parts(
-                blocks[0], blocks[1], [p.shape[0] for p in blocks[1]], int8_act=int8_act)
-            if blocks is not None:  # copied: the map's pages of them are not needed
-                for name in sources:
-                    checkpoint.release_pages(name)
-        return packed_by_sources[key]
-
-    def note(packed, prefix: str = "") -> None:
-        name = prefix + QTYPES[packed.qtype][1] + " (blocks only)"
-        counts[name] = counts.get(name, 0) + 1
-
-    embed = getattr(model, "embed_tokens", None)
-    if embed is not None and embed.weight.shape[1] % 32 == 0:
-        packed = packed_for(["model.embed_tokens.weight"])
-        if packed is not None and packed.out_features == embed.weight.shape[0]:
-            embed.set_packed(packed, kernels)
-            note(packed)
-    for local, layer in enumerate(model.layers):
-        if isinstance(layer.mlp, SparseMoeBlock):
-            experts = layer.mlp.experts
-            packed = _file_experts(checkpoint, f"model.layers.{model.layer_start + local}."
-                                   + _mlp_names(model)[2],
-                                   experts, int8_act, kernels)
-            if packed is not None:
-                experts.set_quantized_experts(*packed, kernels, blocks_only=True)
-                note(packed[0], "experts-")
-    for module, sources in _linear_sources(model, names):
-        if not sources or module.weight.shape[1] % 32:
-            continue
-        packed = packed_for(sources)
-        if packed is None or packed.out_features != module.weight.shape[0]:
-            continue  # e.g. a vocabulary padded for TP
-        module.set_quantized(packed, kernels, blocks_only=True)
-        note(packed)
+    plan = _file_block_plan(model, checkpoint, int8_act, kernels)
+    cached = None
+    key = cache_key(checkpoint, model, int8_act, kernels) if cache_dir else None
+    if key is not None:
+        cached = load_packed(cache_dir, key, [item for item, _, _ in plan])
+    if cached is not None:
+        packed_by_sources, model.weight_cache = cached
+    else:
+        packed_by_sources = {}
+    for item, attach, prefix in plan:
+        if item.sources not in packed_by_sources:
+            packed_by_sources[item.sources] = item.pack()
+        packed = packed_by_sources[item.sources]
+        if packed is not None and attach(packed):
+            name = prefix + QTYPES[packed[0].qtype][1] + " (blocks only)"
+            counts[name] = counts.get(name, 0) + 1
     return counts
 
 

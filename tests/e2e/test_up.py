@@ -105,6 +105,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def maps(pid: int) -> str:
+    """The process's memory map ("" once it is gone)."""
+    try:
+        return (Path("/proc") / str(pid) / "maps").read_text()
+    except OSError:
+        return ""
+
+
 def environ(pid: int) -> dict[str, str]:
     raw = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
     return dict(entry.decode().partition("=")[::2] for entry in raw if b"=" in entry)
@@ -210,5 +218,33 @@ def test_worker_that_never_starts_makes_up_exit_non_zero(tmp_path):
         # One clear line with the worker's log tail, not a traceback of hearth up itself.
         assert "both worker" in log and "before it was healthy" in log
         assert "hearth/router/up.py" not in log
+    finally:
+        stack.stop()
+
+
+# ---- the packed-weight cache (--weight-cache, issue 42) ----------------------------------------
+
+
+def test_a_pd_pair_on_one_host_packs_once_and_maps_one_file(tmp_path):
+    """Two workers of one GGUF started together: one packs and writes the cache file, the
+    other waits on its lock and maps it; both engines map the same file, and the pair serves."""
+    from hearth.models.loader import resolve_builtin
+    from hearth.models.random_gguf import write_random_gguf
+    from tests.model.test_blocks_only import TINY
+
+    gguf = write_random_gguf(tmp_path / "tiny-q4km.gguf", TINY,
+                             resolve_builtin("smollm2-135m-instruct"), "q4_k_m", seed=5,
+                             context_length=4096)
+    cache = tmp_path / "weights"
+    stack = start_up(tmp_path, str(gguf), "--prefill", "1", "--decode", "1", "--quantization",
+                     "gguf", "--weight-cache", str(cache))
+    try:
+        stack.model = stack.client().models.list().data[0].id
+        assert stack.complete().usage.completion_tokens >= 1
+        [packed] = cache.glob("*.bin")
+        logs = "".join(p.read_text() for p in tmp_path.glob("workers-*/*"))
+        assert logs.count("weight cache miss") == 1 and logs.count("weight cache hit") == 1
+        mapping = [pid for pid in process_tree(stack.process.pid) if str(packed) in maps(pid)]
+        assert len(mapping) == 2  # the two engine processes
     finally:
         stack.stop()

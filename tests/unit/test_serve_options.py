@@ -160,3 +160,21 @@ def test_every_secret_row_has_an_environment_variable():
     rows = list(flags.SERVE_OPTIONS) + [o for _, o in ROUTER_AND_UP_ROWS]
     assert {o.dest for o in rows if o.file_help is not None} == set(flags.SECRET_ENV)
     assert all(o.path.endswith(("api_key", "secret")) for o in rows if o.file_help is not None)
+
+
+def test_weight_cache_is_off_for_serve_and_shared_for_up_unless_none():
+    parser = flags.build_parser()
+
+    def cache(argv: list[str], config=flags.engine_config) -> str:
+        return config(parser.parse_args(argv)).model.weight_cache
+
+    assert cache(["serve"]) == "" and cache(["serve", "--weight-cache", "none"]) == ""
+    assert cache(["serve", "--weight-cache", "/w"]) == "/w"
+    assert cache(["up"], flags.up_engine_config) == "~/.cache/hearth/weights"
+    assert cache(["up", "--weight-cache", "none"], flags.up_engine_config) == ""
+    assert cache(["up", "--weight-cache", "/w"], flags.up_engine_config) == "/w"
+    # up hands its workers the directory, and a worker reads it back
+    engine = flags.up_engine_config(parser.parse_args(["up"]))
+    argv = flags.serve_argv(engine, ServerConfig())
+    assert argv[argv.index("--weight-cache") + 1] == "~/.cache/hearth/weights"
+    assert cache(["serve", *argv]) == "~/.cache/hearth/weights"
