@@ -774,6 +774,12 @@ void q4k_gemm_rows(const uint8_t* q, const int16_t* sc, const float* mn, const f
   }
 }
 
+// The GEMMs' activation rows go in blocks of ~96 KB, each swept by every weight-row pair of the
+// task's panel while it sits in L2: streaming all M rows past each pair read them from L3. One
+// thread, M = 512: Q4_K [14336, 4096] 92.8 -> 121.6 GOPS, [4096, 14336] 101.6 -> 121.1 (M = 64
+// unchanged: it fit already).
+inline int64_t kq_act_block(int64_t K) { return std::max<int64_t>(12, int64_t{98304} / K / 12 * 12); }
+
 // Weight rows [n0, n1) of x (quantized in the kQ4KPanel order) times a Q4_K weight: the panel
 // unpacked into this thread's buffers, then every activation row against it.
 void qlinear_q4k_gemm(const QWeight& w, int64_t n0, int64_t n1, const QAct& a, float* out) {
@@ -789,13 +795,20 @@ void qlinear_q4k_gemm(const QWeight& w, int64_t n0, int64_t n1, const QAct& a, f
   for (int64_t r = 0; r < rows; ++r)
     q4k_repack_row(w, n0 + r, q.data() + r * w.K, sc.data() + r * ns * 16, mn + r * ns * 8, d + r * ns);
   constexpr int TR = 2;
-  int64_t r = 0;
-  for (; r + TR <= rows; r += TR)
-    q4k_gemm_rows<TR>(q.data() + r * w.K, sc.data() + r * ns * 16, mn + r * ns * 8, d + r * ns,
-                      ns, a, out + n0 + r, w.N);
-  if (r < rows)
-    q4k_gemm_rows<1>(q.data() + r * w.K, sc.data() + r * ns * 16, mn + r * ns * 8, d + r * ns, ns,
-                     a, out + n0 + r, w.N);
+  const int64_t block = kq_act_block(w.K);
+  for (int64_t i0 = 0; i0 < a.M; i0 += block) {
+    const int64_t m = std::min(block, a.M - i0);
+    const QAct ab{m, a.nb, a.stride, a.q + i0 * a.stride, a.dx + i0 * a.nb, a.xs + i0 * a.nb,
+                  a.dxe};
+    float* o = out + i0 * w.N + n0;
+    int64_t r = 0;
+    for (; r + TR <= rows; r += TR)
+      q4k_gemm_rows<TR>(q.data() + r * w.K, sc.data() + r * ns * 16, mn + r * ns * 8, d + r * ns,
+                        ns, ab, o + r, w.N);
+    if (r < rows)
+      q4k_gemm_rows<1>(q.data() + r * w.K, sc.data() + r * ns * 16, mn + r * ns * 8, d + r * ns,
+                       ns, ab, o + r, w.N);
+  }
 }
 
 // Q6_K the same way: the panel's weights as unsigned q + 32 (0..63, so no vpsignb per pair of
@@ -925,13 +938,21 @@ void qlinear_q6k_gemm(const QWeight& w, int64_t n0, int64_t n1, const QAct& a, c
   for (int64_t r = 0; r < rows; ++r)
     q6k_repack_row(w, n0 + r, q.data() + r * w.K, sc.data() + r * ns * 16, d.data() + r * ns);
   constexpr int TR = 2;
-  int64_t r = 0;
-  for (; r + TR <= rows; r += TR)
-    q6k_gemm_rows<TR>(q.data() + r * w.K, sc.data() + r * ns * 16, d.data() + r * ns, X, ns, a,
-                      out + n0 + r, w.N);
-  if (r < rows)
-    q6k_gemm_rows<1>(q.data() + r * w.K, sc.data() + r * ns * 16, d.data() + r * ns, X, ns, a,
-                     out + n0 + r, w.N);
+  const int64_t block = kq_act_block(w.K);  // as qlinear_q4k_gemm
+  for (int64_t i0 = 0; i0 < a.M; i0 += block) {
+    const int64_t m = std::min(block, a.M - i0);
+    const QAct ab{m, a.nb, a.stride, a.q + i0 * a.stride, a.dx + i0 * a.nb, a.xs + i0 * a.nb,
+                  a.dxe};
+    const int16_t* xb = X + i0 * ns * 16;
+    float* o = out + i0 * w.N + n0;
+    int64_t r = 0;
+    for (; r + TR <= rows; r += TR)
+      q6k_gemm_rows<TR>(q.data() + r * w.K, sc.data() + r * ns * 16, d.data() + r * ns, xb, ns,
+                        ab, o + r, w.N);
+    if (r < rows)
+      q6k_gemm_rows<1>(q.data() + r * w.K, sc.data() + r * ns * 16, d.data() + r * ns, xb, ns,
+                       ab, o + r, w.N);
+  }
 }
 #else
 constexpr bool kKQuantGemm = false;
