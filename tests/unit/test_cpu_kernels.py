@@ -518,6 +518,9 @@ def test_decodes_under_sinks_and_a_window_take_the_kernel_and_equal_torchs(
     with pytest.raises(RuntimeError, match="one sink per query head"):
         kernels.ops.decode_attention(q, k2, v2, meta.short_block_table_i32, meta.short_context_lens,
                                      0.25, 512, 1, meta.short_query_lens, torch.zeros(heads + 1), 0)
+    with pytest.raises(RuntimeError, match="a window takes one query per request"):
+        kernels.ops.decode_attention(q, k2, v2, meta.short_block_table_i32, meta.short_context_lens,
+                                     0.25, 512, 1, meta.short_query_lens, None, 24)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

@@ -73,8 +73,7 @@ void group_rows(const QWeight& w, int64_t g, int64_t g_rows, int64_t r0, int64_t
   float* o = out + p0 * g_rows;
   int64_t n = r0;
   if (act) {  // this group's rows of the quantized activations
-    const QAct a{M, act->nb, act->stride, act->q + p0 * act->stride, act->dx + p0 * act->nb,
-                 act->xs + p0 * act->nb, act->dxe + p0 * dxe_row};
+    const QAct a = act_rows(*act, p0, M, dxe_row);
     for (; n + NR <= r1; n += NR) qlinear_rows_i8<NR>(wg, n, a, o);
     for (; n < r1; ++n) qlinear_rows_i8<1>(wg, n, a, o);
     return;
@@ -170,12 +169,6 @@ QAct quantize_expert_rows(const float* x, int64_t rows, int64_t K, int64_t qtype
                      nb / 8, X.data() + p0 * nb * 2);
   }, rows >= 128 ? threads : 1);
   return QAct{rows, nb, stride, q.data(), dx, xs, dxe};
-}
-
-// Rows [p0, p0 + M) of `act` (an expert's pairs, or the shared expert's rows).
-QAct act_rows(const QAct& act, int64_t p0, int64_t M, int64_t dxe_row) {
-  return QAct{M, act.nb, act.stride, act.q + p0 * act.stride, act.dx + p0 * act.nb,
-              act.xs + p0 * act.nb, act.dxe + p0 * dxe_row};
 }
 
 // rows [P, N] of `in` (float, or with `act` its 8-bit form) through each expert's rows of `w`

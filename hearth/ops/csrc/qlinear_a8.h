@@ -38,6 +38,13 @@ struct QAct {
   const float* dxe;  // [M, groups, 16] each block's dx spread over the lanes its dot product fills
 };
 
+// Rows [p0, p0 + M) of `act` (an expert's pairs, a GEMM's block of rows); dxe_row: the per-row
+// stride of act.dxe (0 where the reader does not use it).
+QAct act_rows(const QAct& act, int64_t p0, int64_t M, int64_t dxe_row) {
+  return QAct{M, act.nb, act.stride, act.q + p0 * act.stride, act.dx + p0 * act.nb,
+              act.xs + p0 * act.nb, act.dxe + p0 * dxe_row};
+}
+
 inline int64_t act_group(int layout) { return layout == kQ4Quads ? 4 : 2; }  // blocks per register
 inline int64_t act_stride(int layout, int64_t nb) {
   return layout == kQ4Quads ? (nb + 3) / 4 * 128 : layout == kQ4Pairs ? (nb + 1) / 2 * 64 : nb * kQK;
@@ -798,8 +805,7 @@ void qlinear_q4k_gemm(const QWeight& w, int64_t n0, int64_t n1, const QAct& a, f
   const int64_t block = kq_act_block(w.K);
   for (int64_t i0 = 0; i0 < a.M; i0 += block) {
     const int64_t m = std::min(block, a.M - i0);
-    const QAct ab{m, a.nb, a.stride, a.q + i0 * a.stride, a.dx + i0 * a.nb, a.xs + i0 * a.nb,
-                  a.dxe};
+    const QAct ab = act_rows(a, i0, m, 0);  // (the GEMMs read no dxe)
     float* o = out + i0 * w.N + n0;
     int64_t r = 0;
     for (; r + TR <= rows; r += TR)
@@ -941,8 +947,7 @@ void qlinear_q6k_gemm(const QWeight& w, int64_t n0, int64_t n1, const QAct& a, c
   const int64_t block = kq_act_block(w.K);  // as qlinear_q4k_gemm
   for (int64_t i0 = 0; i0 < a.M; i0 += block) {
     const int64_t m = std::min(block, a.M - i0);
-    const QAct ab{m, a.nb, a.stride, a.q + i0 * a.stride, a.dx + i0 * a.nb, a.xs + i0 * a.nb,
-                  a.dxe};
+    const QAct ab = act_rows(a, i0, m, 0);  // (the GEMMs read no dxe)
     const int16_t* xb = X + i0 * ns * 16;
     float* o = out + i0 * w.N + n0;
     int64_t r = 0;
