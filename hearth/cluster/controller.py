@@ -62,6 +62,11 @@ class Worker:
     group: object  # its placement group
     started: float
     state: str = "placing"  # placing | starting | running | draining | stopping
+    # The group's one readiness ref, made once: a fresh `group.ready()` per poll is an async
+    # GCS wait that `ray.wait(timeout=0)` checks before its reply can land, so a worker could
+    # sit "placing" for a minute or more on an idle cluster (seen: 4-60 s, and never in a loop
+    # that polled every 0.2 s).
+    ready_ref: object = None
     start_ref: object = None
     wait_ref: object = None
     stop_ref: object = None
@@ -250,7 +255,9 @@ class Controller:
         """Starts that finished, workers that ended."""
         for worker in list(self.workers.values()):
             if worker.state == "placing":
-                ready, _ = ray.wait([worker.group.ready()], timeout=0)
+                if worker.ready_ref is None:
+                    worker.ready_ref = worker.group.ready()
+                ready, _ = ray.wait([worker.ready_ref], timeout=0)
                 if ready:
                     worker.state = "starting"
                     worker.start_ref = worker.actor.start.remote(self.cluster.start_timeout_seconds)

@@ -38,6 +38,7 @@ from typing import Callable
 
 from hearth.config import EngineConfig, Role
 from hearth.api.readiness import NotReadyError, wait_ready
+from hearth.cluster.cluster_config import REGISTRY_SUFFIX
 from hearth.server.server_config import ServerConfig
 
 log = logging.getLogger("hearth.cluster")
@@ -66,6 +67,9 @@ class WorkerProcess:
         self.registry_name, self.namespace = registry_name, namespace
         self.threads, self.peers = threads, tuple(peers)
         self.log_dir = log_dir
+        # Files are named by deployment and worker: two deployments on one cluster (`hearth up`
+        # and a `hearth.deploy`) both have a `both-0`, and shared a log file before.
+        self.file_stem = f"{registry_name.removesuffix(REGISTRY_SUFFIX)}-{name}"
         self.log_path: Path | None = None
         self.peers_path: Path | None = None  # the worker's --kv-peers-file (set_peers rewrites)
         self.stages: list = []  # StageProcesses actors of pipeline stages 1.. (P > 1)
@@ -108,7 +112,7 @@ class WorkerProcess:
         host = ray.util.get_node_ip_address()
         node = ray.get_runtime_context().get_node_id()
         port = free_port(host)
-        self.log_path = _log_dir(self.log_dir) / f"hearth-{self.name}.log"
+        self.log_path = _log_dir(self.log_dir) / f"{self.file_stem}.log"
         env = self._environment(secrets)
         with self._lock:
             if self._stopping:
@@ -163,12 +167,12 @@ class WorkerProcess:
             self.stages.append(actor)
             ranks = list(range(stage * tp, (stage + 1) * tp))
             node, pids = ray.get(actor.start.remote(
-                command, {**rank_env, **rendezvous}, ranks, f"{self.name}-stage{stage}",
+                command, {**rank_env, **rendezvous}, ranks, f"{self.file_stem}-stage{stage}",
                 self.log_dir))
             self.stage_nodes.append(node)
             self.rank_pids.update(pids)
         for rank in range(1, tp):  # stage 0's other tensor-parallel ranks, on this node
-            log_path = self.log_path.with_name(f"hearth-{self.name}-rank{rank}.log")
+            log_path = self.log_path.with_name(f"{self.file_stem}-rank{rank}.log")
             self.local_ranks.append(_spawn(command, {**rank_env, **rendezvous, "RANK": str(rank),
                                                      "LOCAL_RANK": str(rank)},
                                            log_path, self._prctl))
@@ -283,7 +287,7 @@ class StageProcesses:
         for local, rank in enumerate(ranks):
             self.processes.append(_spawn(command, {**env, "RANK": str(rank),
                                                    "LOCAL_RANK": str(local)},
-                                         folder / f"hearth-{name}-rank{rank}.log", self._prctl))
+                                         folder / f"{name}-rank{rank}.log", self._prctl))
         return (ray.get_runtime_context().get_node_id(),
                 {rank: process.pid for rank, process in zip(ranks, self.processes)})
 

@@ -47,21 +47,45 @@ def test_exact_formats_match_the_reference_greedy(models, fmt):
 def teacher_forced_logits(runner, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """Logits after the prompt and after each later token, decoding one token per step (the
     path decode-only formats change). [len(tokens) - prompt_len + 1, vocab]"""
-    table = list(range(-(-len(tokens) // BLOCK)))
+    return teacher_forced_batch(runner, [(tokens, prompt_len)])[0]
+
+
+def teacher_forced_batch(runner, seqs: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+    """`teacher_forced_logits` of several (tokens, prompt_len) sequences at once: each prompt in
+    its own chunk, then one decode row per unfinished sequence per step (a batched decode step,
+    as a server runs them), each sequence in its own blocks. A step of B rows reads the weights
+    once, as one row does: B sequences cost about what one did."""
     model = runner.model
-    out = []
-
-    def step(start: int, stop: int) -> None:
-        meta = build_attention_metadata([stop - start], [stop], [table], BLOCK)
-        hidden, _ = model(torch.tensor(tokens[start:stop]), torch.arange(start, stop), meta,
-                          runner.kv_cache)
-        out.append(model.compute_logits(hidden[-1:])[0])
-
+    tables, first = [], 0
+    for tokens, _ in seqs:
+        num = -(-len(tokens) // BLOCK)
+        tables.append(list(range(first, first + num)))
+        first += num
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
     with torch.inference_mode():
-        step(0, prompt_len)
-        for pos in range(prompt_len, len(tokens)):
-            step(pos, pos + 1)
-    return torch.stack(out)
+        for i, (tokens, prompt_len) in enumerate(seqs):
+            meta = build_attention_metadata([prompt_len], [prompt_len], [tables[i]], BLOCK)
+            hidden, _ = model(torch.tensor(tokens[:prompt_len]), torch.arange(prompt_len), meta,
+                              runner.kv_cache)
+            out[i].append(model.compute_logits(hidden[-1:])[0])
+        pos = [prompt_len for _, prompt_len in seqs]
+        while rows := [i for i, (tokens, _) in enumerate(seqs) if pos[i] < len(tokens)]:
+            meta = build_attention_metadata([1] * len(rows), [pos[i] + 1 for i in rows],
+                                            [tables[i] for i in rows], BLOCK)
+            hidden, _ = model(torch.tensor([seqs[i][0][pos[i]] for i in rows]),
+                              torch.tensor([pos[i] for i in rows]), meta, runner.kv_cache)
+            logits = model.compute_logits(hidden)
+            for row, i in enumerate(rows):
+                out[i].append(logits[row])
+                pos[i] += 1
+    return [torch.stack(logits) for logits in out]
+
+
+def one_and_batched(runner):
+    """Teacher-forced logits of reference sequences: the first decoded alone (the one-row
+    kernels), the rest as one batch (the multi-row ones), so each format is scored on both."""
+    return lambda seqs: teacher_forced_batch(runner, seqs[:1]) + teacher_forced_batch(runner,
+                                                                                      seqs[1:])
 
 
 def make_runner(models, **model_kw):
@@ -75,15 +99,13 @@ def reference(models):
     """Per held-out prompt: (tokens = prompt + fp32 greedy continuation, prompt length, logits)."""
     llm = models.llm(cpu_kernels="off")
     runner = make_runner(models, cpu_kernels="off")  # float32 weights and KV, plain torch
-    refs = []
-    for text in HELD_OUT:
-        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True))
-        [gen] = llm.generate([prompt], GREEDY.__class__(temperature=0.0, max_tokens=NUM_NEW,
-                                                        ignore_eos=True))
-        tokens = prompt + gen.token_ids
-        refs.append((tokens, len(prompt), teacher_forced_logits(runner, tokens, len(prompt))))
-    return refs
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True)) for text in HELD_OUT]
+    gens = llm.generate(prompts, GREEDY.__class__(temperature=0.0, max_tokens=NUM_NEW,
+                                                  ignore_eos=True))
+    seqs = [(prompt + gen.token_ids, len(prompt)) for prompt, gen in zip(prompts, gens)]
+    return [(tokens, n, logits)
+            for (tokens, n), logits in zip(seqs, teacher_forced_batch(runner, seqs))]
 
 
 @pytest.mark.parametrize("fmt, min_top1, max_kl", [
@@ -104,17 +126,17 @@ def reference(models):
 ])
 def test_format_agrees_with_fp32(models, reference, fmt, min_top1, max_kl):
     runner = make_runner(models, **fmt)
-    top1, kl = agreement(reference, lambda tokens, n: teacher_forced_logits(runner, tokens, n))
+    top1, kl = agreement(reference, one_and_batched(runner))
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 
 
 def agreement(reference, logits_of) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(fp32 || format)) over the reference positions; `logits_of(tokens,
-    prompt_len)` gives the format's logits at the same positions."""
+    """(top-1 agreement, mean KL(fp32 || format)) over the reference positions; `logits_of(seqs)`
+    gives the format's logits at the same positions of each (tokens, prompt_len) sequence."""
     agree, kls = [], []
-    for tokens, prompt_len, ref_logits in reference:
-        logits = logits_of(tokens, prompt_len)
+    all_logits = logits_of([(tokens, prompt_len) for tokens, prompt_len, _ in reference])
+    for (_, _, ref_logits), logits in zip(reference, all_logits):
         agree.append((logits.argmax(-1) == ref_logits.argmax(-1)).float())
         ref_logp, logp = ref_logits.log_softmax(-1), logits.log_softmax(-1)
         kls.append((ref_logp.exp() * (ref_logp - logp)).sum(-1))
@@ -142,7 +164,8 @@ def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl
     assert runner.model.lowp_dtype == (
         torch.bfloat16 if fmt["prefill_dtype"] == "bfloat16" else None)
     assert all(len(tokens) > 32 for tokens, _, _ in reference)  # many-row: bf16 GEMMs, attention
-    top1, kl = agreement(reference, lambda tokens, n: one_chunk_logits(runner, tokens, n))
+    top1, kl = agreement(reference, lambda seqs: [one_chunk_logits(runner, tokens, n)
+                                                  for tokens, n in seqs])
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 

@@ -24,7 +24,7 @@ from hearth.engine.kv.block_hash import hash_blocks
 from hearth.engine.kv.transfer_api import KVTransfer
 from hearth.engine.sampling_params import SamplingParams
 from hearth.ops.cpu_kernels import available_variants
-from tests.model.test_formats import NUM_NEW, agreement, teacher_forced_logits
+from tests.model.test_formats import NUM_NEW, agreement, teacher_forced_batch
 
 pytestmark = pytest.mark.skipif(not available_variants(), reason="CPU kernels not built")
 # --kv-cache-dtype -> (the cache's torch dtype, the name KV descriptors carry)
@@ -53,17 +53,17 @@ def long_reference(models):
     llm = models.llm(quantization="none", kv_cache_dtype="float32")
     tok = llm.tokenizer
     ref_runner = runner(models, quantization="none", kv_cache_dtype="float32")
-    refs = []
+    prompts = []
     for module, question in ((textwrap, "What does this module do? Answer briefly."),
                              (json.decoder, "Which errors can this code raise, and when?")):
         source = tok.decode(tok.encode(inspect.getsource(module))[:LONG_SOURCE_TOKENS])
-        prompt = tok.encode(tok.apply_chat_template(
+        prompts.append(tok.encode(tok.apply_chat_template(
             [{"role": "user", "content": f"```python\n{source}\n```\n{question}"}],
-            add_generation_prompt=True))
-        [gen] = llm.generate([prompt], greedy(NUM_NEW))
-        tokens = prompt + gen.token_ids
-        refs.append((tokens, len(prompt), teacher_forced_logits(ref_runner, tokens, len(prompt))))
-    return refs
+            add_generation_prompt=True)))
+    gens = llm.generate(prompts, greedy(NUM_NEW))
+    seqs = [(prompt + gen.token_ids, len(prompt)) for prompt, gen in zip(prompts, gens)]
+    return [(tokens, n, logits)
+            for (tokens, n), logits in zip(seqs, teacher_forced_batch(ref_runner, seqs))]
 
 
 @pytest.mark.parametrize("fmt, min_top1, max_kl", [
@@ -80,7 +80,7 @@ def test_scaled_kv_agrees_with_fp32_at_long_context(models, long_reference, fmt,
     """The prompt runs as one prefill chunk over the int8 / fp8 cache (prefill_attention reading
     its own quantized K/V), then every continuation token is a decode step (decode_attention)."""
     fast = runner(models, **fmt)
-    top1, kl = agreement(long_reference, lambda tokens, n: teacher_forced_logits(fast, tokens, n))
+    top1, kl = agreement(long_reference, lambda seqs: teacher_forced_batch(fast, seqs))
     print(f"{fmt}: top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 
