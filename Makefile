@@ -51,11 +51,13 @@ test: setup
 	  $(BIN)/python -m pytest -q $(CLUSTER_TESTS); cluster=$$?; \
 	  test $$rest -eq 0 -a $$cluster -eq 0
 
-# The unit tier in one process: two workers' start-up costs more than they save there (48 s vs 40 s).
-# One torch thread, as each of make test's workers (tests/conftest.py): the tier's tensors are
-# small, and beside a busy neighbour two threads cost test_cpu_kernels.py 53 CPU-seconds against 33.
+# The unit tier on the same workers, a file at a time (split test by test, 1,800 tiny tests cost
+# xdist more in messages than they save: 44 s against 31 s here; one process: 40 s). Each worker
+# collects every file, so heavy imports stay out of the unit files' top level (the SDKs' types in
+# test_front_doors.py), and hypothesis' plugin (only the e2e fuzz tests use hypothesis) is not
+# loaded. One torch thread per worker, as in make test (tests/conftest.py).
 test-unit: setup
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest $(TEST_FLAGS) -p no:hypothesispytest tests/unit
 
 bench: setup
 	$(BIN)/python benchmarks/engine.py

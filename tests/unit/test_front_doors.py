@@ -5,10 +5,9 @@ types), the chat-chunk reader the router uses, the response store, and Anthropic
 from __future__ import annotations
 
 import json
+from functools import cache
 
 import pytest
-from anthropic.types import Message, RawMessageStreamEvent
-from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from hearth.api.chat_output import ChatChunkReader, Failed, Finished
@@ -22,8 +21,23 @@ from hearth.api.responses_api import (ResponsesRequest, ResponseStore, StoredRes
 from hearth.api.responses_writer import ResponseWriter
 from hearth.api.tool_calls import ToolCallDelta
 
-OPENAI_EVENT = TypeAdapter(ResponseStreamEvent)
-ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)
+
+# The SDKs' types, imported when a test first needs them (anthropic's import alone is ~1.3 s;
+# under `make test`'s two workers it is paid only by the worker that runs these tests).
+@cache
+def openai_types():
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    return Response, TypeAdapter(ResponseStreamEvent)
+
+
+@cache
+def anthropic_types():
+    from anthropic.types import Message, RawMessageStreamEvent
+
+    return Message, TypeAdapter(RawMessageStreamEvent)
+
+
 USAGE = Usage(prompt_tokens=40, completion_tokens=9, cached_tokens=32)
 TEXT_THEN_CALL = ["I will ", "check.", ToolCallDelta(0, id="call_a", name="get_weather"),
                   ToolCallDelta(0, arguments='{"city": '), ToolCallDelta(0, arguments='"Paris"}'),
@@ -123,9 +137,9 @@ def test_response_stream_follows_the_documented_sequence_and_sdk_types():
         "response.output_item.done", "response.completed"]
     for name, data in events:
         assert data["type"] == name
-        OPENAI_EVENT.validate_python(data)
+        openai_types()[1].validate_python(data)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
-    body = Response.model_validate(writer.body())
+    body = openai_types()[0].model_validate(writer.body())
     assert body.status == "completed" and body.output_text == "I will check."
     message, call = body.output
     assert call.type == "function_call" and call.call_id == "call_a"
@@ -138,7 +152,7 @@ def test_response_stream_follows_the_documented_sequence_and_sdk_types():
 def test_response_text_does_not_depend_on_how_it_was_split():
     whole, _ = write_response(["Hello world", Finished("stop", USAGE)])
     split, events = write_response(["Hel", "lo", " world", Finished("stop", USAGE)])
-    assert Response.model_validate(split.body()).output_text == "Hello world"
+    assert openai_types()[0].model_validate(split.body()).output_text == "Hello world"
     assert whole.body()["output"][0]["content"] == split.body()["output"][0]["content"]
     assert "".join(d["delta"] for n, d in events if n == "response.output_text.delta") == "Hello world"
 
@@ -150,12 +164,12 @@ def test_length_stop_is_an_incomplete_response_and_failure_a_failed_one():
     assert writer.body()["output"][0]["status"] == "incomplete"
     writer, events = write_response(["Once", Failed("engine died")])
     assert events[-1][0] == "response.failed"
-    assert Response.model_validate(writer.body()).error.message == "engine died"
+    assert openai_types()[0].model_validate(writer.body()).error.message == "engine died"
 
 
 def test_an_empty_answer_is_an_empty_message():
     writer, events = write_response([Finished("stop", USAGE)])
-    assert Response.model_validate(writer.body()).output_text == ""
+    assert openai_types()[0].model_validate(writer.body()).output_text == ""
     assert [n for n, _ in events][2:4] == ["response.output_item.added", "response.content_part.added"]
 
 
@@ -310,8 +324,8 @@ def test_message_stream_events_and_body_match_the_sdk_types():
     for name, data in events:
         assert data["type"] == name
         if name != "ping":
-            ANTHROPIC_EVENT.validate_python(data)
-    message = Message.model_validate(writer.body())
+            anthropic_types()[1].validate_python(data)
+    message = anthropic_types()[0].model_validate(writer.body())
     text, call = message.content
     assert text.text == "I will check." and call.type == "tool_use" and call.input == {"city": "Paris"}
     assert message.stop_reason == "tool_use"
