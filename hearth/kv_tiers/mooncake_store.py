@@ -16,7 +16,10 @@ loader threads, except `contains`, which the engine thread calls at admission an
 answers from the keys this worker wrote or found first, and asks the master only for the rest,
 on a helper thread it waits for at most LOOKUP_TIMEOUT_S (a master that is down or reconnecting
 can block a call for seconds): past that, or while an earlier lookup is still stuck, the answer
-is a miss, and the master is not asked again for DOWN_SECONDS.
+is a miss, and the master is not asked again for DOWN_SECONDS. Writes keep to the same window: a
+put that fails marks the master down, and a put inside the window is dropped at once (a write
+error) instead of waiting out the client's ~8 s timeout, so a dead master cannot back up the
+writer thread (nor hold a shutdown for a timeout per queued block).
 """
 
 from __future__ import annotations
@@ -90,13 +93,18 @@ class MooncakeTier:
         return found
 
     def put(self, block_hash: int, header: bytes, payload: memoryview) -> bool:
+        if time.monotonic() < self._down_until:
+            self.counters["write_errors"] += 1
+            return False
         try:
             rc = self.store.put(self._key(block_hash), bytes(header) + bytes(payload))
         except Exception as exc:
             rc = exc
         if rc != 0:
+            self._down_until = time.monotonic() + DOWN_SECONDS
             self.counters["write_errors"] += 1
-            log.warning("mooncake tier: could not put block %016x: %s", block_hash, rc)
+            log.warning("mooncake tier: could not put block %016x: %s (not writing for %.0f s)",
+                        block_hash, rc, DOWN_SECONDS)
             return False
         with self._lock:
             self._known.add(block_hash)
