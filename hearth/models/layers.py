@@ -37,7 +37,7 @@ LOWP_MIN_ROWS = 10
 
 # With 8-bit activations on the K-quant super-block kernels (the AVX2 builds,
 # CpuKernels.kquant_superblock_act), a weight kept only in blocks multiplies through qlinear at
-# every row count: from 8 rows qlinear runs an M-blocked integer GEMM (csrc/qlinear_a8.h,
+# every row count: from 8 rows qlinear runs an M-blocked integer GEMM (csrc/kquant_gemm.h,
 # qlinear_q4k_gemm / qlinear_q6k_gemm: a panel of weight rows unpacked once per step) that beats
 # float tiles decoded from the blocks at every M. One thread (2-core AVX2 EPYC, under load,
 # thread CPU time; benchmarks/q4k_prefill.py), GOPS at 32 / 128 / 512 rows: Q4_K [14336, 4096]

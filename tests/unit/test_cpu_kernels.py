@@ -189,7 +189,7 @@ def test_qlinear_k_quants_equal_dequantized_matmul(kernels, fmt, rows, int8_act)
 @pytest.mark.parametrize("n, k", [(71, 768), (130, 512)])  # odd N, 3 super-blocks; 2+ tasks
 def test_qlinear_int8_k_quants_at_every_row_count(kernels, fmt, n, k):
     """Prompt steps of 1..600 rows with 8-bit activations (the AVX2 builds' many-row Q4_K GEMM,
-    csrc/qlinear_a8.h qlinear_q4k_gemm, from kQ4KGemmMinRows rows; the tiles below): each row
+    csrc/kquant_gemm.h qlinear_q4k_gemm, from kQ4KGemmMinRows rows; the tiles below): each row
     equals the quantized reference, and the same row through a 1-row call (the decode tile)."""
     gen = torch.Generator().manual_seed(n + k)
     blocks = make_blocks(fmt, n, k, gen)

@@ -24,7 +24,8 @@
 //
 // One family per header, all in this one translation unit (so the build and its ISA probes stay
 // one library per ISA): common.h (block constants, conversions, the task pool), qlinear.h
-// (float32 activations) and qlinear_a8.h (8-bit activations), elementwise.h, decode_attention.h
+// (float32 activations), qlinear_a8.h (8-bit activations), kquant_gemm.h (the prompt steps'
+// K-quant GEMMs), qlinear_op.h (the op over both), elementwise.h, decode_attention.h
 // (its per-ISA rows: decode_attention_avx512.h, decode_attention_avx2.h), prefill_attention.h,
 // amx_attention.h (AMX build only), fused_args.h, decode_layers.h, moe.h, mla_layers.h;
 // the op registration is below.
@@ -61,6 +62,8 @@ namespace {
 #include "common.h"
 #include "qlinear.h"
 #include "qlinear_a8.h"
+#include "kquant_gemm.h"
+#include "qlinear_op.h"
 #include "elementwise.h"
 #include "decode_attention.h"
 #include "prefill_attention.h"

@@ -1,6 +1,6 @@
 // qlinear: quantized linear layers over ggml blocks with float32 activations (exact), and the
-// repacked weight every quantized path reads; qlinear_a8.h holds the 8-bit-activation path and
-// the op over both.
+// repacked weight every quantized path reads; qlinear_a8.h and kquant_gemm.h hold the
+// 8-bit-activation paths, qlinear_op.h the op over both.
 //
 // A fragment of hearth's one kernel build: included by cpu_kernels.cpp inside
 // namespace hearth::(anonymous), after the headers listed before it there.
