@@ -17,9 +17,11 @@ answers from the keys this worker wrote or found first, and asks the master only
 on a helper thread it waits for at most LOOKUP_TIMEOUT_S (a master that is down or reconnecting
 can block a call for seconds): past that, or while an earlier lookup is still stuck, the answer
 is a miss, and the master is not asked again for DOWN_SECONDS. Writes keep to the same window: a
-put that fails marks the master down, and a put inside the window is dropped at once (a write
-error) instead of waiting out the client's ~8 s timeout, so a dead master cannot back up the
-writer thread (nor hold a shutdown for a timeout per queued block).
+put that fails after waiting SLOW_FAILURE_S or more (a timeout: the master is slow or gone; a
+quick refusal, such as a key another worker wrote first, is not one) marks the master down, and
+a put inside the window is dropped at once (a write error) instead of waiting out the client's
+~4-8 s timeout, so a dead master cannot back up the writer thread (nor hold a shutdown for a
+timeout per queued block).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ log = logging.getLogger("hearth.kv_tiers.mooncake_store")
 
 LOOKUP_TIMEOUT_S = 0.05
 DOWN_SECONDS = 5.0
+SLOW_FAILURE_S = 1.0
 
 
 def mooncake_available() -> bool:
@@ -96,15 +99,19 @@ class MooncakeTier:
         if time.monotonic() < self._down_until:
             self.counters["write_errors"] += 1
             return False
+        start = time.monotonic()
         try:
             rc = self.store.put(self._key(block_hash), bytes(header) + bytes(payload))
         except Exception as exc:
             rc = exc
         if rc != 0:
-            self._down_until = time.monotonic() + DOWN_SECONDS
             self.counters["write_errors"] += 1
-            log.warning("mooncake tier: could not put block %016x: %s (not writing for %.0f s)",
-                        block_hash, rc, DOWN_SECONDS)
+            if time.monotonic() - start >= SLOW_FAILURE_S:
+                self._down_until = time.monotonic() + DOWN_SECONDS
+                log.warning("mooncake tier: could not put block %016x: %s (not writing for "
+                            "%.0f s)", block_hash, rc, DOWN_SECONDS)
+            else:
+                log.warning("mooncake tier: could not put block %016x: %s", block_hash, rc)
             return False
         with self._lock:
             self._known.add(block_hash)

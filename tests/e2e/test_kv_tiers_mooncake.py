@@ -92,9 +92,9 @@ def test_a_dead_master_degrades_to_recompute(master):
     assert done, "the prompt hung on the dead master"
     [req] = done
     assert req.num_cached_tokens == 0 and b.pool.is_whole()
-    # b's 3 computed blocks go to the dead master: the first put fails after the client's
-    # timeout (~4-8 s) and marks the master down, the other two are dropped at once, so the
-    # writer's queue drains within flush()'s 10 s (one timeout per block took ~24 s)
+    # b's 3 computed blocks go to the dead master: the first put that waits out the client's
+    # timeout (~4-8 s) marks the master down and the rest are dropped at once, so the writer's
+    # queue drains within flush()'s 10 s (one timeout per block took ~24 s)
     b.flush()
     tier = b.store.tiers[0]
     assert tier.counters["write_errors"] == 3 and tier.counters["stored"] == 0
