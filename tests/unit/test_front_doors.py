@@ -25,17 +25,31 @@ from hearth.api.tool_calls import ToolCallDelta
 # The SDKs' types, imported when a test first needs them (anthropic's import alone is ~1.3 s;
 # under `make test`'s two workers it is paid only by the worker that runs these tests).
 @cache
-def openai_types():
-    from openai.types.responses import Response, ResponseStreamEvent
+def openai_response():
+    from openai.types.responses import Response
 
-    return Response, TypeAdapter(ResponseStreamEvent)
+    return Response
 
 
 @cache
-def anthropic_types():
-    from anthropic.types import Message, RawMessageStreamEvent
+def openai_event() -> TypeAdapter:
+    from openai.types.responses import ResponseStreamEvent
 
-    return Message, TypeAdapter(RawMessageStreamEvent)
+    return TypeAdapter(ResponseStreamEvent)
+
+
+@cache
+def anthropic_message():
+    from anthropic.types import Message
+
+    return Message
+
+
+@cache
+def anthropic_event() -> TypeAdapter:
+    from anthropic.types import RawMessageStreamEvent
+
+    return TypeAdapter(RawMessageStreamEvent)
 
 
 USAGE = Usage(prompt_tokens=40, completion_tokens=9, cached_tokens=32)
@@ -137,9 +151,9 @@ def test_response_stream_follows_the_documented_sequence_and_sdk_types():
         "response.output_item.done", "response.completed"]
     for name, data in events:
         assert data["type"] == name
-        openai_types()[1].validate_python(data)
+        openai_event().validate_python(data)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
-    body = openai_types()[0].model_validate(writer.body())
+    body = openai_response().model_validate(writer.body())
     assert body.status == "completed" and body.output_text == "I will check."
     message, call = body.output
     assert call.type == "function_call" and call.call_id == "call_a"
@@ -152,7 +166,7 @@ def test_response_stream_follows_the_documented_sequence_and_sdk_types():
 def test_response_text_does_not_depend_on_how_it_was_split():
     whole, _ = write_response(["Hello world", Finished("stop", USAGE)])
     split, events = write_response(["Hel", "lo", " world", Finished("stop", USAGE)])
-    assert openai_types()[0].model_validate(split.body()).output_text == "Hello world"
+    assert openai_response().model_validate(split.body()).output_text == "Hello world"
     assert whole.body()["output"][0]["content"] == split.body()["output"][0]["content"]
     assert "".join(d["delta"] for n, d in events if n == "response.output_text.delta") == "Hello world"
 
@@ -164,12 +178,12 @@ def test_length_stop_is_an_incomplete_response_and_failure_a_failed_one():
     assert writer.body()["output"][0]["status"] == "incomplete"
     writer, events = write_response(["Once", Failed("engine died")])
     assert events[-1][0] == "response.failed"
-    assert openai_types()[0].model_validate(writer.body()).error.message == "engine died"
+    assert openai_response().model_validate(writer.body()).error.message == "engine died"
 
 
 def test_an_empty_answer_is_an_empty_message():
     writer, events = write_response([Finished("stop", USAGE)])
-    assert openai_types()[0].model_validate(writer.body()).output_text == ""
+    assert openai_response().model_validate(writer.body()).output_text == ""
     assert [n for n, _ in events][2:4] == ["response.output_item.added", "response.content_part.added"]
 
 
@@ -324,8 +338,8 @@ def test_message_stream_events_and_body_match_the_sdk_types():
     for name, data in events:
         assert data["type"] == name
         if name != "ping":
-            anthropic_types()[1].validate_python(data)
-    message = anthropic_types()[0].model_validate(writer.body())
+            anthropic_event().validate_python(data)
+    message = anthropic_message().model_validate(writer.body())
     text, call = message.content
     assert text.text == "I will check." and call.type == "tool_use" and call.input == {"city": "Paris"}
     assert message.stop_reason == "tool_use"
