@@ -85,9 +85,12 @@ def test_evicted_latent_blocks_load_back_with_identical_output(tiny_deepseek, re
         assert reference["a2"][1] < full_blocks * BLOCK
         assert got["a2"][1] == full_blocks * BLOCK
         stats = engine.stats().kv_tiers
-        assert stats["offload"]["load_failures"] == 0 and stats["offload"]["loads"] >= 1
+        # a2's tier blocks arrive by a load, or by a fill when the read-ahead finished while
+        # a2 still waited (a race with the store's reader thread): either way, none failed
+        offload = stats["offload"]
+        assert offload["load_failures"] == 0 and offload["loads"] + offload["fills"] >= 1
         hits = sum(stats[t]["hits"] for t in ("host", "disk") if t in stats)
-        assert hits > 0 and stats["offload"]["load_blocks"] == hits
+        assert hits > 0 and offload["load_blocks"] == hits
         assert all(stats[t]["corrupt"] == 0 for t in ("host", "disk") if t in stats)
         engine.pool.reset_cache()  # everything cached goes down to the tiers
         wait_for_writes(engine)
