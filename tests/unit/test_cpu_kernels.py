@@ -594,7 +594,7 @@ def masked_attention_reference(q, kc, vc, table, context_len, scale):
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-# head_dim 16 takes the plain loops; 64 and 128 the AVX-512 tiles, with 1, 3, 4 and 5 query
+# head_dim 16 takes the plain loops; 64 and 128 the AVX-512 or AVX2 tiles, with 1, 3, 4 and 5 query
 # heads per KV head (5: a query tile of 9 positions, not a power of two).
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (4, 4, 64), (9, 3, 64), (8, 2, 128),
                                                   (10, 2, 64)])
