@@ -197,7 +197,11 @@ def test_fused_layers_fold_one_shared_expert_into_the_routed_call(tmp_path: Path
     """One shared expert of the routed width (DeepSeek-V3, Kimi K2) runs inside the routed
     experts' calls of `mla_decode_layers` (its rows against every token's own row); two (a
     shared MLP twice as wide) keep their own dense MLP. Either way, with 8-bit activations, the
-    tokens and logprobs equal the module path's."""
+    tokens equal the module path's and the logprobs are within one activation rounding of
+    them: the two paths sum in different orders (hidden rows ~1e-6 apart), and where a value
+    sits at a rounding tie of its 8-bit block the two round it apart, one step of that block's
+    scale (seen on a Zen 4 EPYC's VNNI build: one row 0.03 apart after 3 layers, logprobs 0.008
+    with a float32 cache, 0.056 with bf16; every other step ~1e-6)."""
     folder = str(write_random_deepseek(tmp_path / "m", num_layers=3, n_shared_experts=n_shared))
     runs = []
     for fused in (True, False):
@@ -213,7 +217,7 @@ def test_fused_layers_fold_one_shared_expert_into_the_routed_call(tmp_path: Path
             assert llm.engine.kv_pool_is_whole()
         finally:
             llm.engine.close()
-    assert_same_outputs(*runs, tol=1e-3)
+    assert_same_outputs(*runs, tol=0.1)
 
 
 def test_broken_deepseek_checkpoints_fail_at_load_naming_the_problem(tmp_path: Path):

@@ -85,18 +85,24 @@ def test_scaled_kv_agrees_with_fp32_at_long_context(models, long_reference, fmt,
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 
 
-# measured, tokens of the 40 equal to the fp32 golden output per case: int8 6 of 8 cases all
-# 40, the others 21 and 31 (AVX-512); [40, 40, 31, 11, 20, 40, 40, 40] on an AVX2 EPYC
-# (2026-12-07: its decode-attention kernel sums in another order); fp8 [40, 40, 31, 2, 27, 2,
-# 40, 9] (two cases flip a near-tie at their third token: fp8's KL is ~7x int8's, test_formats)
-@pytest.mark.parametrize("kv_cache_dtype, min_prefix, min_whole", [("int8", 8, 5),
-                                                                   ("fp8", 2, 3)])
+# Where a case leaves the fp32 golden output, the fp32 model's top two tokens there are this
+# close (nats): the 8-bit cache flipped a near-tie, not a confident token. Measured: int8 [40,
+# 40, 31, 11, 20, 40, 40, 40] on an AVX2 EPYC, [40, 40, 31, 11, 20, 40, 40, 9] with the
+# AVX-512 builds on a Zen 4 EPYC (case 2's 32nd token: a gap of 0.04, case 7's 10th: 0.14);
+# fp8 [40, 40, 31, 2, 27, 2, 40, 9] (fp8's KL is ~7x int8's, test_formats), every flip within
+# 0.5. The builds sum in different orders, so which near-ties flip differs by CPU; counting
+# whole cases (at least 5 of 8) failed on Zen 4.
+NEAR_TIE_NATS = 0.5
+
+
+@pytest.mark.parametrize("kv_cache_dtype, min_prefix", [("int8", 8), ("fp8", 2)])
 def test_greedy_scaled_kv_stays_with_the_reference_and_the_pool_is_whole(
-        models, kv_cache_dtype, min_prefix, min_whole):
+        models, kv_cache_dtype, min_prefix):
     """Chunked prompts (32 tokens a step: chunks over a cached prefix) and batched decodes over
     the int8 / fp8 cache: each case follows the fp32 golden output for its first `min_prefix`
-    tokens at least, `min_whole` cases all the way (rounding can flip a near-tie, as bf16 KV
-    can), and every block returns to the pool."""
+    tokens at least, leaves it only where the fp32 model's choice was a near-tie (its top two
+    within NEAR_TIE_NATS, the 8-bit run's token one of them), and every block returns to the
+    pool."""
     llm = models.llm(kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32)
     outs = llm.generate([c["prompt_ids"] for c in CASES], greedy(GOLDEN["num_new"]))
     agree = []
@@ -105,9 +111,22 @@ def test_greedy_scaled_kv_stays_with_the_reference_and_the_pool_is_whole(
         agree.append(next((i for i, (a, b) in enumerate(zip(out.token_ids, want)) if a != b),
                           len(want)))
     print(f"{kv_cache_dtype}: tokens equal to the fp32 golden output per case: {agree}")
-    whole = sum(a == len(c["output_ids"]) for a, c in zip(agree, CASES))
-    assert min(agree) >= min_prefix and whole >= min_whole, agree
+    assert min(agree) >= min_prefix, agree
     assert llm.engine.kv_pool_is_whole()
+    left = [i for i, (a, c) in enumerate(zip(agree, CASES)) if a < len(c["output_ids"])]
+    if not left:
+        return
+    # the fp32 model on the golden tokens up to each divergence: its top two there
+    exact = models.llm(dtype="float32", prefill_dtype="float32", kv_cache_dtype="model")
+    params = [SamplingParams(temperature=0.0, max_tokens=agree[i] + 1, ignore_eos=True, logprobs=2)
+              for i in left]
+    refs = exact.generate([CASES[i]["prompt_ids"] for i in left], params)
+    for i, ref in zip(left, refs):
+        at = agree[i]
+        assert ref.token_ids[:at + 1] == CASES[i]["output_ids"][:at + 1]
+        (first, lp1), (second, lp2) = ref.logprobs[at].top
+        assert outs[i].token_ids[at] == second and lp1 - lp2 <= NEAR_TIE_NATS, \
+            (i, at, ref.logprobs[at].top, outs[i].token_ids[at])
 
 
 def make_pd_engine(models, role: str, kv_cache_dtype: str):
