@@ -15,6 +15,8 @@ engines of one process may share it (the tests build the real model once per for
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import math
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from hearth.engine.parallel.layout import check_parallel_shape, kv_bytes_per_blo
 from hearth.engine.runner import DTYPES, KV_DTYPES, ModelRunner
 from hearth.engine.step import Executor
 from hearth.models.arch import ModelArch
-from hearth.models.layers import use_lowp_prefill
+from hearth.models.layers import QLINEAR_MAX_ROWS, use_lowp_prefill, use_lowp_prompt_gemms
 from hearth.models.moe import use_lowp_expert_prompts
 from hearth.models.quant import (FLOAT_GGML_TYPES, QUANTIZATIONS, attach_file_blocks,
                                  auto_quantization, quantize_model)
@@ -122,9 +124,10 @@ PREFILL_DTYPES = ("float32", "bfloat16", "auto")
 BF16_EXPERTS_SPEEDUP = 1.5
 
 
+@functools.cache
 def bf16_gemm_speedup() -> float:
     """fp32 time over bf16 time of one expert-prompt-sized GEMM ([256, 1024] x [1024, 512])
-    on this CPU, best of 5 each (~20 ms)."""
+    on this CPU, best of 5 each (~20 ms, once per process)."""
     import time
 
     a = torch.randn(256, 1024)
@@ -220,14 +223,21 @@ def _build(config: EngineConfig, checkpoint, formats: Formats) -> BuiltModel:
         if not amx_usable():
             log.warning("prefill dtype %s without AMX: likely slower than float32",
                         str(prefill_dtype).removeprefix("torch."))
-    elif (mc.prefill_dtype == "auto" and dtype == torch.float32 and quantization != "none"
-          and checkpoint.arch.moe is not None and bf16_gemm_speedup() >= BF16_EXPERTS_SPEEDUP):
-        # Without AMX `auto` keeps prompts in fp32 (bf16 attention and 17-32-row batches lose
-        # on such CPUs), but where bf16 GEMMs still run well ahead of fp32 (AVX512-BF16 on an
-        # EPYC: 404 vs 176 GFLOP/s) a MoE model's prompt GEMMs, nearly all its prefill, go bf16.
-        layers = use_lowp_expert_prompts(model, torch.bfloat16)
-        log.info("MoE experts of %d layers: prompt GEMMs in bfloat16 (fp32 copies dropped)",
-                 layers)
+    elif (mc.prefill_dtype == "auto" and dtype == torch.float32 and pc.device == "cpu"
+          and bf16_gemm_speedup() >= BF16_EXPERTS_SPEEDUP):
+        # Without AMX `auto` keeps prompts in fp32 activations (bf16 attention and 17-32-row
+        # batches lose on such CPUs), but where bf16 GEMMs still run well ahead of fp32
+        # (AVX512-BF16 on an EPYC: 404 vs 176 GFLOP/s) a prompt step's GEMMs go bf16: a MoE
+        # model's quantized experts on bf16 copies (their fp32 ones dropped), every other
+        # linear with its input rounded and its output widened back (float weights keep a bf16
+        # copy beside them, blocks-only ones decode bf16 tiles).
+        if quantization != "none" and checkpoint.arch.moe is not None:
+            experts = use_lowp_expert_prompts(model, torch.bfloat16)
+            log.info("MoE experts of %d layers: prompt GEMMs in bfloat16 (fp32 copies dropped)",
+                     experts)
+        linears = use_lowp_prompt_gemms(model, torch.bfloat16)
+        log.info("%d linear layers: GEMMs of steps over %d rows in bfloat16, activations float32",
+                 linears, QLINEAR_MAX_ROWS)
     log.info("formats: weights %s (decode: %s, prefill: %s), KV cache %s, CPU kernels %s",
              mc.dtype, quantization, str(prefill_dtype).removeprefix("torch."),
              str(kv_dtype).removeprefix("torch."), kernels.variant if kernels else "off")

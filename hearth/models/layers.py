@@ -76,6 +76,7 @@ class QuantizedWeight:
     weight_lowp = None  # hearth.ops.lowp_gemm.LowpWeight (bfloat16, packed for oneDNN) or None
     tile_dtype = None  # blocks only: the dtype of many-row steps' tiles (None: float32)
     qlinear_max_rows = QLINEAR_MAX_ROWS  # blocks only: steps up to this many rows run qlinear
+    lowp_min_rows = LOWP_MIN_ROWS  # float32 steps of more rows than this use the bf16 copy
 
     def set_quantized(self, qweight, kernels, blocks_only: bool = False) -> None:
         self.qweight, self.kernels = qweight, kernels
@@ -106,7 +107,7 @@ class QuantizedWeight:
         if lowp is not None and x.dtype == lowp.dtype:  # bf16 activations stay bf16
             out = lowp(x)
             return out if bias is None else out + bias.to(out.dtype)
-        if lowp is not None and fp32 and rows > LOWP_MIN_ROWS:
+        if lowp is not None and fp32 and rows > self.lowp_min_rows:
             out = lowp(x.to(lowp.dtype)).float()
         elif self.qweight is not None and fp32 and rows <= QLINEAR_MAX_ROWS:
             out = self.kernels.qlinear(x, self.qweight)
@@ -140,6 +141,21 @@ def use_lowp_prefill(model: nn.Module, dtype: torch.dtype) -> int:
     for m in model.modules():
         if hasattr(m, "lowp_dtype"):
             m.lowp_dtype = dtype
+    return len(layers)
+
+
+def use_lowp_prompt_gemms(model: nn.Module, dtype: torch.dtype,
+                          min_rows: int = QLINEAR_MAX_ROWS) -> int:
+    """Steps of more than `min_rows` rows run each linear layer's GEMM in `dtype` (its input
+    rounded, the output widened back), everything between the GEMMs (norms, attention, SiLU)
+    staying float32: for CPUs whose bf16 GEMMs beat fp32 without AMX (AVX512-BF16 on Zen 4:
+    ~2x at 64+ rows), where bf16 attention and decode-sized batches do not pay. A float weight
+    gets a `dtype` copy, a blocks-only one decodes its many-row tiles in `dtype`. MoE expert
+    stacks are `moe.use_lowp_expert_prompts`'s. Returns how many layers take them."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    for m in layers:
+        m.set_lowp_weight(dtype)
+        m.lowp_min_rows = min_rows
     return len(layers)
 
 

@@ -170,6 +170,35 @@ def test_prefill_dtype_agrees_with_fp32(models, reference, fmt, min_top1, max_kl
     assert top1 >= min_top1 and kl <= max_kl, (fmt, top1, kl)
 
 
+def test_auto_prefill_takes_bf16_gemms_where_they_pay_without_amx(models, reference):
+    """`--prefill-dtype auto` on a CPU without AMX whose bf16 GEMMs run well ahead of fp32
+    (AVX512-BF16 on a Zen 4 EPYC: ~2x): a prompt step's linears multiply in bf16 (input
+    rounded, output widened back), norms and attention stay float32; agreement with fp32 as
+    --prefill-dtype bfloat16's bounds. Elsewhere `auto` is AMX's bf16 prefill or float32."""
+    from hearth.engine.executor import BF16_EXPERTS_SPEEDUP, amx_usable, bf16_gemm_speedup
+    from hearth.models.layers import QLINEAR_MAX_ROWS
+
+    if amx_usable() or bf16_gemm_speedup() < BF16_EXPERTS_SPEEDUP:
+        pytest.skip(f"auto keeps float32 GEMMs here (AMX {amx_usable()}, "
+                    f"bf16 GEMM {bf16_gemm_speedup():.2f}x fp32)")
+    runner = make_runner(models, prefill_dtype="auto")
+    model = runner.model
+    assert model.lowp_dtype is None  # activations stay float32 between the GEMMs
+    proj = model.layers[3].mlp.down_proj
+    assert proj.lowp_min_rows == QLINEAR_MAX_ROWS
+    assert proj.tile_dtype == torch.bfloat16 or proj.weight_lowp is not None
+    seen = []
+    hook = proj.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    try:
+        top1, kl = agreement(reference, lambda seqs: [one_chunk_logits(runner, tokens, n)
+                                                      for tokens, n in seqs])
+    finally:
+        hook.remove()
+    print(f"auto (bf16 GEMMs): top-1 agreement {top1:.4f}, mean KL {kl:.2e}")
+    assert set(seen) == {(torch.float32, torch.float32)}
+    assert top1 >= 0.97 and kl <= 5e-3, (top1, kl)
+
+
 def test_prefill_dtype_takes_decode_batches_above_lowp_min_rows_off_the_fused_kernel(models):
     """--prefill-dtype bfloat16: a step of 20 decodes runs the bf16 GEMMs (they beat the fused
     qlinear kernel above LOWP_MIN_ROWS rows), a step of 8 the fused fp32 kernel; both give the
