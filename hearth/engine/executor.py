@@ -16,7 +16,6 @@ engines of one process may share it (the tests build the real model once per for
 from __future__ import annotations
 
 import functools
-
 import logging
 import math
 from dataclasses import dataclass
