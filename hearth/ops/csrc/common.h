@@ -47,12 +47,12 @@ inline float fast_exp(float x) {
 }
 
 #if defined(__AVX2__)
-// fast_exp on 8 lanes (the same operations; the scalar loop over it did not vectorize).
-inline __m256 fast_exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.69314718055994531f));
+// 2^x on 8 lanes for x <= ~0 (scores minus their running max); x below -126 gives ~2^-126
+// (callers zero masked entries), the relative error ~2e-7 as exp2_ps's.
+inline __m256 exp2_ps8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.69314718055994531f));
   __m256 p = _mm256_set1_ps(1.0f / 720.0f);
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
@@ -62,6 +62,13 @@ inline __m256 fast_exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// fast_exp on 8 lanes (the same operations; the scalar loop over it did not vectorize): the
+// clamp keeps x log2(e) within [-125.5, 127], so exp2_ps8's own floor never applies.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  return exp2_ps8(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
 }
 #endif
 

@@ -25,6 +25,24 @@ struct PrefillShape {
   int64_t H, KVH, G, D, block_size, ctx_len, q_len, QT;
 };
 
+// The start of a float32 item (the AVX-512 and AVX2 tiles): Q^T [D][kRows] of its rows (row r:
+// query first + r / G, head g G + r % G) scaled by scale * log2(e), padding rows zero; each
+// row's position (padding sees every key) and a fresh running max and sum.
+inline void start_float_item(const float* q, const PrefillShape& s, int64_t g, int64_t first,
+                             int64_t rows, int64_t pos0, int64_t D, float scale, float* qt,
+                             int32_t* qpos, float* m, float* l) {
+  const int64_t G = s.G;
+  const float qscale = scale * kLog2e;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const bool real = r < rows;
+    const float* qr = real ? q + ((first + r / G) * s.H + g * G + r % G) * D : nullptr;
+    for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = real ? qr[d] * qscale : 0.0f;
+    qpos[r] = real ? static_cast<int32_t>(pos0 + r / G) : INT32_MAX;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+}
+
 #if defined(__AVX512F__)
 // 2^x, relative error ~2e-7; x below -126 gives ~2^-126 (callers zero masked entries).
 inline __m512 exp2_ps(__m512 x) {
@@ -98,15 +116,7 @@ void prefill_item_avx512(const float* q, const KV* kc, const KV* vc, const int32
   alignas(64) float kbuf[std::is_same_v<KV, float> ? 1 : kKeys * D];
   alignas(64) float vbuf[std::is_same_v<KV, float> ? 1 : kKeys * D];
   alignas(64) static const float zero_row[D] = {};
-  const float qscale = scale * kLog2e;
-  for (int64_t r = 0; r < kRows; ++r) {
-    const bool real = r < rows;
-    const float* qr = real ? q + ((first + r / G) * s.H + g * G + r % G) * D : nullptr;
-    for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = real ? qr[d] * qscale : 0.0f;
-    qpos[r] = real ? static_cast<int32_t>(pos0 + r / G) : INT32_MAX;  // padding sees every key
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
+  start_float_item(q, s, g, first, rows, pos0, D, scale, qt, qpos, m, l);
   std::memset(o, 0, sizeof(o));
   __m512i qposv[RV];
   for (int v = 0; v < RV; ++v) qposv[v] = _mm512_load_si512(qpos + 16 * v);

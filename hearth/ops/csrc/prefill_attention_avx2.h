@@ -15,22 +15,7 @@
 // the cached prefix gathered out of the paged cache first (TorchAttentionBackend.prompt_chunk).
 
 #if !defined(__AVX512F__) && defined(__AVX2__)
-// 2^x on 8 lanes for x <= ~0 (scores minus their running max); x below -126 gives ~2^-126
-// (callers zero masked entries), the relative error ~2e-7 as exp2_ps's.
-inline __m256 exp2_ps8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.69314718055994531f));
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+// (exp2_ps8, the softmax tile's 2^x on 8 lanes: common.h)
 
 // One key tile of the online softmax over the first nv row vectors: S^T [jpad][kRows] in st ->
 // P^T in place (the causal mask only on a tile that reaches past the item's first position
@@ -90,15 +75,7 @@ void prefill_item_avx2(const float* q, const KV* kc, const KV* vc, const int32_t
   alignas(32) float kbuf[std::is_same_v<KV, float> ? 1 : kKeys * D];
   alignas(32) float vbuf[std::is_same_v<KV, float> ? 1 : kKeys * D];
   alignas(32) static const float zero_row[D] = {};
-  const float qscale = scale * kLog2e;
-  for (int64_t r = 0; r < kRows; ++r) {
-    const bool real = r < rows;
-    const float* qr = real ? q + ((first + r / G) * s.H + g * G + r % G) * D : nullptr;
-    for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = real ? qr[d] * qscale : 0.0f;
-    qpos[r] = real ? static_cast<int32_t>(pos0 + r / G) : INT32_MAX;  // padding sees every key
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
+  start_float_item(q, s, g, first, rows, pos0, D, scale, qt, qpos, m, l);
   std::memset(ot, 0, sizeof(ot));
   const float* krow[kKeys];
   const float* vrow[kKeys];
